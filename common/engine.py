@@ -1,0 +1,91 @@
+"""Rollout engines behind one small interface: HF `generate` here (CPU and GPU); vLLM in common/engine_vllm.py.
+
+Behaviour log-probs are log_softmax(logits / temperature) of the sampled token, the same quantity the trainer
+recomputes with `common.model.sequence_logprobs` (top-p truncation is not part of it, as in verl/OpenRLHF).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0       # 0 means greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    n: int = 1                     # samples per prompt
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    response_ids: list[int]        # includes the stop token when the model emitted one
+    logprobs: list[float]          # one per response token
+    finish_reason: str             # "stop" | "length"
+
+
+class RolloutEngine(ABC):
+    """What an explorer needs from an inference engine."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
+        """For each prompt (token ids, chat template applied), `sampling.n` generations."""
+
+    @abstractmethod
+    def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the trainer's HF parameter order and shapes, for weight sync to write into."""
+
+    def commit_weights(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Called after `weight_buffers()` were overwritten; engines that keep their own copy load them here."""
+
+
+class HFEngine(RolloutEngine):
+    """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place)."""
+
+    def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None):
+        self.model = model.eval()
+        self.pad_id = tokenizer.pad_token_id
+        self.stop_ids = stop_token_ids or [tokenizer.eos_token_id]
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling):
+        from transformers import GenerationConfig
+
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        rows = [p for p in prompts for _ in range(sampling.n)]
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(rows):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attention_mask[i, width - len(p):] = 1
+        greedy = sampling.temperature == 0
+        sample = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+        config = GenerationConfig(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, **sample,
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                                  return_dict_in_generate=True, output_logits=True)
+        out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                  generation_config=config)
+        new_tokens = out.sequences[:, width:].cpu()
+        # Raw logits (before temperature/top-p processors) -> the sampling distribution at `temperature`.
+        logits = torch.stack(out.logits, dim=1).float().cpu() / (1.0 if greedy else sampling.temperature)
+        logprobs = torch.gather(torch.log_softmax(logits, -1), -1, new_tokens[..., None]).squeeze(-1)
+        results: list[list[Generation]] = [[] for _ in prompts]
+        for i, p in enumerate(rows):
+            ids = new_tokens[i].tolist()
+            length, finish = len(ids), "length"
+            for j, t in enumerate(ids):
+                if t in self.stop_ids:
+                    length, finish = j + 1, "stop"
+                    break
+            results[i // sampling.n].append(Generation(
+                prompt_ids=list(p), response_ids=ids[:length], logprobs=logprobs[i, :length].tolist(),
+                finish_reason=finish))
+        return results
+
+    def weight_buffers(self):
+        return list(self.model.named_parameters())

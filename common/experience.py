@@ -1,0 +1,117 @@
+"""The experience record (DESIGN.md "Data"), its batching into padded tensors, and the bounded queue between them.
+
+Experiences cross process boundaries as plain Python lists (cheap to pickle, no shared-memory file handles); the
+trainer turns a list of them into CPU tensors with `collate`.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Experience:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]          # behaviour log-prob of each response token (sampling temperature included)
+    loss_mask: list[int]           # 1 for model-generated tokens that are trained, 0 for env/tool tokens
+    reward: float
+    group_id: int                  # samples of one task in one rollout share it
+    task_id: str
+    policy_version: int            # version of the weights that produced the response
+    reward_info: dict = field(default_factory=dict)
+    finish_reason: str = "stop"    # "stop" or "length" (truncated)
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor        # [B, T] prompt + response, right-padded
+    attention_mask: torch.Tensor   # [B, T]
+    response_mask: torch.Tensor    # [B, T-1] 1 where the *next* token is a trained response token
+    old_logprobs: torch.Tensor     # [B, T-1] behaviour log-probs aligned with response_mask (0 elsewhere)
+    rewards: torch.Tensor          # [B]
+    group_ids: torch.Tensor        # [B]
+    versions: torch.Tensor         # [B]
+
+    def __len__(self):
+        return self.input_ids.shape[0]
+
+    def select(self, idx) -> "Batch":
+        return Batch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+    def to(self, device) -> "Batch":
+        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def collate(experiences: list[Experience], pad_id: int) -> Batch:
+    """Right-pad prompt+response; log-probs and masks are shifted by one to line up with next-token predictions."""
+    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in experiences]
+    B, T = len(experiences), max(lengths)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)
+    response_mask = torch.zeros(B, T - 1)
+    old_logprobs = torch.zeros(B, T - 1)
+    for i, e in enumerate(experiences):
+        p, r = len(e.prompt_ids), len(e.response_ids)
+        input_ids[i, : p + r] = torch.tensor(e.prompt_ids + e.response_ids)
+        attention_mask[i, : p + r] = 1
+        # Position t of the shifted tensors predicts token t+1, so response token j sits at p-1+j.
+        response_mask[i, p - 1 : p - 1 + r] = torch.tensor(e.loss_mask, dtype=torch.float)
+        old_logprobs[i, p - 1 : p - 1 + r] = torch.tensor(e.logprobs, dtype=torch.float)
+    return Batch(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, old_logprobs=old_logprobs,
+        rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float),
+        group_ids=torch.tensor([e.group_id for e in experiences]),
+        versions=torch.tensor([e.policy_version for e in experiences]),
+    )
+
+
+@dataclass
+class RolloutBatch:
+    """What an explorer puts on the queue: one batch of experiences plus the explorer's own metrics."""
+    step: int
+    experiences: list[Experience]
+    metrics: dict
+    explorer: int = 0
+    final: bool = False            # last message: carries only the final evaluation
+
+
+class ExperienceQueue:
+    """Bounded queue of rollout batches (lists of Experience) between explorer(s) and trainer.
+
+    Bounded so a fast explorer blocks (backpressure) instead of growing memory. Every wait has a timeout and
+    fails with a message saying who waited for what.
+    """
+
+    def __init__(self, ctx, maxsize: int):
+        self._q = ctx.Queue(maxsize=maxsize)
+        self.maxsize = maxsize
+
+    def put(self, item, timeout: float, who: str = "explorer"):
+        try:
+            self._q.put(item, timeout=timeout)
+        except queue.Full:
+            raise TimeoutError(f"{who}: experience queue stayed full for {timeout:.0f}s (trainer stalled?)") from None
+
+    def get(self, timeout: float, who: str = "trainer"):
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{who}: no experiences arrived for {timeout:.0f}s (explorer stalled?)") from None
+
+    def get_nowait(self):
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            return None
+
+    def qsize(self) -> int:
+        try:
+            return self._q.qsize()
+        except NotImplementedError:
+            return -1
+

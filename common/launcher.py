@@ -1,0 +1,185 @@
+"""Spawn the workers of one run, join them into one torch.distributed world, and supervise them.
+
+World layout: ranks 0..T-1 are trainers (data parallel), then one rank per explorer. Groups: `trainers` and
+`sync` (trainer rank 0 + every explorer). Backend: nccl when every worker is on CUDA, gloo otherwise.
+
+The first worker to fail makes the launcher print its traceback, kill every worker's process group (so reward
+pools and sandboxes they started go too) and exit non-zero. Ctrl-C asks the trainers to save a checkpoint first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_for_any
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class WorkerSpec:
+    name: str                      # "trainer0", "explorer1", ...
+    role: str                      # "trainer" | "explorer"
+    device: str
+    fn: Callable                   # fn(ctx: WorkerContext, *args)
+    args: tuple = ()
+
+
+@dataclass
+class WorkerContext:
+    name: str
+    role: str
+    index: int                     # index within its role
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    trainer_ranks: list[int]
+    explorer_ranks: list[int]
+    trainer_group: Any = None
+    sync_group: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def sync_src(self) -> int:
+        return self.trainer_ranks[0]
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where collective buffers live: the worker's GPU under nccl, the CPU under gloo."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """Linux: deliver SIGKILL to this process when the launcher dies, so no worker outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, timeout_s, error_queue):
+    spec = specs[rank]
+    os.setsid()  # own process group: the launcher can kill the worker together with its children
+    _die_with_parent()
+    # Ctrl-C reaches trainers from the launcher (checkpoint first); explorers are stopped by the launcher.
+    signal.signal(signal.SIGINT, signal.default_int_handler if spec.role == "trainer" else signal.SIG_IGN)
+    torch.set_num_threads(num_threads)
+    try:
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                                **({"device_id": device} if backend == "nccl" else {}))
+        trainer_ranks = [i for i, s in enumerate(specs) if s.role == "trainer"]
+        explorer_ranks = [i for i, s in enumerate(specs) if s.role == "explorer"]
+        ctx = WorkerContext(
+            name=spec.name, role=spec.role, index=[s.name for s in specs if s.role == spec.role].index(spec.name),
+            rank=rank, world_size=world_size, device=device, backend=backend,
+            trainer_ranks=trainer_ranks, explorer_ranks=explorer_ranks,
+            trainer_group=dist.new_group(trainer_ranks), sync_group=dist.new_group(trainer_ranks[:1] + explorer_ranks),
+        )
+        spec.fn(ctx, *spec.args)
+        dist.destroy_process_group()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException as e:  # report any failure (SystemExit included) to the launcher, then exit non-zero
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            return
+        error_queue.put((spec.name, traceback.format_exc()))
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _kill_group(proc, sig=signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900.0) -> None:
+    """Run every worker to completion; on the first failure stop all and exit non-zero with its traceback."""
+    devices = [s.device for s in specs]
+    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+    # Under torchrun MASTER_ADDR is honoured; its MASTER_PORT may be held by the agent's store, so the world of
+    # spawned workers gets its own free port unless TANDEM_PORT says otherwise.
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("TANDEM_PORT") or _free_port())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("error: run tandem with torchrun --nproc-per-node 1 (it spawns its own workers)")
+    ctx = mp.get_context("spawn")
+    error_queue = ctx.SimpleQueue()
+    procs = []
+    for rank, spec in enumerate(specs):
+        p = ctx.Process(target=_worker_main, name=spec.name, daemon=False,
+                        args=(rank, len(specs), addr, port, backend, specs, num_threads, timeout_s, error_queue))
+        p.start()
+        procs.append(p)
+    try:
+        _supervise(procs, specs, error_queue)
+    except KeyboardInterrupt:
+        print("\n[tandem] interrupted: trainers save a checkpoint, then everything stops", file=sys.stderr)
+        for p, s in zip(procs, specs):
+            if s.role == "trainer" and p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+        deadline = time.time() + 60
+        for p, s in zip(procs, specs):
+            if s.role == "trainer":
+                p.join(timeout=max(0.1, deadline - time.time()))
+        _stop_all(procs)
+        raise SystemExit(130) from None
+
+
+def _stop_all(procs):
+    for p in procs:
+        _kill_group(p, signal.SIGTERM)
+    deadline = time.time() + 3
+    for p in procs:
+        p.join(timeout=max(0.05, deadline - time.time()))
+    for p in procs:
+        _kill_group(p, signal.SIGKILL)  # the group too: children of workers that already exited
+        p.join(timeout=1)
+
+
+def _supervise(procs, specs, error_queue):
+    alive = {p.sentinel: p for p in procs}
+    while alive:
+        for sentinel in wait_for_any(list(alive), timeout=1.0):
+            p = alive.pop(sentinel)
+            p.join(timeout=5)  # the sentinel fires before the exit code is collected
+            if p.exitcode != 0:
+                name, tb = _first_error(error_queue, p)
+                _stop_all(procs)
+                print(f"[tandem] worker {name} failed; all workers stopped.\n{tb}", file=sys.stderr, flush=True)
+                last = tb.strip().splitlines()[-1] if tb.strip() else f"exit code {p.exitcode}"
+                raise SystemExit(f"error: worker {name} failed: {last}")
+            _kill_group(p)  # whatever the finished worker left behind
+
+
+def _first_error(error_queue, proc) -> tuple[str, str]:
+    """The earliest reported traceback (the root cause), else what we know from the exit code."""
+    deadline = time.time() + 2
+    while time.time() < deadline:
+        if not error_queue.empty():
+            return error_queue.get()
+        time.sleep(0.05)
+    how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+    return proc.name, f"{proc.name} died with {how} (no traceback: killed or crashed in native code)"

@@ -1,0 +1,176 @@
+"""Run outputs: metrics.jsonl (+ W&B, + a tqdm bar) and the timeline of every process's phases.
+
+Each process appends its phases to out_dir/timeline/<process>.jsonl as they end (nothing is lost if a worker
+dies); `write_timeline` merges them into timeline.json and draws timeline.png with lanes Explorer(s) / Buffer /
+Trainer, like the schedule diagrams in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from contextlib import contextmanager
+
+PHASE_COLORS = {
+    "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",
+    "sync-checkpoint": "#E377C2", "wait": "#D0D0D0", "checkpoint": "#937860", "buffer": "#CCB974",
+}
+
+
+class Timeline:
+    """Records phases of one process: `with timeline.phase("train", step=3): ...`."""
+
+    def __init__(self, out_dir: str, process: str):
+        os.makedirs(os.path.join(out_dir, "timeline"), exist_ok=True)
+        self.path = os.path.join(out_dir, "timeline", f"{process}.jsonl")
+        self.process = process
+        self.totals: dict[str, float] = {}
+
+    def record(self, phase: str, start: float, end: float, **extra):
+        self.totals[phase] = self.totals.get(phase, 0.0) + (end - start)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"process": self.process, "phase": phase, "start": start, "end": end, **extra}) + "\n")
+
+    @contextmanager
+    def phase(self, phase: str, **extra):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.record(phase, start, time.time(), **extra)
+
+    def take_totals(self) -> dict[str, float]:
+        """Seconds per phase since the last call (for per-step metrics)."""
+        totals, self.totals = self.totals, {}
+        return totals
+
+
+def read_timeline(out_dir: str) -> list[dict]:
+    events = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "timeline", "*.jsonl"))):
+        with open(path) as f:
+            events += [json.loads(line) for line in f if line.strip()]
+    return sorted(events, key=lambda e: e["start"])
+
+
+def buffer_spans(events: list[dict]) -> list[dict]:
+    """Buffer lane: each rollout batch from the moment it is queued until a trainer takes it."""
+    puts = {e["put"]: e for e in events if "put" in e}
+    return [{"process": "buffer", "phase": "buffer", "start": puts[e["get"]]["end"], "end": e["end"], "batch": e["get"]}
+            for e in events if e.get("get") in puts]
+
+
+def write_timeline(out_dir: str, title: str = "") -> list[dict]:
+    events = read_timeline(out_dir)
+    events = events + buffer_spans(events)
+    with open(os.path.join(out_dir, "timeline.json"), "w") as f:
+        json.dump(events, f)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(14, 3.2))
+    draw_timeline(ax, events, title=title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "timeline.png"), dpi=110)
+    plt.close(fig)
+    return events
+
+
+def draw_timeline(ax, events: list[dict], title: str = ""):
+    """Lanes top to bottom: explorers, buffer, trainers; x = seconds since the first event."""
+    if not events:
+        return
+    t0 = min(e["start"] for e in events)
+    explorers = sorted({e["process"] for e in events if e["process"].startswith("explorer")})
+    trainers = sorted({e["process"] for e in events if e["process"].startswith("trainer")})
+    lanes = explorers + ["buffer"] + trainers
+    y = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
+    seen = set()
+    for e in events:
+        if e["process"] not in y:
+            continue
+        lane = y[e["process"]]
+        if e["phase"] == "buffer":  # overlapping batches stack within the lane
+            height, base = 0.8 / max(1, len(explorers) + 1), lane - 0.4 + 0.8 / max(1, len(explorers) + 1) * (e["batch"] % (len(explorers) + 1))
+        else:
+            height, base = 0.8, lane - 0.4
+        label = e["phase"] if e["phase"] not in seen else None
+        seen.add(e["phase"])
+        ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (base, height),
+                       facecolors=PHASE_COLORS.get(e["phase"], "#999999"), edgecolor="white", linewidth=0.3, label=label)
+    ax.set_yticks(list(y.values()), [n.replace("explorer", "Explorer ").replace("trainer", "Trainer ").title() for n in y])
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=7, ncol=8, framealpha=0.8)
+
+
+class MetricsLogger:
+    """metrics.jsonl rows (one per trainer step), optional W&B, and a tqdm bar with step, reward and ETA."""
+
+    def __init__(self, out_dir: str, config: dict, total_steps: int, start_step: int = 0, track: bool = False,
+                 project: str = "tandem", show_progress: bool = True):
+        from tqdm import tqdm
+
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.wandb = None
+        if track:
+            import wandb
+
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.wandb = wandb.init(project=project, config=config, dir=out_dir, mode=mode,
+                                    resume="allow" if start_step else None)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not show_progress,
+                        dynamic_ncols=True)
+
+    def log(self, row: dict):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=row["step"])
+        shown = {"reward": row.get("reward/mean")}
+        if "eval/accuracy" in row:
+            shown["eval"] = row["eval/accuracy"]
+        self.bar.set_postfix({k: f"{v:.3f}" for k, v in shown.items() if v is not None})
+        self.bar.update(1)
+
+    def close(self):
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_reward_curve(out_dir: str, path: str | None = None):
+    """reward.png: training reward per step and held-out accuracy, against wall-clock minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(out_dir)
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    minutes = [r["time/elapsed"] / 60 for r in rows]
+    ax.plot(minutes, [r["reward/mean"] for r in rows], label="train reward (mean)", alpha=0.6)
+    evals = [(r["time/elapsed"] / 60, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out accuracy")
+    ax.set_xlabel("wall-clock minutes")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path or os.path.join(out_dir, "reward.png"), dpi=110)
+    plt.close(fig)

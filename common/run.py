@@ -1,0 +1,44 @@
+"""Run set-up and wrap-up shared by the entry scripts (launcher process only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+from common.config import ConfigError
+from common.metrics import plot_reward_curve, read_metrics, write_timeline
+from common.model import resolve_model
+from common.trainer import latest_checkpoint
+
+
+def prepare_run(args, schedule: str) -> None:
+    """Resolve the model (converting the default once, before any worker starts), check and create out_dir."""
+    if not args.out_dir:
+        args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resolve_model(args.model)
+    if args.resume and latest_checkpoint(args.out_dir) is None:
+        raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")
+    if not args.resume and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
+        if not args.overwrite:
+            raise ConfigError(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it or "
+                              "--overwrite to replace it")
+        shutil.rmtree(args.out_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+        json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
+
+
+def finish_run(args, title: str) -> None:
+    """timeline.json/png and reward.png from what the workers wrote; a one-paragraph summary on stdout."""
+    write_timeline(args.out_dir, title=title)
+    plot_reward_curve(args.out_dir)
+    rows = read_metrics(args.out_dir)
+    summary_path = os.path.join(args.out_dir, "summary.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    if rows:
+        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {rows[0]['reward/mean']:.3f} -> "
+              f"{rows[-1]['reward/mean']:.3f}; held-out accuracy {summary.get('eval_before')} -> "
+              f"{summary.get('eval_after')}; outputs in {args.out_dir}")

@@ -1,0 +1,162 @@
+"""Tasks: a seeded procedural arithmetic taskset with a held-out split, and loaders for JSONL and HF datasets.
+
+A task is a dict with `id`, `prompt` (or `messages`), `reward` (the verifier) and the fields that verifier needs.
+A bad row fails in one line naming the file, the line (or row) and the missing field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+ANSWER_FORMAT = "Think briefly, then give the final answer on the last line as 'Answer: <number>'."
+REQUIRED_FIELDS = {"math": ["answer"], "code": [], "k12": ["answer"], "vision": ["image", "answer"], "rm": []}
+NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Nia", "Omar"]
+ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells", "stamps", "cookies"]
+
+
+def arithmetic_task(rng: random.Random, difficulty: int) -> dict:
+    """One word problem. Levels: 1 a+b (1-2 digits); 2 a+b-c (2 digits); 3 a*b+c; 4 (a+b)*c-d (larger numbers)."""
+    name, other, item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
+    if difficulty <= 1:
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        text, answer = f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?", a + b
+    elif difficulty == 2:
+        a, b = rng.randint(10, 60), rng.randint(5, 40)
+        c = rng.randint(1, a + b - 1)
+        text = (f"{name} has {a} {item} and finds {b} more, then gives {c} to {other}. "
+                f"How many {item} does {name} have left?")
+        answer = a + b - c
+    elif difficulty == 3:
+        a, b, c = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 30)
+        text = f"{name} buys {a} bags with {b} {item} each and already had {c}. How many {item} does {name} have?"
+        answer = a * b + c
+    else:
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
+        d = rng.randint(1, (a + b) * c - 1)
+        text = (f"{name} and {other} pool {a} and {b} {item}, then {c} friends each get that many. "
+                f"{d} are lost. How many {item} remain?")
+        answer = (a + b) * c - d
+    return {"prompt": f"{text}\n{ANSWER_FORMAT}", "answer": str(answer), "reward": "math", "difficulty": difficulty}
+
+
+def arithmetic_split(seed: int, difficulty: int, eval_size: int) -> tuple["TaskStream", list[dict]]:
+    """(endless training stream, fixed held-out list); held-out prompts never appear in training."""
+    rng = random.Random(f"arith-eval-{seed}")
+    eval_tasks = []
+    for i in range(eval_size):
+        task = arithmetic_task(rng, difficulty)
+        eval_tasks.append({**task, "id": f"arith-eval-{i}"})
+    held_out = {t["prompt"] for t in eval_tasks}
+
+    def generate(rng: random.Random, index: int) -> dict:
+        while True:
+            task = arithmetic_task(rng, difficulty)
+            if task["prompt"] not in held_out:
+                return {**task, "id": f"arith-{index}"}
+
+    return TaskStream(generator=generate, seed=seed), eval_tasks
+
+
+def validate_task(task: dict, where: str) -> dict:
+    if not isinstance(task, dict):
+        raise SystemExit(f"error: {where}: a task must be a JSON object, got {type(task).__name__}")
+    if "prompt" not in task and "messages" not in task:
+        raise SystemExit(f"error: {where}: missing field 'prompt' (or 'messages')")
+    kind = task.setdefault("reward", "math")
+    if kind not in REQUIRED_FIELDS:
+        raise SystemExit(f"error: {where}: unknown reward {kind!r} (one of {', '.join(REQUIRED_FIELDS)})")
+    for name in REQUIRED_FIELDS[kind]:
+        if name not in task:
+            raise SystemExit(f"error: {where}: missing field {name!r} (needed by reward {kind!r})")
+    if kind == "code" and not ("tests" in task or "test" in task):
+        raise SystemExit(f"error: {where}: missing field 'tests' (or 'test') (needed by reward 'code')")
+    return task
+
+
+def load_jsonl(path: str) -> list[dict]:
+    tasks = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
+            task = validate_task(row, f"{path}:{lineno}")
+            task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
+            task["id"] = str(task["id"])
+            tasks.append(task)
+    if not tasks:
+        raise SystemExit(f"error: {path}: no tasks in file")
+    return tasks
+
+
+def load_hf_dataset(path: str, split: str = "train") -> list[dict]:
+    """An HF `datasets` folder (save_to_disk) or data file (.parquet/.json/.csv) read offline."""
+    import datasets
+
+    if os.path.isdir(path):
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split] if split in ds else ds[next(iter(ds))]
+    else:
+        kind = {"parquet": "parquet", "json": "json", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
+        if kind is None:
+            raise SystemExit(f"error: {path}: unknown dataset format (use .jsonl, .parquet, .json, .csv or a folder)")
+        ds = datasets.load_dataset(kind, data_files=path, split="train")
+    tasks = []
+    for i, row in enumerate(ds):
+        task = validate_task(dict(row), f"{path}: row {i}")
+        task["id"] = str(task.get("id", f"{os.path.basename(path)}:{i}"))
+        tasks.append(task)
+    return tasks
+
+
+def load_tasks(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise SystemExit(f"error: --taskset {path}: no such file or folder")
+    return load_jsonl(path) if path.endswith(".jsonl") else load_hf_dataset(path)
+
+
+class TaskStream:
+    """Seeded, resumable stream of training tasks: procedural (a generator) or a shuffled list cycled in epochs."""
+
+    def __init__(self, tasks: list[dict] | None = None, generator=None, seed: int = 0):
+        self.tasks, self.generator, self.seed = tasks, generator, seed
+        self.position = 0
+
+    def next_batch(self, n: int) -> list[dict]:
+        out = [self._task(self.position + i) for i in range(n)]
+        self.position += n
+        return out
+
+    def _task(self, index: int) -> dict:
+        if self.generator is not None:
+            return self.generator(random.Random(f"{self.seed}-{index}"), index)
+        epoch, offset = divmod(index, len(self.tasks))
+        order = list(range(len(self.tasks)))
+        random.Random(f"{self.seed}-epoch-{epoch}").shuffle(order)
+        return self.tasks[order[offset]]
+
+
+def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int):
+    """(training TaskStream, held-out list) from the config fields of the same names."""
+    if taskset == "arith":
+        train, held_out = arithmetic_split(seed, difficulty, eval_size)
+    else:
+        tasks = load_tasks(taskset)
+        if eval_taskset is None:  # hold out a seeded sample of the file itself
+            if len(tasks) <= eval_size:
+                raise SystemExit(f"error: --taskset {taskset}: {len(tasks)} tasks, too few to hold out "
+                                 f"--eval-size {eval_size}; pass --eval-taskset")
+            order = list(range(len(tasks)))
+            random.Random(seed).shuffle(order)
+            held_out = [tasks[i] for i in order[:eval_size]]
+            tasks = [tasks[i] for i in order[eval_size:]]
+        train = TaskStream(tasks=tasks, seed=seed)
+    if eval_taskset is not None:
+        held_out = load_tasks(eval_taskset)[:eval_size]
+    return train, held_out

@@ -1,0 +1,155 @@
+"""The trainer side shared by every schedule: policy + reference model, one train step over a rollout batch,
+checkpoints (atomic) and resume. Entry scripts decide *when* it trains and syncs; this decides *how*.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import shutil
+import time
+
+import numpy as np
+import torch
+
+from common.experience import Batch, Experience, collate
+from common.losses import clipped_surrogate_loss, group_advantages, kl_estimate, masked_mean
+from common.model import load_model, load_tokenizer, sequence_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Trainer:
+    def __init__(self, args, device: torch.device):
+        self.args, self.device = args, device
+        self.tokenizer = load_tokenizer(args.model)
+        self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
+        self.model.config.use_cache = False
+        self.model.train()
+        # The reference model only exists when something uses it (KL term): saves memory and a forward pass.
+        self.ref_model = None
+        if args.kl_coef > 0:
+            self.ref_model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed).eval()
+            self.ref_model.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        self.step = 0        # trainer steps done
+        self.version = 0     # version of the weights in self.model (one per optimizer-updating step)
+
+    # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
+    def train_step(self, experiences: list[Experience]) -> dict:
+        args = self.args
+        batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
+        advantages = group_advantages(batch.rewards, batch.group_ids, normalize_std=args.normalize_std)
+        ref_logprobs = self._ref_logprobs(batch) if self.ref_model is not None else None
+        stats: dict[str, list[float]] = {}
+        n = len(batch)
+        for _ in range(args.ppo_epochs):
+            order = torch.randperm(n)
+            for start in range(0, n, args.minibatch_size):
+                idx = order[start: start + args.minibatch_size]
+                self._minibatch_update(batch, advantages, ref_logprobs, idx, stats)
+        self.step += 1
+        self.version += 1
+        tokens = batch.response_mask.sum().item()
+        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        out.update({
+            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std(unbiased=False).item(),
+            "response/tokens_mean": tokens / n,
+            "staleness/mean": (self.version - 1 - batch.versions.float()).mean().item(),
+            "staleness/max": (self.version - 1 - batch.versions).max().item(),
+        })
+        return out
+
+    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, idx, stats):
+        args = self.args
+        total_tokens = batch.response_mask[idx].sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(idx), args.micro_batch_size):
+            mb_idx = idx[start: start + args.micro_batch_size]
+            mb = batch.select(mb_idx)
+            logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
+                                                  with_entropy=True)
+            pg_loss, clip_frac = clipped_surrogate_loss(logprobs, mb.old_logprobs, advantages[mb_idx],
+                                                        mb.response_mask, args.clip_eps)
+            loss = pg_loss - args.entropy_coef * masked_mean(entropy, mb.response_mask)
+            if ref_logprobs is not None:
+                kl = masked_mean(kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator), mb.response_mask)
+                loss = loss + args.kl_coef * kl
+                stats.setdefault("kl", []).append(kl.item())
+            # Weight each micro-batch by its share of tokens: the sum equals a token mean over the minibatch.
+            (loss * mb.response_mask.sum() / total_tokens).backward()
+            with torch.no_grad():
+                stats.setdefault("loss", []).append(loss.item())
+                stats.setdefault("clip_frac", []).append(clip_frac.item())
+                stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask).item())
+                ratio = torch.exp(logprobs - mb.old_logprobs)
+                stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask).item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        stats.setdefault("grad_norm", []).append(grad_norm.item())
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        mbs = self.args.micro_batch_size
+        parts = [sequence_logprobs(self.ref_model, batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs],
+                                   self.args.temperature) for i in range(0, len(batch), mbs)]
+        return torch.cat(parts)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str:
+        """HF folder + trainer_state.pt, written to a temp folder and renamed: a checkpoint is whole or absent."""
+        name = name or f"step_{self.step}"
+        parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
+        os.makedirs(parent, exist_ok=True)
+        final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        torch.save({
+            "step": self.step, "version": self.version, "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            **(extra_state or {}),
+        }, os.path.join(tmp, "trainer_state.pt"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        return final
+
+    def resume(self, out_dir: str) -> dict:
+        """Load the newest complete checkpoint; returns its extra state ({} when there is none)."""
+        path = latest_checkpoint(out_dir)
+        if path is None:
+            return {}
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            weights.update(load_file(f, device=str(self.device)))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
+        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.version = state["step"], state["version"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        return state
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    steps = []
+    for path in glob.glob(os.path.join(out_dir, "checkpoints", "step_*")):
+        if os.path.exists(os.path.join(path, "trainer_state.pt")):
+            steps.append((int(path.rsplit("_", 1)[1]), path))
+    return max(steps)[1] if steps else None
+
+
+def timed(fn, *a, **kw):
+    start = time.time()
+    return fn(*a, **kw), time.time() - start
