@@ -31,7 +31,7 @@ from common.launcher import WorkerContext, WorkerSpec, launch
 from common.metrics import MetricsLogger, Timeline
 from common.run import finish_run, prepare_run
 from common.trainer import Trainer
-from common.weight_sync import broadcast_weights
+from common.weight_sync import broadcast_weights, weights_hash
 
 
 @dataclass
@@ -54,7 +54,8 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
                                                       ctx.sync_group, ctx.comm_device, args.sync_bucket_mb)
         explorer.engine.commit_weights(explorer.engine.weight_buffers())
         timeline.record("wait", start, arrived, step=step)
-        timeline.record("sync", arrived, time.time(), step=step, version=explorer.version)
+        check = {"hash": weights_hash(explorer.engine.weight_buffers())} if args.verify_sync else {}
+        timeline.record("sync", arrived, time.time(), step=step, version=explorer.version, **check)
 
     receive_weights(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
     first_step = explorer.version + 1  # one version per step: the version says how many steps are done
@@ -80,7 +81,8 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
     start_time = time.time() - summary["elapsed_before"]
 
     def send_weights(step):
-        with timeline.phase("sync", step=step, version=trainer.version):
+        check = {"hash": weights_hash(trainer.named_weights())} if args.verify_sync else {}
+        with timeline.phase("sync", step=step, version=trainer.version, **check):
             broadcast_weights(trainer.named_weights(), trainer.version, ctx.sync_src, ctx.sync_group,
                               ctx.comm_device, args.sync_bucket_mb)
 

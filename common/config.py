@@ -107,6 +107,8 @@ class CommonArgs:
     # --- weight sync -----------------------------------------------------------------------------------------
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""
+    verify_sync: bool = False
+    """Hash the weights on both sides of every sync and record the hashes in the timeline (debugging, tests)."""
 
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
