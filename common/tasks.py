@@ -10,7 +10,9 @@ import json
 import os
 import random
 
-ANSWER_FORMAT = "Think briefly, then give the final answer on the last line as 'Answer: <number>'."
+# A worked line in the instruction: the 135M default model follows a shown format far more often than a described
+# one (greedy accuracy at level 1: 0.00 with the description alone, 0.31 with the example; see README).
+ANSWER_FORMAT = "Reply with one short line of working, then 'Answer: <number>'. Example: 3 + 4 = 7. Answer: 7"
 REQUIRED_FIELDS = {"math": ["answer"], "code": [], "k12": ["answer"], "vision": ["image", "answer"], "rm": []}
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Nia", "Omar"]
 ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells", "stamps", "cookies"]

@@ -8,7 +8,6 @@ import glob
 import os
 import random
 import shutil
-import time
 
 import numpy as np
 import torch
@@ -44,18 +43,22 @@ class Trainer:
         ref_logprobs = self._ref_logprobs(batch) if self.ref_model is not None else None
         stats: dict[str, list[float]] = {}
         n = len(batch)
-        for _ in range(args.ppo_epochs):
-            order = torch.randperm(n)
-            for start in range(0, n, args.minibatch_size):
+        trained = torch.arange(n)
+        if args.drop_zero_signal_groups:
+            trained = trained[advantages != 0]
+        for _ in range(args.ppo_epochs if len(trained) else 0):
+            order = trained[torch.randperm(len(trained))]
+            for start in range(0, len(order), args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
                 self._minibatch_update(batch, advantages, ref_logprobs, idx, stats)
         self.step += 1
         self.version += 1
         tokens = batch.response_mask.sum().item()
-        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0}  # what a step without an update reports
+        out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update({
             "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std(unbiased=False).item(),
-            "response/tokens_mean": tokens / n,
+            "response/tokens_mean": tokens / n, "filter/zero_signal_frac": 1 - len(trained) / n,
             "staleness/mean": (self.version - 1 - batch.versions.float()).mean().item(),
             "staleness/max": (self.version - 1 - batch.versions).max().item(),
         })
@@ -69,7 +72,8 @@ class Trainer:
             mb_idx = idx[start: start + args.micro_batch_size]
             mb = batch.select(mb_idx)
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
-                                                  with_entropy=True)
+                                                  mb.response_mask, with_entropy=True,
+                                                  entropy_grad=args.entropy_coef > 0)
             pg_loss, clip_frac = clipped_surrogate_loss(logprobs, mb.old_logprobs, advantages[mb_idx],
                                                         mb.response_mask, args.clip_eps)
             loss = pg_loss - args.entropy_coef * masked_mean(entropy, mb.response_mask)
@@ -93,7 +97,8 @@ class Trainer:
     def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
         mbs = self.args.micro_batch_size
         parts = [sequence_logprobs(self.ref_model, batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs],
-                                   self.args.temperature) for i in range(0, len(batch), mbs)]
+                                   self.args.temperature, batch.response_mask[i:i + mbs])
+                 for i in range(0, len(batch), mbs)]
         return torch.cat(parts)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -148,8 +153,3 @@ def latest_checkpoint(out_dir: str) -> str | None:
         if os.path.exists(os.path.join(path, "trainer_state.pt")):
             steps.append((int(path.rsplit("_", 1)[1]), path))
     return max(steps)[1] if steps else None
-
-
-def timed(fn, *a, **kw):
-    start = time.time()
-    return fn(*a, **kw), time.time() - start

@@ -9,6 +9,9 @@ A version number travels with the weights.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import threading
 import time
 
 import torch
@@ -64,3 +67,138 @@ def weights_hash(named_tensors) -> str:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- checkpoint sync (files on disk)
+def write_sync_checkpoint(sync_dir: str, named_tensors, version: int, keep: int = 3) -> str:
+    """safetensors + version, atomically: written to a temp folder, renamed, then LATEST is replaced by rename.
+
+    A reader that sees LATEST = v finds v complete; a writer killed mid-save leaves only a temp folder behind.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(sync_dir, exist_ok=True)
+    final = os.path.join(sync_dir, f"v{version}")
+    tmp = os.path.join(sync_dir, f".tmp-v{version}-{os.getpid()}")
+    os.makedirs(tmp, exist_ok=True)
+    save_file({name: t.detach().cpu().contiguous() for name, t in named_tensors}, os.path.join(tmp, "model.safetensors"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    with open(os.path.join(sync_dir, ".LATEST.tmp"), "w") as f:
+        f.write(str(version))
+    os.replace(os.path.join(sync_dir, ".LATEST.tmp"), os.path.join(sync_dir, "LATEST"))
+    for old in sorted((int(d[1:]) for d in os.listdir(sync_dir) if d.startswith("v") and d[1:].isdigit()))[:-keep]:
+        shutil.rmtree(os.path.join(sync_dir, f"v{old}"), ignore_errors=True)
+    return final
+
+
+def latest_sync_version(sync_dir: str) -> int:
+    try:
+        with open(os.path.join(sync_dir, "LATEST")) as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return -1
+
+
+@torch.no_grad()
+def load_sync_checkpoint(sync_dir: str, version: int, buffers) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(sync_dir, f"v{version}", "model.safetensors"))
+    for name, t in buffers:
+        t.copy_(weights[name])
+
+
+# ----------------------------------------------------------------------------- one API for every schedule
+class WeightSender:
+    """Trainer rank 0's side. `push` sends a version by broadcast or checkpoint, blocking or in flight.
+
+    In flight (async schedules): the weights are snapshotted, `announced` tells explorers a version is waiting,
+    and a thread runs the broadcast while the trainer trains on. Explorers join it between generation batches.
+    """
+
+    def __init__(self, ctx, args, timeline, announced=None):
+        self.ctx, self.args, self.timeline, self.announced = ctx, args, timeline, announced
+        self.sync_dir = os.path.join(args.out_dir, "sync")
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def push(self, named_tensors, version: int, step: int, method: str = "broadcast", in_flight: bool = False):
+        self.wait()  # collectives must not interleave: the previous in-flight broadcast finishes first
+        check = {"hash": weights_hash(named_tensors)} if self.args.verify_sync else {}
+        if method == "checkpoint":
+            with self.timeline.phase("sync-checkpoint", step=step, version=version, **check):
+                write_sync_checkpoint(self.sync_dir, named_tensors, version)
+            return
+        if not in_flight:
+            with self.timeline.phase("sync", step=step, version=version, **check):
+                self._broadcast(named_tensors, version)
+            return
+        start = time.time()
+        snapshot = [(n, t.detach().clone()) for n, t in named_tensors]
+        self.timeline.record("sync", start, time.time(), step=step, version=version, snapshot=True, **check)
+        self.announced.value = version
+        self._thread = threading.Thread(target=self._run_in_flight, args=(snapshot, version, step), daemon=True)
+        self._thread.start()
+
+    def _broadcast(self, named_tensors, version):
+        broadcast_weights(named_tensors, version, self.ctx.sync_src, self.ctx.sync_group, self.ctx.comm_device,
+                          self.args.sync_bucket_mb)
+
+    def _run_in_flight(self, snapshot, version, step):
+        try:
+            with self.timeline.phase("sync-in-flight", step=step, version=version):
+                self._broadcast(snapshot, version)
+        except BaseException as e:  # handed to the trainer's thread by wait()
+            self._error = e
+
+    def wait(self):
+        if self._thread is not None:
+            start = time.time()
+            self._thread.join(timeout=self.args.timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"weight broadcast not joined by every explorer within {self.args.timeout_s:.0f}s")
+            if time.time() - start > 0.01:
+                self.timeline.record("wait", start, time.time(), reason="previous broadcast")
+            self._thread = None
+        if self._error is not None:
+            raise RuntimeError("in-flight weight broadcast failed") from self._error
+
+
+class WeightReceiver:
+    """An explorer's side: `pull()` blocks for the next broadcast; `poll()` takes a pending version if there is one."""
+
+    def __init__(self, ctx, args, engine, timeline, announced=None):
+        self.ctx, self.args, self.engine, self.timeline, self.announced = ctx, args, engine, timeline, announced
+        self.sync_dir = os.path.join(args.out_dir, "sync")
+        self.version = -1
+
+    def pull(self, step: int) -> int:
+        """Join the next broadcast (waits for the trainer to send it)."""
+        start = time.time()
+        buffers = self.engine.weight_buffers()
+        self.version, arrived = broadcast_weights(buffers, 0, self.ctx.sync_src, self.ctx.sync_group,
+                                                  self.ctx.comm_device, self.args.sync_bucket_mb)
+        self.engine.commit_weights(buffers)
+        self.timeline.record("wait", start, arrived, step=step)
+        check = {"hash": weights_hash(buffers)} if self.args.verify_sync else {}
+        self.timeline.record("sync", arrived, time.time(), step=step, version=self.version, **check)
+        return self.version
+
+    def poll(self, step: int, method: str = "broadcast") -> bool:
+        """Between generation batches: take newer weights if the trainer has announced or written some."""
+        if method == "checkpoint":
+            latest = latest_sync_version(self.sync_dir)
+            if latest <= self.version:
+                return False
+            start, buffers = time.time(), self.engine.weight_buffers()
+            load_sync_checkpoint(self.sync_dir, latest, buffers)
+            self.engine.commit_weights(buffers)
+            self.version = latest
+            check = {"hash": weights_hash(buffers)} if self.args.verify_sync else {}
+            self.timeline.record("sync-checkpoint", start, time.time(), step=step, version=latest, **check)
+            return True
+        if self.announced.value <= self.version:
+            return False
+        self.pull(step)
+        return True

@@ -44,7 +44,12 @@ def test_behaviour_logprobs_match_trainer_recompute():
         batch = collate(exps, tokenizer.pad_token_id)  # right padding here, left padding in the engine
         with torch.no_grad():
             recomputed = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature)
+            only_response = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature,
+                                              batch.response_mask)
         mask = batch.response_mask.bool()
         assert mask.sum() == sum(len(g.response_ids) for g in gens)
         diff = (recomputed[mask] - batch.old_logprobs[mask]).abs().max().item()
         assert diff < 1e-4, f"temperature {temperature}: max |diff| {diff}"
+        # Projecting only the response positions gives the same numbers and zeros elsewhere.
+        assert torch.allclose(only_response[mask], recomputed[mask], atol=1e-5)
+        assert (only_response[~mask] == 0).all()

@@ -17,7 +17,7 @@ def test_default_tiny_command_outputs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("reward/mean", "loss", "entropy", "time/rollout", "time/train", "time/sync", "time/wait",
+    for key in ("reward/mean", "loss", "time/rollout", "time/train", "time/sync", "time/wait",
                 "staleness/mean", "rollout/tokens_per_s"):
         assert key in rows[0], key
     assert all(r["staleness/max"] == 0 for r in rows)  # synchronous: always the current policy
