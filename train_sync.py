@@ -4,11 +4,10 @@
     T:         wait ─▶ train ─▶ sync                 wait ─▶ train …
 
 Each step the explorer rolls out a batch with the current weights and scores it; the trainer takes exactly that
-batch, does --ppo-epochs x minibatch updates and broadcasts the new weights; the explorer resumes only once it
-holds them.
+batch, does --ppo-epochs x minibatch updates and sends the new weights; the explorer resumes only once it holds them.
 
 Launch (CPU, embedded SmolLM2-135M-Instruct; `python` and `torchrun --nproc-per-node 1` behave the same):
-    python train_sync.py
+    python train_sync.py                                      # the README's learning benchmark
     python train_sync.py --model tiny --steps 3 --out-dir runs/smoke
     python train_sync.py --config configs/sync_default.yaml --lr 1e-6
     torchrun --nproc-per-node 1 train_sync.py --explorer-devices cuda:0 --trainer-devices cuda:1
@@ -17,9 +16,7 @@ Launch (CPU, embedded SmolLM2-135M-Instruct; `python` and `torchrun --nproc-per-
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from dataclasses import dataclass
 
 import torch.multiprocessing as mp
@@ -28,10 +25,10 @@ from common.config import CommonArgs, ConfigError, parse_args
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer import Explorer
 from common.launcher import WorkerContext, WorkerSpec, launch
-from common.metrics import MetricsLogger, Timeline
+from common.metrics import Timeline
 from common.run import finish_run, prepare_run
-from common.trainer import Trainer
-from common.weight_sync import broadcast_weights, weights_hash
+from common.trainer import TrainerRun
+from common.weight_sync import WeightReceiver, WeightSender
 
 
 @dataclass
@@ -47,74 +44,32 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-
-    def receive_weights(step):
-        start = time.time()
-        explorer.version, arrived = broadcast_weights(explorer.engine.weight_buffers(), 0, ctx.sync_src,
-                                                      ctx.sync_group, ctx.comm_device, args.sync_bucket_mb)
-        explorer.engine.commit_weights(explorer.engine.weight_buffers())
-        timeline.record("wait", start, arrived, step=step)
-        check = {"hash": weights_hash(explorer.engine.weight_buffers())} if args.verify_sync else {}
-        timeline.record("sync", arrived, time.time(), step=step, version=explorer.version, **check)
-
-    receive_weights(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
-    first_step = explorer.version + 1  # one version per step: the version says how many steps are done
-    explorer.skip_to(explorer.version)
-    for step in range(first_step, args.steps + 1):
+    weights = WeightReceiver(ctx, args, explorer.engine, timeline)
+    explorer.version = weights.pull(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
+    explorer.skip_to(explorer.version)  # one version per step: the version says how many steps are done
+    for step in range(explorer.version + 1, args.steps + 1):
         metrics = {}
-        if step == first_step or (args.eval_every and (step - 1) % args.eval_every == 0):
+        if explorer.eval_due(step):
             metrics.update(explorer.evaluate(step))
         experiences, rollout_metrics = explorer.rollout(step)
-        with timeline.phase("wait", put=step):
+        with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, {**metrics, **rollout_metrics}), args.timeout_s)
-        receive_weights(step)  # SYNC: nothing is generated until the new weights are here
+        explorer.version = weights.pull(step, args.sync_method)  # SYNC: no generation until the new weights are here
     queue.put(RolloutBatch(args.steps, [], explorer.evaluate(args.steps + 1), final=True), args.timeout_s)
     explorer.close()
 
 
 def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
-    timeline = Timeline(args.out_dir, ctx.name)
-    trainer = Trainer(args, ctx.device)
-    state = trainer.resume(args.out_dir) if args.resume else {}
-    summary = {"eval_before": state.get("eval_before"), "elapsed_before": state.get("elapsed", 0.0)}
-    logger = MetricsLogger(args.out_dir, vars(args), args.steps, trainer.step, args.track, args.wandb_project)
-    start_time = time.time() - summary["elapsed_before"]
-
-    def send_weights(step):
-        check = {"hash": weights_hash(trainer.named_weights())} if args.verify_sync else {}
-        with timeline.phase("sync", step=step, version=trainer.version, **check):
-            broadcast_weights(trainer.named_weights(), trainer.version, ctx.sync_src, ctx.sync_group,
-                              ctx.comm_device, args.sync_bucket_mb)
-
-    send_weights(step=trainer.step)
-    try:
-        while trainer.step < args.steps:
-            step = trainer.step + 1
-            with timeline.phase("wait", get=step):
-                batch = queue.get(args.timeout_s)
-            with timeline.phase("train", step=step):
-                metrics = trainer.train_step(batch.experiences)
-            send_weights(step)
-            if summary["eval_before"] is None and "eval/accuracy" in batch.metrics:
-                summary["eval_before"] = batch.metrics["eval/accuracy"]
-            times = {f"time/{k}": v for k, v in timeline.take_totals().items()}
-            logger.log({"step": step, **metrics, **batch.metrics, **times, "time/elapsed": time.time() - start_time,
-                        "samples": step * args.rollout_batch_size})
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.steps:
-                with timeline.phase("checkpoint", step=step):
-                    trainer.save_checkpoint(args.out_dir, extra_state={**summary, "elapsed": time.time() - start_time})
-        final = queue.get(args.timeout_s)
-        with timeline.phase("checkpoint", step=trainer.step):
-            trainer.save_checkpoint(args.out_dir, extra_state={**summary, "elapsed": time.time() - start_time})
-            trainer.save_checkpoint(args.out_dir, name="final")
-    except KeyboardInterrupt:
-        trainer.save_checkpoint(args.out_dir, extra_state={**summary, "elapsed": time.time() - start_time})
-        raise
-    finally:
-        logger.close()
-    summary.update(eval_after=final.metrics["eval/accuracy"], elapsed=time.time() - start_time, steps=trainer.step)
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    with TrainerRun(ctx, args) as run:
+        weights = WeightSender(ctx, args, run.timeline)
+        weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)  # initial: always broadcast
+        while run.step < args.steps:
+            step = run.step + 1
+            batch = run.get(queue)
+            metrics = run.train(batch, step)
+            weights.push(run.trainer.named_weights(), run.trainer.version, step, args.sync_method)
+            run.log(batch, metrics)
+        run.finish(run.get(queue).metrics)
 
 
 def main():

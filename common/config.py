@@ -106,7 +106,14 @@ class CommonArgs:
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (GRPO); off gives Dr. GRPO-style advantages."""
 
+    off_policy_correction: str = "none"
+    """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO); see README."""
+    correction_cap: float = 2.0
+    """Cap C on the importance weight pi_prox/mu: tis truncates to C, decoupled masks tokens above C."""
+
     # --- weight sync -----------------------------------------------------------------------------------------
+    sync_method: str = "broadcast"
+    """broadcast (torch.distributed: nccl on CUDA, gloo on CPU) or checkpoint (safetensors files the explorers poll)."""
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""
     verify_sync: bool = False
@@ -140,6 +147,10 @@ class CommonArgs:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"--kl-estimator must be k1, k2 or k3 (got {self.kl_estimator!r})")
+        if self.off_policy_correction not in ("none", "tis", "decoupled"):
+            raise ConfigError(f"--off-policy-correction must be none, tis or decoupled (got {self.off_policy_correction!r})")
+        if self.sync_method not in ("broadcast", "checkpoint"):
+            raise ConfigError(f"--sync-method must be broadcast or checkpoint (got {self.sync_method!r})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--dtype must be float32 or bfloat16 (got {self.dtype!r})")
         if self.micro_batch_size > self.minibatch_size:

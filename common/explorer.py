@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from common.engine import HFEngine, RolloutEngine, SamplingConfig
 from common.experience import Experience
 from common.metrics import Timeline
@@ -26,6 +28,7 @@ class Explorer:
         from rewards import RewardPool
 
         self.args, self.timeline, self.index = args, timeline, index
+        torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index)
@@ -33,10 +36,12 @@ class Explorer:
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0
         self.next_group = 0
+        self.first_step = 1
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
         self.train_tasks.position = step * self.args.tasks_per_step
+        self.first_step = step + 1
 
     def rollout(self, step: int) -> tuple[list[Experience], dict]:
         """One rollout batch with the current weights: tasks_per_step tasks x samples_per_task responses."""
@@ -68,6 +73,10 @@ class Explorer:
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
         }
         return experiences, metrics
+
+    def eval_due(self, step: int) -> bool:
+        """Before the first step of a run and every --eval-every steps (the last one comes after training)."""
+        return step == self.first_step or bool(self.args.eval_every and (step - 1) % self.args.eval_every == 0)
 
     def evaluate(self, step: int) -> dict:
         """Greedy accuracy on the held-out tasks (a score of 1 counts as correct)."""

@@ -33,6 +33,11 @@ def prepare_run(args, schedule: str) -> None:
         json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
 
 
+def threads_per_worker(args, num_workers: int) -> int:
+    """torch threads per worker when workers run at the same time: the cores split evenly (at least one)."""
+    return args.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
+
+
 def finish_run(args, title: str) -> None:
     """timeline.json/png and reward.png from what the workers wrote; a one-paragraph summary on stdout."""
     write_timeline(args.out_dir, title=title)

@@ -5,15 +5,18 @@ checkpoints (atomic) and resume. Entry scripts decide *when* it trains and syncs
 from __future__ import annotations
 
 import glob
+import json
 import os
 import random
 import shutil
+import time
 
 import numpy as np
 import torch
 
 from common.experience import Batch, Experience, collate
-from common.losses import clipped_surrogate_loss, group_advantages, kl_estimate, masked_mean
+from common.metrics import MetricsLogger, Timeline
+from common.losses import behaviour_weights, clipped_surrogate_loss, group_advantages, kl_estimate, masked_mean
 from common.model import load_model, load_tokenizer, sequence_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,7 +43,9 @@ class Trainer:
         args = self.args
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
         advantages = group_advantages(batch.rewards, batch.group_ids, normalize_std=args.normalize_std)
-        ref_logprobs = self._ref_logprobs(batch) if self.ref_model is not None else None
+        ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
+        # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS).
+        prox_logprobs = self._logprobs(self.model, batch) if args.off_policy_correction != "none" else None
         stats: dict[str, list[float]] = {}
         n = len(batch)
         trained = torch.arange(n)
@@ -50,7 +55,7 @@ class Trainer:
             order = trained[torch.randperm(len(trained))]
             for start in range(0, len(order), args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
-                self._minibatch_update(batch, advantages, ref_logprobs, idx, stats)
+                self._minibatch_update(batch, advantages, ref_logprobs, prox_logprobs, idx, stats)
         self.step += 1
         self.version += 1
         tokens = batch.response_mask.sum().item()
@@ -64,7 +69,12 @@ class Trainer:
         })
         return out
 
-    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, idx, stats):
+    def drop_stale(self, experiences: list[Experience], max_staleness: int) -> tuple[list[Experience], int]:
+        """Keep samples at most `max_staleness` versions behind the weights about to be updated."""
+        kept = [e for e in experiences if self.version - e.policy_version <= max_staleness]
+        return kept, len(experiences) - len(kept)
+
+    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, prox_logprobs, idx, stats):
         args = self.args
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -74,8 +84,13 @@ class Trainer:
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
                                                   mb.response_mask, with_entropy=True,
                                                   entropy_grad=args.entropy_coef > 0)
-            pg_loss, clip_frac = clipped_surrogate_loss(logprobs, mb.old_logprobs, advantages[mb_idx],
-                                                        mb.response_mask, args.clip_eps)
+            old, weights = mb.old_logprobs, None
+            if prox_logprobs is not None:
+                old = prox_logprobs[mb_idx]
+                weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
+                stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
+            pg_loss, clip_frac = clipped_surrogate_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
+                                                        args.clip_eps, token_weights=weights)
             loss = pg_loss - args.entropy_coef * masked_mean(entropy, mb.response_mask)
             if ref_logprobs is not None:
                 kl = masked_mean(kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator), mb.response_mask)
@@ -94,9 +109,9 @@ class Trainer:
         self.optimizer.step()
 
     @torch.no_grad()
-    def _ref_logprobs(self, batch: Batch) -> torch.Tensor:
+    def _logprobs(self, model, batch: Batch) -> torch.Tensor:
         mbs = self.args.micro_batch_size
-        parts = [sequence_logprobs(self.ref_model, batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs],
+        parts = [sequence_logprobs(model, batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs],
                                    self.args.temperature, batch.response_mask[i:i + mbs])
                  for i in range(0, len(batch), mbs)]
         return torch.cat(parts)
@@ -153,3 +168,67 @@ def latest_checkpoint(out_dir: str) -> str | None:
         if os.path.exists(os.path.join(path, "trainer_state.pt")):
             steps.append((int(path.rsplit("_", 1)[1]), path))
     return max(steps)[1] if steps else None
+
+
+class TrainerRun:
+    """The trainer process's bookkeeping around `Trainer`, the same in every schedule: resume, the metrics row per
+    step, periodic checkpoints, Ctrl-C -> checkpoint, and final/ + summary.json at the end."""
+
+    def __init__(self, ctx, args):
+        self.ctx, self.args = ctx, args
+        self.timeline = Timeline(args.out_dir, ctx.name)
+        self.trainer = Trainer(args, ctx.device)
+        state = self.trainer.resume(args.out_dir) if args.resume else {}
+        self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0)}
+        self.start_time = time.time() - state.get("elapsed", 0.0)
+        self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
+                                    args.wandb_project) if ctx.index == 0 else None
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def get(self, queue):
+        start = time.time()
+        batch = queue.get(self.args.timeout_s)
+        self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
+        return batch
+
+    def train(self, batch, step: int) -> dict:
+        with self.timeline.phase("train", step=step):
+            return self.trainer.train_step(batch.experiences)
+
+    def log(self, batch, metrics: dict, **extra):
+        step = self.trainer.step
+        if self.summary["eval_before"] is None and "eval/accuracy" in batch.metrics:
+            self.summary["eval_before"] = batch.metrics["eval/accuracy"]
+        times = {f"time/{k}": v for k, v in self.timeline.take_totals().items()}
+        if self.logger:
+            self.logger.log({"step": step, **metrics, **batch.metrics, **times, **extra,
+                             "time/elapsed": time.time() - self.start_time,
+                             "samples": step * self.args.rollout_batch_size})
+        if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
+            self.checkpoint()
+
+    def checkpoint(self, name: str | None = None):
+        with self.timeline.phase("checkpoint", step=self.trainer.step):
+            return self.trainer.save_checkpoint(self.args.out_dir, name, {**self.summary,
+                                                                          "elapsed": time.time() - self.start_time})
+
+    def finish(self, final_eval: dict):
+        self.checkpoint()
+        self.checkpoint("final")
+        self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
+                            steps=self.trainer.step)
+        with open(os.path.join(self.args.out_dir, "summary.json"), "w") as f:
+            json.dump(self.summary, f, indent=2)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is KeyboardInterrupt:
+            self.checkpoint()  # Ctrl-C: keep what was learned
+        if self.logger:
+            self.logger.close()
+        return False

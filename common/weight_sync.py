@@ -173,8 +173,18 @@ class WeightReceiver:
         self.sync_dir = os.path.join(args.out_dir, "sync")
         self.version = -1
 
-    def pull(self, step: int) -> int:
-        """Join the next broadcast (waits for the trainer to send it)."""
+    def pull(self, step: int, method: str = "broadcast") -> int:
+        """Block until the trainer's next version is here: join its broadcast, or wait for its checkpoint."""
+        if method == "checkpoint":
+            start, wanted = time.time(), self.version + 1
+            while latest_sync_version(self.sync_dir) < wanted:
+                if time.time() - start > self.args.timeout_s:
+                    raise TimeoutError(f"explorer: no sync checkpoint v{wanted} in {self.sync_dir} after "
+                                       f"{self.args.timeout_s:.0f}s (trainer stalled?)")
+                time.sleep(0.02)
+            self.timeline.record("wait", start, time.time(), step=step)
+            self.poll(step, method)
+            return self.version
         start = time.time()
         buffers = self.engine.weight_buffers()
         self.version, arrived = broadcast_weights(buffers, 0, self.ctx.sync_src, self.ctx.sync_group,

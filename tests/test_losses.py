@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from common.losses import clipped_surrogate_loss, entropy_from_logits, group_advantages, kl_estimate, masked_mean
+from common.losses import (behaviour_weights, clipped_surrogate_loss, entropy_from_logits, group_advantages,
+                           kl_estimate, masked_mean)
 
 
 def test_masked_mean_ignores_padding():
@@ -70,3 +71,19 @@ def test_entropy_by_hand():
     ent = entropy_from_logits(logits)
     assert ent[0].item() == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)), rel=1e-5)
     assert ent[1].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_behaviour_weights_by_hand():
+    prox = torch.log(torch.tensor([0.5, 0.9, 0.3]))
+    behav = torch.log(torch.tensor([0.5, 0.3, 0.6]))  # w = [1, 3, 0.5]
+    assert behaviour_weights(prox, behav, "tis", cap=2.0).tolist() == pytest.approx([1.0, 2.0, 0.5])
+    assert behaviour_weights(prox, behav, "decoupled", cap=2.0).tolist() == pytest.approx([1.0, 0.0, 0.5])
+    with pytest.raises(ValueError):
+        behaviour_weights(prox, behav, "none")
+
+
+def test_token_weights_scale_the_objective():
+    logp = torch.zeros(1, 2)
+    w = torch.tensor([[2.0, 0.0]])
+    loss, _ = clipped_surrogate_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), token_weights=w)
+    assert loss.item() == pytest.approx(-(2.0 * 1.0 + 0.0) / 2)

@@ -1,0 +1,71 @@
+"""One-step off-policy RL fine-tuning, schedule (b) of DESIGN.md: the explorer generates batch k+1 while the
+trainer trains on batch k; after each train step the new weights go to the explorer, which waits only for them.
+
+    E: rollout 1 ─▶ rollout 2 ─▶ sync ─▶ rollout 3 ─▶ sync …
+    T:  wait    ─▶ train 1  ─▶ sync ─▶ train 2   ─▶ sync …      every trained batch is exactly one version old
+
+Launch (same flags as train_sync.py):
+    python train_offpolicy.py
+    python train_offpolicy.py --model tiny --steps 3 --out-dir runs/smoke --off-policy-correction tis
+    torchrun --nproc-per-node 1 train_offpolicy.py --explorer-devices cuda:0 --trainer-devices cuda:1
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+from common.config import CommonArgs, ConfigError, parse_args
+from common.experience import ExperienceQueue, RolloutBatch
+from common.explorer import Explorer
+from common.launcher import WorkerContext, WorkerSpec, launch
+from common.metrics import Timeline
+from common.run import finish_run, prepare_run, threads_per_worker
+from common.weight_sync import WeightReceiver
+from train_sync import trainer_main  # the trainer side is the synchronous one: get, train, send weights
+
+
+@dataclass
+class Args(CommonArgs):
+    """One-step off-policy schedule: every field is shared with the other schedules (see common/config.py)."""
+
+    def validate(self):
+        super().validate()
+        if len(self.explorer_device_list) != 1:
+            raise ConfigError("--explorer-devices: the one-step off-policy schedule runs exactly one explorer")
+
+
+def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
+    timeline = Timeline(args.out_dir, ctx.name)
+    explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
+    weights = WeightReceiver(ctx, args, explorer.engine, timeline)
+    explorer.version = weights.pull(step=0)
+    explorer.skip_to(explorer.version)
+    for step in range(explorer.version + 1, args.steps + 1):
+        metrics = explorer.evaluate(step) if explorer.eval_due(step) else {}
+        experiences, rollout_metrics = explorer.rollout(step)  # overlaps the trainer's step on batch step-1
+        with timeline.phase("wait", put=f"0-{step}"):
+            queue.put(RolloutBatch(step, experiences, {**metrics, **rollout_metrics}), args.timeout_s)
+        if step > explorer.first_step:
+            # SYNC: the weights trained on batch step-1; batch step+1 will be one version behind the trainer.
+            explorer.version = weights.pull(step, args.sync_method)
+    explorer.version = weights.pull(args.steps, args.sync_method)  # the weights trained on the last batch
+    queue.put(RolloutBatch(args.steps, [], explorer.evaluate(args.steps + 1), final=True), args.timeout_s)
+    explorer.close()
+
+
+def main():
+    args = parse_args(Args)
+    prepare_run(args, schedule="offpolicy")
+    queue = ExperienceQueue(mp.get_context("spawn"), maxsize=1)
+    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, (args, queue))
+             for i, d in enumerate(args.trainer_device_list)]
+    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, (args, queue))]
+    launch(specs, num_threads=threads_per_worker(args, len(specs)), timeout_s=args.timeout_s)
+    finish_run(args, title="train_offpolicy.py: schedule (b), one-step off-policy")
+
+
+if __name__ == "__main__":
+    main()
