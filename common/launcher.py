@@ -131,7 +131,9 @@ def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900
     for rank, spec in enumerate(specs):
         p = ctx.Process(target=_worker_main, name=spec.name, daemon=False,
                         args=(rank, len(specs), addr, port, backend, specs, num_threads, timeout_s, error_queue))
+        os.environ["TANDEM_WORKER"] = spec.name  # inherited by the spawned worker: names it in ps / /proc
         p.start()
+        os.environ.pop("TANDEM_WORKER")
         procs.append(p)
     try:
         _supervise(procs, specs, error_queue)
@@ -166,20 +168,25 @@ def _supervise(procs, specs, error_queue):
             p = alive.pop(sentinel)
             p.join(timeout=5)  # the sentinel fires before the exit code is collected
             if p.exitcode != 0:
-                name, tb = _first_error(error_queue, p)
+                name, tb = _root_cause(procs, error_queue)
                 _stop_all(procs)
                 print(f"[tandem] worker {name} failed; all workers stopped.\n{tb}", file=sys.stderr, flush=True)
-                last = tb.strip().splitlines()[-1] if tb.strip() else f"exit code {p.exitcode}"
+                last = tb.strip().splitlines()[-1] if tb.strip() else "no message"
                 raise SystemExit(f"error: worker {name} failed: {last}")
             _kill_group(p)  # whatever the finished worker left behind
 
 
-def _first_error(error_queue, proc) -> tuple[str, str]:
-    """The earliest reported traceback (the root cause), else what we know from the exit code."""
+def _root_cause(procs, error_queue) -> tuple[str, str]:
+    """The failure that started it: a worker killed by a signal (its peers then fail with 'connection closed'),
+    else the earliest reported traceback."""
+    time.sleep(0.5)  # let the peers of a dead worker notice and report
+    for p in procs:
+        if p.exitcode is not None and p.exitcode < 0:
+            return p.name, f"{p.name} was killed by signal {-p.exitcode} (no traceback: killed or crashed in native code)"
     deadline = time.time() + 2
     while time.time() < deadline:
         if not error_queue.empty():
             return error_queue.get()
         time.sleep(0.05)
-    how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
-    return proc.name, f"{proc.name} died with {how} (no traceback: killed or crashed in native code)"
+    failed = next(p for p in procs if p.exitcode not in (0, None))
+    return failed.name, f"{failed.name} exited with code {failed.exitcode} and reported no traceback"

@@ -1,0 +1,134 @@
+"""Schedules (b), (c), (d) with the tiny model, checked from the recorded timeline; checkpoint sync atomicity;
+a killed explorer stops the run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common.metrics import read_metrics, read_timeline
+from common.weight_sync import latest_sync_version, load_sync_checkpoint, weights_hash, write_sync_checkpoint
+from tests.conftest import ROOT, TINY, run_script
+
+
+def _syncs(events, process, phases=("sync",)):
+    return [e for e in events if e["process"] == process and e["phase"] in phases and "version" in e]
+
+
+def test_offpolicy_trains_every_batch_one_version_behind(tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("train_offpolicy.py", *TINY, "--steps", "4", "--out-dir", str(out), "--verify-sync")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(out))
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]  # the first batch has nothing older to be
+    assert [r["staleness/mean"] for r in rows] == [0, 1, 1, 1]
+    events = read_timeline(str(out))
+    trainer, explorer = _syncs(events, "trainer0"), _syncs(events, "explorer0")
+    assert [(e["version"], e["hash"]) for e in trainer] == [(e["version"], e["hash"]) for e in explorer]
+    # Overlap: rollout k+1 runs while the trainer trains on batch k.
+    rollouts = {e["step"]: e for e in events if e["phase"] == "rollout"}
+    trains = {e["step"]: e for e in events if e["phase"] == "train"}
+    assert rollouts[2]["start"] < trains[1]["end"]
+
+
+@pytest.mark.parametrize("explorers,method", [(1, "broadcast"), (2, "broadcast"), (1, "checkpoint")])
+def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method):
+    out = tmp_path / "run"
+    proc = run_script("train_async.py", *TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync",
+                      "--num-explorers", str(explorers), "--sync-method", method, "--max-staleness", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(out))
+    assert len(rows) == 6 and all(r["staleness/max"] <= 1 for r in rows)
+    assert all("dropped_stale" in r for r in rows)
+    events = read_timeline(str(out))
+    phases = ("sync", "sync-checkpoint")
+    sent = {e["version"]: e["hash"] for e in _syncs(events, "trainer0", phases)}
+    for i in range(explorers):
+        received = _syncs(events, f"explorer{i}", phases)
+        assert received, f"explorer{i} never took weights"
+        for e in received:  # every version an explorer holds is bit-identical to what the trainer sent
+            assert e["hash"] == sent[e["version"]]
+        assert received[-1]["version"] == 6  # everyone ends on the final weights
+    # Staleness is measured from the experiences themselves: dropped samples were older than allowed.
+    got = [e for e in events if e["phase"] == "wait" and "get" in e]
+    assert len(got) >= 6
+
+
+def test_async_drops_stale_samples_and_counts_them(tmp_path):
+    out = tmp_path / "run"
+    # A staleness bound of 0 with two explorers and a queue of 2 cannot keep everything: some samples must go.
+    proc = run_script("train_async.py", *TINY, "--steps", "5", "--out-dir", str(out), "--num-explorers", "2",
+                      "--max-staleness", "0", "--queue-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(out))
+    assert all(r["staleness/max"] == 0 for r in rows)
+    assert rows[-1]["dropped_stale"] > 0 and rows[-1]["dropped_stale"] % 8 == 0  # whole batches of 4x2 samples
+
+
+_WRITER = """
+import sys, torch
+from common.weight_sync import write_sync_checkpoint
+tensors = [("w", torch.full((64, 1024, 1024), float(sys.argv[2])))]  # 256 MB: the save takes a while
+print("start", flush=True)
+write_sync_checkpoint(sys.argv[1], tensors, version=int(sys.argv[2]))
+"""
+
+
+def test_checkpoint_sync_never_loads_half_written(tmp_path):
+    sync_dir = str(tmp_path / "sync")
+    small = [("w", torch.full((64, 1024, 1024), 1.0))]
+    write_sync_checkpoint(sync_dir, small, version=1)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, sync_dir, "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    assert writer.stdout.readline().strip() == b"start"
+    deadline = time.time() + 30
+    while not [d for d in os.listdir(sync_dir) if d.startswith(".tmp")] and time.time() < deadline:
+        time.sleep(0.005)
+    writer.send_signal(signal.SIGKILL)  # mid-save: the temp folder exists, the rename has not happened
+    writer.wait(timeout=10)
+    assert latest_sync_version(sync_dir) == 1
+    buffers = [("w", torch.zeros(64, 1024, 1024))]
+    load_sync_checkpoint(sync_dir, latest_sync_version(sync_dir), buffers)
+    assert weights_hash(buffers) == weights_hash(small)
+
+
+def test_killing_an_explorer_stops_the_run(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "100000",
+                             "--out-dir", str(out), "--num-explorers", "2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    deadline = time.time() + 90
+    while time.time() < deadline and len(read_metrics(str(out))) < 3:
+        time.sleep(0.2)
+    assert len(read_metrics(str(out))) >= 3, "the run did not get going"
+    workers = _descendants(proc.pid)
+    explorer = _find_worker(proc.pid, "explorer1")
+    killed_at = time.time()
+    os.kill(explorer, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=30)
+    assert time.time() - killed_at < 10
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors and "explorer1" in errors[0] and "signal 9" in errors[0], stderr[-2000:]
+    time.sleep(0.5)
+    left = [p for p in workers if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not left, f"processes left behind: {left}"
+
+
+def _descendants(pid: int) -> list[int]:
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _find_worker(parent: int, name: str) -> int:
+    """The launcher starts each worker with TANDEM_WORKER=<name> in its environment."""
+    for pid in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"TANDEM_WORKER={name}".encode() in f.read():
+                return int(pid)
+    raise AssertionError(f"no worker {name} under {parent}")
