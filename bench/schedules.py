@@ -1,0 +1,111 @@
+"""Schedule benchmark: the same config and the same number of trained samples through sync, one-step off-policy,
+async and async with 2 explorers, one after another in one run (one torch thread per worker).
+
+Prints wall-clock, samples/s, speedup vs sync, the ideal overlap bound (R+T)/max(R,T) from the sync run's measured
+rollout time R and train time T per step, the fraction of that bound reached, mean staleness, and weight-sync time
+as a share of the trainer step. Writes bench/out/schedules.png with the four timelines stacked like DESIGN.md (a)-(d).
+
+    python bench/schedules.py                      # default model, about 15 minutes on 2 cores
+    python bench/schedules.py --model tiny --steps 4 --out bench/out/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common.metrics import buffer_spans, draw_timeline, read_metrics, read_timeline  # noqa: E402
+
+SCHEDULES = [
+    ("(a) sync", "train_sync.py", []),
+    ("(b) one-step off-policy", "train_offpolicy.py", []),
+    ("(c) async", "train_async.py", ["--max-staleness", "2", "--off-policy-correction", "decoupled"]),
+    ("(d) async, 2 explorers", "train_async.py", ["--num-explorers", "2", "--max-staleness", "2",
+                                                   "--off-policy-correction", "decoupled"]),
+]
+
+
+def phase_time(events, process_prefix, phases):
+    return sum(e["end"] - e["start"] for e in events if e["process"].startswith(process_prefix) and e["phase"] in phases)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "schedules"))
+    p.add_argument("--extra", default="", help="more flags for every run, e.g. '--sync-method checkpoint'")
+    opts = p.parse_args()
+    common = ["--model", opts.model, "--steps", str(opts.steps), "--num-threads", "1", "--tasks-per-step", "4",
+              "--samples-per-task", "4", "--max-new-tokens", "32", "--minibatch-size", "16", "--eval-every", "0",
+              "--eval-size", "8", "--checkpoint-every", "0", "--no-drop-zero-signal-groups", "--overwrite",
+              *opts.extra.split()]
+    results = []
+    for label, script, flags in SCHEDULES:
+        out = os.path.join(opts.out, script.replace(".py", "") + ("2" if "--num-explorers" in flags else ""))
+        print(f"--- {label}: {script} {' '.join(flags)}", flush=True)
+        start = time.time()
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *common, *flags, "--out-dir", out],
+                              cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"error: {script} failed:\n{proc.stderr[-3000:]}")
+        events, rows = read_timeline(out), read_metrics(out)
+        trains = [e for e in events if e["process"] == "trainer0" and e["phase"] == "train"]
+        # Wall-clock of the training itself: first rollout starts .. last train step ends (start-up, the initial
+        # eval and the final checkpoint are the same in every schedule and left out).
+        t0 = min(e["start"] for e in events if e["phase"] == "rollout")
+        wall = max(e["end"] for e in trains) - t0
+        samples = rows[-1]["samples"]
+        results.append({
+            "label": label, "out": out, "events": events, "wall": wall, "samples": samples,
+            "rollout_per_step": phase_time(events, "explorer", ("rollout", "reward")) / max(1, len(rows)),
+            "train_per_step": phase_time(events, "trainer", ("train",)) / len(trains),
+            "sync_per_step": phase_time(events, "trainer", ("sync", "sync-checkpoint")) / len(trains),
+            "staleness": sum(r["staleness/mean"] for r in rows) / len(rows),
+            "dropped": rows[-1].get("dropped_stale", 0), "total_s": time.time() - start,
+        })
+    sync = results[0]
+    R, T = sync["rollout_per_step"], sync["train_per_step"] + sync["sync_per_step"]
+    bound = (R + T) / max(R, T)
+    print(f"\nsync run: rollout R = {R:.1f} s/step, train+sync T = {T:.1f} s/step -> ideal speedup (R+T)/max(R,T) "
+          f"= {bound:.2f}x\n")
+    print(f"{'schedule':26s} {'wall s':>7s} {'samples/s':>9s} {'speedup':>8s} {'of bound':>8s} {'staleness':>9s} "
+          f"{'dropped':>7s} {'sync/step':>9s}")
+    for r in results:
+        speedup = sync["wall"] / r["wall"]
+        r.update(speedup=speedup, of_bound=speedup / bound, sync_share=r["sync_per_step"] / r["train_per_step"])
+        print(f"{r['label']:26s} {r['wall']:7.1f} {r['samples'] / r['wall']:9.2f} {speedup:7.2f}x "
+              f"{100 * speedup / bound:7.0f}% {r['staleness']:9.2f} {r['dropped']:7d} {100 * r['sync_share']:8.1f}%")
+    _plot(results, os.path.join(opts.out, "schedules.png"))
+    with open(os.path.join(opts.out, "schedules.json"), "w") as f:
+        json.dump({"R": R, "T": T, "bound": bound,
+                   "runs": [{k: v for k, v in r.items() if k != "events"} for r in results]}, f, indent=2)
+    print(f"\nwrote {os.path.join(opts.out, 'schedules.png')}")
+
+
+def _plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(14, 2.6 * len(results)), sharex=True)
+    for ax, r in zip(axes, results):
+        events = r["events"] + buffer_spans(r["events"])
+        draw_timeline(ax, [e for e in events if e["phase"] not in ("eval", "checkpoint")],
+                      title=f"{r['label']}: {r['wall']:.0f} s, {r['speedup']:.2f}x vs sync")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
