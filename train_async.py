@@ -78,7 +78,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announ
         experiences, rollout_metrics = explorer.rollout(batch)
         with timeline.phase("wait", put=f"{ctx.index}-{batch}"):  # blocks only while the queue is full
             item = RolloutBatch(batch, experiences, {**metrics, **rollout_metrics}, ctx.index)
-            _put_unless_stopped(queue, item, stop, args.timeout_s, lambda: weights.poll(batch, args.sync_method))
+            _put_unless_stopped(queue, item, stop, args.timeout_s, lambda b=batch: weights.poll(b, args.sync_method))
         explorer.version = weights.version
     while weights.version < final_version.value:  # join every send still owed, up to the final weights
         explorer.version = weights.pull(batch, args.sync_method)

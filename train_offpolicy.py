@@ -12,7 +12,6 @@ Launch (same flags as train_sync.py):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.multiprocessing as mp

@@ -177,7 +177,6 @@ class CommonArgs:
 def parse_args(cls, argv: list[str] | None = None):
     """tyro.cli over `cls`, with defaults from `--config file.yaml` when given; then `validate()`."""
     import tyro
-    import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()

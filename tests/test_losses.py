@@ -49,7 +49,7 @@ def test_clipped_surrogate_gradient_sign():
 
 def test_kl_estimators_by_hand():
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
-    d = logp - ref  # [0.5, -1.0]
+    # log r = logp - ref = [0.5, -1.0]
     assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.5, -1.0])
     assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.125, 0.5])
     assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1.0])

@@ -1,9 +1,7 @@
 """train_sync.py end to end with the tiny model: outputs, weight sync, resume, and one-line errors."""
 
 import json
-import os
 
-import pytest
 import torch
 
 from common.metrics import read_metrics, read_timeline
