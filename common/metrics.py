@@ -167,6 +167,12 @@ def plot_reward_curve(out_dir: str, path: str | None = None):
     minutes = [r["time/elapsed"] / 60 for r in rows]
     ax.plot(minutes, [r["reward/mean"] for r in rows], label="train reward (mean)", alpha=0.6)
     evals = [(r["time/elapsed"] / 60, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    summary_path = os.path.join(out_dir, "summary.json")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        if summary.get("eval_after") is not None:
+            evals.append((summary["elapsed"] / 60, summary["eval_after"]))
     if evals:
         ax.plot(*zip(*evals), "o-", label="held-out accuracy")
     ax.set_xlabel("wall-clock minutes")
