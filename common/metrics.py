@@ -72,7 +72,7 @@ def write_timeline(out_dir: str, title: str = "") -> list[dict]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(14, 3.2))
+    fig, ax = plt.subplots(figsize=(15, 3.2))
     draw_timeline(ax, events, title=title)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "timeline.png"), dpi=110)
@@ -107,7 +107,7 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
     ax.set_yticks(list(y.values()), [n.replace("explorer", "Explorer ").replace("trainer", "Trainer ").title() for n in y])
     ax.set_xlabel("seconds")
     ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=7, ncol=8, framealpha=0.8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, framealpha=0.8)  # outside: lanes stay visible
 
 
 class MetricsLogger:
