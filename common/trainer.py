@@ -44,18 +44,22 @@ class Trainer:
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
         advantages = group_advantages(batch.rewards, batch.group_ids, normalize_std=args.normalize_std)
         ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
-        # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS).
-        prox_logprobs = self._logprobs(self.model, batch) if args.off_policy_correction != "none" else None
         stats: dict[str, list[float]] = {}
         n = len(batch)
         trained = torch.arange(n)
         if args.drop_zero_signal_groups:
             trained = trained[advantages != 0]
+        # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
+        # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
+        # the proximal ones and the extra forward pass is skipped.
+        correcting = args.off_policy_correction != "none"
+        single_update = args.ppo_epochs == 1 and len(trained) <= args.minibatch_size
+        prox_logprobs = self._logprobs(self.model, batch) if correcting and not single_update else None
         for _ in range(args.ppo_epochs if len(trained) else 0):
             order = trained[torch.randperm(len(trained))]
             for start in range(0, len(order), args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
-                self._minibatch_update(batch, advantages, ref_logprobs, prox_logprobs, idx, stats)
+                self._minibatch_update(batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
         self.step += 1
         self.version += 1
         tokens = batch.response_mask.sum().item()
@@ -74,7 +78,7 @@ class Trainer:
         kept = [e for e in experiences if self.version - e.policy_version <= max_staleness]
         return kept, len(experiences) - len(kept)
 
-    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, prox_logprobs, idx, stats):
+    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats):
         args = self.args
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -85,8 +89,8 @@ class Trainer:
                                                   mb.response_mask, with_entropy=True,
                                                   entropy_grad=args.entropy_coef > 0)
             old, weights = mb.old_logprobs, None
-            if prox_logprobs is not None:
-                old = prox_logprobs[mb_idx]
+            if correcting:
+                old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
             pg_loss, clip_frac = clipped_surrogate_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
