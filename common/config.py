@@ -80,6 +80,11 @@ class CommonArgs:
     """Longest response in tokens; longer ones are cut and marked truncated."""
 
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
+    algo: str = "grpo"
+    """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
+    normalisation) or opmd (Kimi k1.5 mirror descent, tolerates off-policy samples); see common/losses.py."""
+    opmd_tau: float = 0.1
+    """tau of the opmd loss: weight of the squared log-ratio that keeps the update close to the sampling policy."""
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -104,7 +109,7 @@ class CommonArgs:
     """Leave groups whose rewards are all equal (advantage 0, no policy gradient) out of the update, as DAPO's
     dynamic sampling does (without refilling); a batch with no signal at all costs no backward pass."""
     normalize_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO); off gives Dr. GRPO-style advantages."""
+    """Divide group-centred rewards by the group std (grpo only; dr_grpo and opmd never do)."""
 
     off_policy_correction: str = "none"
     """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO); see README."""
@@ -147,6 +152,9 @@ class CommonArgs:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"--kl-estimator must be k1, k2 or k3 (got {self.kl_estimator!r})")
+        if self.algo not in ("grpo", "dr_grpo", "opmd"):
+            raise ConfigError(f"--algo must be grpo, dr_grpo or opmd (got {self.algo!r}; ppo with a critic is not "
+                              "implemented yet)")
         if self.off_policy_correction not in ("none", "tis", "decoupled"):
             raise ConfigError(f"--off-policy-correction must be none, tis or decoupled (got {self.off_policy_correction!r})")
         if self.sync_method not in ("broadcast", "checkpoint"):

@@ -6,6 +6,7 @@ A bad row fails in one line naming the file, the line (or row) and the missing f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -69,6 +70,8 @@ def validate_task(task: dict, where: str) -> dict:
     kind = task.setdefault("reward", "math")
     if kind not in REQUIRED_FIELDS:
         raise SystemExit(f"error: {where}: unknown reward {kind!r} (one of {', '.join(REQUIRED_FIELDS)})")
+    if importlib.util.find_spec(f"rewards.{kind}") is None:
+        raise SystemExit(f"error: {where}: reward {kind!r} has no verifier in rewards/ yet")
     for name in REQUIRED_FIELDS[kind]:
         if name not in task:
             raise SystemExit(f"error: {where}: missing field {name!r} (needed by reward {kind!r})")

@@ -16,7 +16,8 @@ import torch
 
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
-from common.losses import behaviour_weights, clipped_surrogate_loss, group_advantages, kl_estimate, masked_mean
+from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, group_advantages, kl_estimate,
+                           masked_mean, opmd_loss)
 from common.model import load_model, load_tokenizer, sequence_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -42,7 +43,8 @@ class Trainer:
     def train_step(self, experiences: list[Experience]) -> dict:
         args = self.args
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
-        advantages = group_advantages(batch.rewards, batch.group_ids, normalize_std=args.normalize_std)
+        advantages = group_advantages(batch.rewards, batch.group_ids,
+                                      normalize_std=args.normalize_std and args.algo == "grpo")
         ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
         stats: dict[str, list[float]] = {}
         n = len(batch)
@@ -80,7 +82,9 @@ class Trainer:
 
     def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats):
         args = self.args
-        total_tokens = batch.response_mask[idx].sum().clamp(min=1)
+        # grpo averages over tokens; dr_grpo and opmd over sequences: micro-batches are weighted by their share.
+        per_token = args.algo == "grpo"
+        total_units = batch.response_mask[idx].sum().clamp(min=1) if per_token else len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(idx), args.micro_batch_size):
             mb_idx = idx[start: start + args.micro_batch_size]
@@ -93,18 +97,24 @@ class Trainer:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
-            pg_loss, clip_frac = clipped_surrogate_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
-                                                        args.clip_eps, token_weights=weights)
+            if args.algo == "grpo":
+                pg_loss, clip_frac = clipped_surrogate_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
+                                                            args.clip_eps, token_weights=weights)
+            elif args.algo == "dr_grpo":
+                pg_loss, clip_frac = dr_grpo_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
+                                                  args.max_new_tokens, args.clip_eps, token_weights=weights)
+            else:  # opmd: advantages are the centred rewards r - mean_r (no std normalisation)
+                pg_loss, clip_frac = opmd_loss(logprobs, old, advantages[mb_idx], mb.response_mask, args.opmd_tau), 0.0
             loss = pg_loss - args.entropy_coef * masked_mean(entropy, mb.response_mask)
             if ref_logprobs is not None:
                 kl = masked_mean(kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator), mb.response_mask)
                 loss = loss + args.kl_coef * kl
                 stats.setdefault("kl", []).append(kl.item())
             # Weight each micro-batch by its share of tokens: the sum equals a token mean over the minibatch.
-            (loss * mb.response_mask.sum() / total_tokens).backward()
+            (loss * (mb.response_mask.sum() if per_token else len(mb_idx)) / total_units).backward()
             with torch.no_grad():
                 stats.setdefault("loss", []).append(loss.item())
-                stats.setdefault("clip_frac", []).append(clip_frac.item())
+                stats.setdefault("clip_frac", []).append(float(clip_frac))
                 stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask).item())
                 ratio = torch.exp(logprobs - mb.old_logprobs)
                 stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask).item())
@@ -195,7 +205,8 @@ class TrainerRun:
     def get(self, queue):
         start = time.time()
         batch = queue.get(self.args.timeout_s)
-        self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
+        key = f"{batch.explorer}-{'final' if batch.final else batch.step}"  # the final message carries only the eval
+        self.timeline.record("wait", start, time.time(), get=key)
         return batch
 
     def train(self, batch, step: int) -> dict:

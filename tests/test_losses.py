@@ -87,3 +87,34 @@ def test_token_weights_scale_the_objective():
     w = torch.tensor([[2.0, 0.0]])
     loss, _ = clipped_surrogate_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), token_weights=w)
     assert loss.item() == pytest.approx(-(2.0 * 1.0 + 0.0) / 2)
+
+
+def test_dr_grpo_uses_a_constant_normaliser():
+    from common.losses import dr_grpo_loss
+
+    logp = torch.zeros(2, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.0, 1.0])
+    loss, _ = dr_grpo_loss(logp, logp, adv, mask, max_tokens=4)
+    # sums 2 and 4 over tokens, each / 4, mean over sequences -> -(0.5 + 1.0) / 2; a token mean would give -1
+    assert loss.item() == pytest.approx(-0.75)
+    tm, _ = clipped_surrogate_loss(logp, logp, adv, mask)
+    assert tm.item() == pytest.approx(-1.0)
+
+
+def test_opmd_value_and_gradient_sign():
+    from common.losses import opmd_loss
+
+    logp = torch.zeros(2, 3, requires_grad=True)
+    old = torch.zeros(2, 3)
+    centred = torch.tensor([0.5, -0.5])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss = opmd_loss(logp, old, centred, mask, tau=0.1)
+    assert loss.item() == pytest.approx(0.5 * (0.25 + 0.25) / 2)
+    loss.backward()
+    assert (logp.grad[0, :2] < 0).all() and (logp.grad[1] > 0).all()  # up for better-than-mean, down for worse
+    assert (logp.grad[0, 2] == 0)  # padding gets no gradient
+    # At log-ratio r/tau the sample is where mirror descent wants it: no gradient.
+    at_target = torch.tensor([[0.5 / 0.1 / 2, 0.5 / 0.1 / 2, 0.0]], requires_grad=True)
+    opmd_loss(at_target, torch.zeros(1, 3), torch.tensor([0.5]), torch.tensor([[1, 1, 0]]), 0.1).backward()
+    assert at_target.grad.abs().max().item() < 1e-6

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from common.metrics import read_metrics, read_timeline
@@ -104,3 +105,12 @@ def test_bad_dataset_row_is_one_line_error(tmp_path):
 def test_impossible_combination_is_one_line_error(tmp_path):
     proc = run_script("train_sync.py", "--model", "tiny", "--samples-per-task", "1", "--out-dir", str(tmp_path / "r"))
     _one_line_error(proc, "--samples-per-task")
+
+
+@pytest.mark.parametrize("algo", ["dr_grpo", "opmd"])
+def test_other_algorithms_train(tmp_path, algo):
+    out = tmp_path / "run"
+    proc = run_script("train_sync.py", *TINY, "--steps", "2", "--out-dir", str(out), "--verify-sync", "--algo", algo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hashes = [e["hash"] for e in read_timeline(str(out)) if e["process"] == "trainer0" and e["phase"] == "sync"]
+    assert len(set(hashes)) == 3  # the weights changed at every step
