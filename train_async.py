@@ -108,15 +108,17 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announc
     with TrainerRun(ctx, args) as run:
         weights = WeightSender(ctx, args, run.timeline, announced)
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
-        sent = run.trainer.version
+        sent, carried = run.trainer.version, {}
         while run.step < args.steps:
             batch = run.get(queue)
+            batch.metrics, carried = {**carried, **batch.metrics}, {}
             if batch.final:
                 raise RuntimeError("explorer 0 stopped before the trainer finished")
             # ALGO LOGIC: staleness control — drop what is too old, count it, train on the rest.
             batch.experiences, dropped = run.trainer.drop_stale(batch.experiences, args.max_staleness)
             run.summary["dropped_stale"] += dropped
             if not batch.experiences:
+                carried = batch.metrics  # an evaluation that rode on a dropped batch goes into the next row
                 continue
             metrics = run.train(batch, run.step + 1)
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up
