@@ -1,7 +1,9 @@
 """Reward models behind one API: `score(response, task) -> Reward`, routed on task["reward"].
 
-`RewardPool` scores batches in child processes: a verifier that hangs, crashes or raises gives score 0 with the
-reason, is counted, and never stalls or kills the caller.
+Kinds: math (math-verify), code (sandboxed tests), k12 (choice / true-false / short answer / judge), vision (an
+image task checked like k12), rm (a learned reward model). `RewardPool` is the batch entry point: it scores in
+child processes while the caller keeps generating, and a verifier that hangs, crashes or raises gives score 0 with
+the reason, is counted, and never stalls or kills the caller.
 """
 
 from __future__ import annotations
@@ -9,122 +11,377 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import os
+import queue
 import signal
+import threading
 import time
 import traceback
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 
 KINDS = ("math", "code", "k12", "vision", "rm")
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
 class Reward:
-    score: float
-    info: dict = field(default_factory=dict)  # at least {"reason": ...}
+    score: float  # in [0, 1]; only rewards.shaping may push it below 0
+    info: dict = field(default_factory=dict)  # at least {"reason": str}
 
 
-def score(response: str, task: dict) -> Reward:
+def check_kind(task: dict) -> str:
+    """The verifier a task names (default math), or a ValueError naming the task id and the kind."""
     kind = task.get("reward", "math")
     if kind not in KINDS:
         raise ValueError(f"task {task.get('id')}: unknown reward {kind!r} (one of {', '.join(KINDS)})")
-    try:
-        module = importlib.import_module(f"rewards.{kind}")
-    except ModuleNotFoundError:
-        raise ValueError(f"task {task.get('id')}: reward {kind!r} is not available in this version") from None
+    return kind
+
+
+def score(response: str, task: dict) -> Reward:
+    """Score one response in this process (no time limit: use RewardPool for that)."""
+    kind = check_kind(task)
+    module = importlib.import_module(f"rewards.{kind}")
     return module.score(response, task)
+
+
+def failed(reason: str, **info) -> Reward:
+    """Score 0 for a verifier failure (not a wrong answer): counted by the pool and in the run's metrics."""
+    return Reward(0.0, {"reason": reason, "failed": True, **info})
 
 
 def _safe_score(score_fn, response: str, task: dict) -> Reward:
     try:
-        return score_fn(response, task)
+        result = score_fn(response, task)
     except Exception as e:  # a verifier bug must not take the run down: score 0, say why
-        return Reward(0.0, {"reason": f"error: {type(e).__name__}: {e}", "failed": True,
-                            "traceback": traceback.format_exc(limit=3)})
+        return failed(f"error: {type(e).__name__}: {e}", traceback=traceback.format_exc(limit=3))
+    if not isinstance(result, Reward):
+        return failed(f"error: verifier returned {type(result).__name__}, not Reward")
+    return result
 
 
-def _serve(conn, score_fn):
+def die_with_parent(parent_pid: int):
+    """Ask the kernel to SIGKILL this process when the thread that started it dies (Linux), so a killed owner
+    leaves no orphans behind. If the parent is already gone, exit now."""
     try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # die with the process that owns the pool
-    except OSError:
-        pass
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the owner's close()/finalizer is the only cleanup
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _serve(conn, score_fn, parent_pid: int):
+    """Verifier worker: warm the imports, say ready, then score (response, task) pairs until the pipe closes."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's business; it closes the pool
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: the pool enforces it
+    try:
+        import rewards.math  # noqa: F401  (first-call latency out of the timed path)
+    except ImportError:
+        pass
+    conn.send("ready")
     while True:
         try:
             item = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         conn.send(_safe_score(score_fn, *item))
 
 
-class RewardPool:
-    """Verifiers in `num_workers` child processes, each item under a `timeout_s` wall-clock limit.
+class RewardFuture:
+    """The result of `RewardPool.submit`: `result(timeout)` -> list[Reward] in the order submitted."""
 
-    `score_fn` (a module-level function, default `rewards.score`) is how a custom verifier is plugged in.
+    def __init__(self, n: int):
+        self._future: Future = Future()
+        self.results: list[Reward | None] = [None] * n
+        self.remaining = n
+        self.submitted_at = time.time()
+        if n == 0:
+            self._future.set_result([])
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[Reward]:
+        """Wait (at most `timeout` seconds when given). Every item has its own deadline in the pool, so an
+        untimed wait still ends; it raises if the pool was closed or its dispatcher died meanwhile."""
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"rewards not ready after {timeout}s") from None
+
+    def _set(self, i: int, reward: Reward):
+        if self.results[i] is None:
+            self.results[i] = reward
+            self.remaining -= 1
+            if self.remaining == 0 and not self._future.done():
+                self._future.set_result(list(self.results))
+
+
+@dataclass
+class _Worker:
+    proc: object
+    conn: object
+    ready: bool = False
+    item: tuple | None = None  # (future, index, deadline, limit_s) while busy
+    started: float = field(default_factory=time.time)
+
+
+class RewardPool:
+    """Verifiers in `num_workers` child processes (spawn, non-daemon), each item under a wall-clock limit.
+
+    - `timeout_s`: per item (a task may ask for more with `task["reward_timeout_s"]`, e.g. long code tests).
+    - `score_fn`: a module-level function (default `rewards.score`): how a custom verifier is plugged in.
+    - `rm_model`, `rm_device`, `rm_batch_size`: the learned reward model for `reward: rm` tasks (a task may
+      name its own with `task["rm_model"]`). It is served by one process per model on its own device
+      (`rewards.rm.RMServer`), batched, started on first use.
+    - `stats`: scored / failed / timeouts / crashes / errors, cumulative.
+
+    Scoring runs on a dispatcher thread, so `submit` returns at once and generation goes on meanwhile.
+    Safe to create inside a (non-daemon) `torch.multiprocessing` spawn child such as the explorer.
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score):
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score, rm_model: str | None = None,
+                 rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0):
         import multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
-        self.timeout_s, self.score_fn = timeout_s, score_fn
-        self.workers = [self._start() for _ in range(max(1, num_workers))]
-        self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0}
+        self.num_workers, self.timeout_s, self.score_fn = max(1, num_workers), timeout_s, score_fn
+        self.rm_model, self.rm_device, self.rm_batch_size, self.rm_timeout_s = (
+            rm_model, rm_device, rm_batch_size, rm_timeout_s)
+        self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0}
+        self._jobs: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        self._closing = threading.Event()
+        self._procs: set = set()  # every child alive, for the exit-time finalizer
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._rm: dict[str, object] = {}  # model path -> RMClient
+        self._error: BaseException | None = None
+        # Kill the children at interpreter exit even if close() was never called; multiprocessing runs this before
+        # it joins non-daemon children, so exit never waits on a busy verifier.
+        from multiprocessing import util
+        self._finalizer = util.Finalize(self, RewardPool._kill_all, args=(self._procs, self._lock), exitpriority=100)
+        self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
+        self._thread.start()
 
-    def _start(self):
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_serve, args=(child, self.score_fn), daemon=True)
-        proc.start()
-        child.close()
-        return proc, parent
-
-    def _restart(self, i: int):
-        proc, conn = self.workers[i]
-        proc.kill()
-        proc.join(timeout=5)
-        conn.close()
-        self.workers[i] = self._start()
+    # ---------------------------------------------------------------- public API
+    def submit(self, responses: list[str], tasks: list[dict]) -> RewardFuture:
+        """Queue a batch for scoring and return at once. Unknown reward kinds fail here (a config error)."""
+        if len(responses) != len(tasks):
+            raise ValueError(f"{len(responses)} responses for {len(tasks)} tasks")
+        for task in tasks:
+            check_kind(task)
+        if self._closing.is_set():
+            raise RuntimeError("RewardPool is closed")
+        future = RewardFuture(len(responses))
+        if responses:
+            self._jobs.put((future, list(responses), list(tasks)))
+            self._wake()
+        return future
 
     def score_batch(self, responses: list[str], tasks: list[dict]) -> list[Reward]:
-        results: list[Reward | None] = [None] * len(responses)
-        pending = list(range(len(responses)))[::-1]
-        busy: dict[int, tuple[int, float]] = {}  # worker -> (item, deadline)
-        while pending or busy:
-            for w in range(len(self.workers)):
-                if w not in busy and pending:
-                    item = pending.pop()
-                    self.workers[w][1].send((responses[item], tasks[item]))
-                    busy[w] = (item, time.time() + self.timeout_s)
-            conns = {self.workers[w][1]: w for w in busy}
-            ready = wait_for_any(list(conns), timeout=max(0.0, min(d for _, d in busy.values()) - time.time()))
-            for conn in ready:
-                w = conns[conn]
-                item, _ = busy.pop(w)
-                try:
-                    results[item] = conn.recv()
-                except (EOFError, ConnectionResetError):
-                    self.stats["crashes"] += 1
-                    results[item] = Reward(0.0, {"reason": "verifier crashed", "failed": True})
-                    self._restart(w)
-            for w, (item, deadline) in list(busy.items()):
-                if time.time() >= deadline:
-                    del busy[w]
-                    self.stats["timeouts"] += 1
-                    results[item] = Reward(0.0, {"reason": f"timeout after {self.timeout_s:.0f}s", "failed": True})
-                    self._restart(w)
-        self.stats["scored"] += len(results)
-        self.stats["failed"] += sum(bool(r.info.get("failed")) for r in results)
-        return results
+        return self.submit(responses, tasks).result()
 
     def close(self):
-        for proc, conn in self.workers:
+        """Stop the dispatcher, kill every child, fail pending futures. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._wake()
+        self._thread.join(timeout=30)
+        RewardPool._kill_all(self._procs, self._lock)
+        for conn in (self._wake_r, self._wake_w):
             conn.close()
-            proc.kill()
-            proc.join(timeout=5)
-        self.workers = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter teardown: the finalizer has already killed the children
+            pass
+
+    # ---------------------------------------------------------------- processes
+    @staticmethod
+    def _kill_all(procs: set, lock: threading.Lock):
+        with lock:
+            victims = list(procs)
+            procs.clear()
+        for proc in victims:
+            if proc.is_alive():
+                proc.kill()
+        for proc in victims:
+            proc.join(timeout=5)
+
+    def _wake(self):
+        try:
+            self._wake_w.send_bytes(b"")
+        except OSError:  # closed: the dispatcher is gone anyway
+            pass
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_serve, args=(child, self.score_fn, os.getpid()),
+                                name="reward-worker", daemon=False)
+        proc.start()
+        child.close()
+        with self._lock:
+            self._procs.add(proc)
+        return _Worker(proc, parent)
+
+    def _stop(self, proc, conn=None):
+        proc.kill()
+        proc.join(timeout=5)
+        with self._lock:
+            self._procs.discard(proc)
+        if conn is not None:
+            conn.close()
+
+    def _rm_client(self, model: str):
+        if model not in self._rm:
+            from rewards.rm import RMClient
+            self._rm[model] = RMClient(self.ctx, model, self.rm_device, self.rm_batch_size, self.rm_timeout_s,
+                                       on_start=self._track, on_stop=self._untrack)
+        return self._rm[model]
+
+    def _track(self, proc):
+        with self._lock:
+            self._procs.add(proc)
+
+    def _untrack(self, proc):
+        with self._lock:
+            self._procs.discard(proc)
+
+    # ---------------------------------------------------------------- dispatcher thread
+    def _finish(self, future: RewardFuture, i: int, reward: Reward):
+        self.stats["scored"] += 1
+        if reward.info.get("failed"):
+            self.stats["failed"] += 1
+            if str(reward.info.get("reason", "")).startswith("error"):
+                self.stats["errors"] += 1
+        future._set(i, reward)
+
+    def _item_timeout(self, task: dict) -> float:
+        return float(task.get("reward_timeout_s", self.timeout_s))
+
+    def _dispatch(self):
+        pending: deque = deque()  # (future, index, response, task)
+        try:
+            self._workers = [self._start_worker() for _ in range(self.num_workers)]
+            while not self._closing.is_set():
+                while True:  # new jobs: rm items go to their model's server, the rest to the verifier workers
+                    try:
+                        future, responses, tasks = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    for i, (response, task) in enumerate(zip(responses, tasks)):
+                        if task.get("reward") == "rm":
+                            model = task.get("rm_model") or self.rm_model
+                            if not model:
+                                self._finish(future, i, failed(f"error: task {task.get('id')}: no rm_model given"))
+                            else:
+                                self._rm_client(model).add(future, i, response, task)
+                        else:
+                            pending.append((future, i, response, task))
+                self._step(pending)
+        except BaseException as e:  # the dispatcher itself broke: fail every waiter loudly rather than hang them
+            self._error = e
+            logging.getLogger(__name__).exception("reward dispatcher died")
+        finally:
+            self._shutdown(pending)
+
+    def _step(self, pending: deque):
+        now = time.time()
+        for w in self._workers:  # hand out work to idle, ready workers
+            if w.ready and w.item is None and pending:
+                future, i, response, task = pending.popleft()
+                limit = self._item_timeout(task)
+                w.item = (future, i, now + limit, limit)
+                try:
+                    w.conn.send((response, task))
+                except (OSError, ValueError) as e:  # pipe broken (worker died) or task not picklable
+                    self._fail_worker(w, failed(f"error: could not send the task to a verifier: {e}"))
+        waits = [w.item[2] for w in self._workers if w.item] + [c.deadline for c in self._rm.values() if c.busy]
+        waits += [w.started + 120 for w in self._workers if not w.ready]  # a worker that never starts
+        timeout = max(0.0, min(waits) - time.time()) if waits else None
+        conns = {w.conn: w for w in self._workers}
+        rm_conns = {c.conn: c for c in self._rm.values() if c.conn is not None}
+        ready = wait_for_any([self._wake_r, *conns, *rm_conns], timeout=timeout)
+        for conn in ready:
+            if conn is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            elif conn in conns:
+                self._receive(conns[conn])
+            else:
+                rm_conns[conn].receive(self._finish)
+        now = time.time()
+        for w in self._workers:
+            if w.item and now >= w.item[2]:
+                self.stats["timeouts"] += 1
+                self._fail_worker(w, failed(f"timeout after {w.item[3]:g}s"))
+            elif not w.ready and now >= w.started + 120:
+                self._replace(w)
+        for client in self._rm.values():
+            client.poll(self._finish)
+
+    def _receive(self, w: _Worker):
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):  # the worker died mid-item (segfault, os._exit, OOM kill)
+            code = w.proc.exitcode
+            w.proc.join(timeout=1)
+            code = w.proc.exitcode if code is None else code
+            self.stats["crashes"] += 1
+            self._fail_worker(w, failed(f"verifier crashed (exit code {code})"))
+            return
+        if msg == "ready":
+            w.ready = True
+        elif w.item is not None:
+            future, i = w.item[:2]
+            w.item = None
+            self._finish(future, i, msg)
+
+    def _fail_worker(self, w: _Worker, reward: Reward):
+        """Give the item in flight `reward`, and replace the worker (it may be stuck or dead)."""
+        if w.item is not None:
+            future, i = w.item[:2]
+            w.item = None
+            self._finish(future, i, reward)
+        self._replace(w)
+
+    def _replace(self, w: _Worker):
+        self._stop(w.proc, w.conn)
+        fresh = self._start_worker()
+        w.proc, w.conn, w.ready, w.item, w.started = fresh.proc, fresh.conn, False, None, fresh.started
+
+    def _shutdown(self, pending: deque):
+        for w in self._workers:
+            self._stop(w.proc, w.conn)
+        for client in self._rm.values():
+            client.close()
+        reason = RuntimeError("RewardPool closed" if self._error is None else f"reward dispatcher died: {self._error}")
+        futures = {id(f): f for f, *_ in pending}
+        futures.update({id(w.item[0]): w.item[0] for w in self._workers if w.item})
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            futures[id(future)] = future
+        for client in self._rm.values():
+            futures.update({id(f): f for f in client.futures()})
+        for future in futures.values():
+            if not future.done():
+                future._future.set_exception(reason)
+        self._closing.set()
+

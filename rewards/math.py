@@ -34,8 +34,9 @@ def extract_answer(response: str) -> str | None:
         return boxed
     matches = ANSWER_LINE.findall(response)
     if matches:
-        answer = matches[-1].strip().rstrip(".").strip()
-        return answer.strip("$").strip() or None
+        # Markdown emphasis, a closing period and $...$ are decoration, not part of the answer.
+        answer = matches[-1].strip().strip("*`").strip().rstrip(".").strip()
+        return answer.strip("$").strip().strip("*`").strip() or None
     return None
 
 

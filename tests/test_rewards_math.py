@@ -52,7 +52,7 @@ def test_pool_survives_hang_crash_and_raise():
         got = pool.score_batch(["Answer: 4", "hang", "crash", "raise", "Answer: 5", "Answer: 4"], [task] * 6)
         assert time.time() - start < 15
         assert [r.score for r in got] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-        assert "timeout" in got[1].info["reason"] and got[2].info["reason"] == "verifier crashed"
+        assert "timeout" in got[1].info["reason"] and got[2].info["reason"].startswith("verifier crashed")
         assert "ZeroDivisionError" in got[3].info["reason"]
         assert pool.stats["timeouts"] == 1 and pool.stats["crashes"] == 1 and pool.stats["failed"] == 3
         assert [r.score for r in pool.score_batch(["Answer: 4"] * 3, [task] * 3)] == [1.0] * 3  # still serving
