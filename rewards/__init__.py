@@ -56,7 +56,7 @@ def failed(reason: str, **info) -> Reward:
 def _safe_score(score_fn, response: str, task: dict) -> Reward:
     try:
         result = score_fn(response, task)
-    except Exception as e:  # a verifier bug must not take the run down: score 0, say why
+    except Exception as e:  # noqa: BLE001  (a verifier bug must not take the run down: score 0, say why)
         return failed(f"error: {type(e).__name__}: {e}", traceback=traceback.format_exc(limit=3))
     if not isinstance(result, Reward):
         return failed(f"error: verifier returned {type(result).__name__}, not Reward")
@@ -207,7 +207,7 @@ class RewardPool:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # interpreter teardown: the finalizer has already killed the children
+        except Exception:  # noqa: BLE001, S110  (interpreter teardown: the finalizer killed the children)
             pass
 
     # ---------------------------------------------------------------- processes

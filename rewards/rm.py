@@ -86,7 +86,7 @@ def _serve(conn, model_path: str, device: str, batch_size: int, parent_pid: int)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         tokenizer, model = load(model_path, device)
-    except Exception as e:  # a bad path or device: report it, the client fails the items with this reason
+    except Exception as e:  # noqa: BLE001  (a bad path or device: the client fails the items with this reason)
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send("ready")
@@ -98,7 +98,7 @@ def _serve(conn, model_path: str, device: str, batch_size: int, parent_pid: int)
         try:
             texts = [rm_text(tokenizer, task, response) for task, response in request]
             conn.send(("scores", score_texts(tokenizer, model, texts, batch_size)))
-        except Exception as e:  # e.g. out of memory on one batch: fail that request, keep serving
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory: fail that request, keep serving)
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 

@@ -1,0 +1,226 @@
+"""Run an untrusted Python program with limits: `run(program, stdin="", limits=Limits()) -> Result`.
+
+What protects a run (on Linux; `Result.mode` says which of these the machine allowed):
+- Process: `python -I` (no user site, no PYTHON* variables) started in its own session/process group, with a
+  scrubbed environment (nothing of the caller's, so no secrets), a wall-clock timeout enforced here, RLIMIT_CPU,
+  RLIMIT_AS (memory), RLIMIT_FSIZE (file size), RLIMIT_NOFILE, RLIMIT_NPROC and no core dumps. The launcher dies
+  with the caller (PR_SET_PDEATHSIG) and the whole process group is SIGKILLed at the end.
+- `namespaces` (as root) or `user-namespace` (unprivileged, where the kernel allows user namespaces): a network
+  namespace with no interfaces but a downed loopback (no network at all), a PID namespace (the program is PID 1:
+  when it ends the kernel kills everything it started; /proc shows only the sandbox), private IPC and UTS, and a
+  mount namespace where every file system is read-only except a fresh size-limited tmpfs working directory that
+  vanishes with the namespace. Closed homes (e.g. /root, mode 700) are replaced by an empty tmpfs with only the
+  Python installation bound back in.
+- `own-uid` (as root): the program runs as a uid of its own (never a real user's, no groups), so it cannot read
+  or write root's files, signal other processes, or read other processes' environments, and RLIMIT_NPROC counts
+  exactly this sandbox's processes (the kernel does not enforce RLIMIT_NPROC for root). Afterwards every process
+  of that uid is killed, whatever session it moved to.
+Fallbacks, honestly: in a `user-namespace` run the program keeps the caller's uid, so RLIMIT_NPROC is set to
+what the caller already runs plus the limit (shared with the caller's other processes), but the file system is
+still read-only and there is still no network. With `no-isolation` (no namespaces allowed at all, e.g. an
+unprivileged container) there is NO network isolation and files the caller may write are writable: only the
+rlimits, the timeout, the scrubbed environment, the process-group kill and (as root) the uid of its own protect.
+Use `isolate="require"` to refuse to run in that case.
+
+Throughput on 2 cores: see bench/rewards_sandbox.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_launch.py")
+UID_BASE = 1_500_000_000  # sandbox uids: far above any real account, one per run
+SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGKILL: "killed", signal.SIGXFSZ: "file size limit",
+                  signal.SIGSEGV: "segmentation fault"}
+
+
+@dataclass
+class Limits:
+    timeout_s: float = 5.0      # wall clock
+    cpu_s: float | None = None  # CPU seconds; default: timeout_s + 1
+    memory_mb: int = 1024       # address space
+    disk_mb: int = 64           # the tmpfs working directory
+    file_mb: int = 16           # largest file the program may write
+    nproc: int = 32             # processes (and threads)
+    nofile: int = 64            # open file descriptors
+    output_bytes: int = 1 << 20  # per stream; more is cut off and the run is stopped
+
+
+@dataclass
+class Result:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    duration_s: float = 0.0
+    mode: str = ""              # what isolation the machine allowed, see the module docstring
+    truncated: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    @property
+    def reason(self) -> str:
+        if self.timed_out:
+            return "timeout"
+        if self.truncated:
+            return "output limit"
+        if self.returncode is None or self.returncode == 0:
+            return "ok"
+        if self.returncode > 128:
+            sig = self.returncode - 128
+            return SIGNAL_REASONS.get(sig, f"signal {sig}")
+        last = self.stderr.strip().splitlines()[-1:] or [f"exit code {self.returncode}"]
+        return last[0][:200]
+
+
+_counter = 0
+_counter_lock = threading.Lock()
+
+
+def _sandbox_uid() -> int | None:
+    """A uid of this run's own when we are root (pid and a per-process counter keep concurrent runs apart)."""
+    global _counter
+    if os.geteuid() != 0:
+        return None
+    with _counter_lock:
+        _counter += 1
+        n = _counter
+    return UID_BASE + (os.getpid() % (1 << 22)) * 64 + n % 64
+
+
+def _clean_env(workdir: str) -> dict:
+    """The only environment the program sees: nothing inherited from the caller."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1"}
+
+
+def kill_uid(uid: int) -> int:
+    """SIGKILL every process running as `uid` (a sandbox uid: nothing else runs as it). Returns how many."""
+    killed = 0
+    for _ in range(3):  # a process may fork while we scan; a couple of passes catch its children
+        found = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    os.kill(int(pid), signal.SIGKILL)
+                    found += 1
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        killed += found
+        if not found:
+            break
+    return killed
+
+
+def _read_all(proc, deadline: float, limit: int) -> tuple[bytes, bytes, bool, bool]:
+    """Read stdout and stderr until both close or the deadline passes. -> (out, err, timed_out, truncated)."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    for pipe in bufs:
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ)
+    timed_out = truncated = False
+    exited_at = None
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > 0.5:
+                break  # the launcher is gone; a straggler holding the pipe open is killed below
+            for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
+                chunk = os.read(key.fileobj.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.fileobj]
+                buf += chunk[: max(0, limit - len(buf))]
+                if len(buf) >= limit:
+                    truncated = True
+            if truncated:
+                break
+    finally:
+        sel.close()
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
+
+
+def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bool | str = True) -> Result:
+    """Run `program` (Python source) with `stdin`; see the module docstring for what it may and may not do.
+    `isolate`: True (namespaces when the machine allows them), "require" (refuse to run without), False."""
+    limits = limits or Limits()
+    uid = _sandbox_uid()
+    workdir = tempfile.mkdtemp(prefix="tandem-sbx-")
+    start = time.monotonic()
+    mode_r, mode_w = os.pipe()
+    proc = None
+    try:
+        with open(os.path.join(workdir, "main.py"), "w") as f:
+            f.write(program)
+        stdin_path = os.path.join(workdir, "stdin.txt")
+        with open(stdin_path, "w") as f:
+            f.write(stdin)
+        if uid is not None:  # only matters without namespaces: there the program runs in this very folder
+            os.chown(workdir, uid, uid)
+        cfg = {"parent": os.getpid(), "workdir": workdir, "uid": uid, "isolate": isolate, "mode_fd": mode_w,
+               "cpu_s": limits.cpu_s or limits.timeout_s + 1, "memory_mb": limits.memory_mb,
+               "disk_mb": limits.disk_mb, "file_mb": limits.file_mb, "nproc": limits.nproc,
+               "nofile": limits.nofile}
+        with open(stdin_path) as stdin_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", LAUNCHER, json.dumps(cfg)], stdin=stdin_file, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=_clean_env(workdir), cwd=workdir, start_new_session=True,
+                pass_fds=(mode_w,))
+        os.close(mode_w)
+        mode_w = -1
+        out, err, timed_out, truncated = _read_all(proc, start + limits.timeout_s, limits.output_bytes)
+        _kill_group(proc)
+        try:
+            returncode = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # SIGKILLed above; only an unkillable (D state) process gets here
+            returncode = None
+        os.set_blocking(mode_r, False)
+        try:
+            mode = os.read(mode_r, 4096).decode()
+        except BlockingIOError:
+            mode = ""
+        return Result(None if timed_out else returncode, out.decode(errors="replace"), err.decode(errors="replace"),
+                      timed_out, time.monotonic() - start, mode, truncated)
+    finally:
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc)
+            proc.wait(timeout=5)
+        if uid is not None:
+            kill_uid(uid)  # anything that escaped the process group (setsid) without a PID namespace
+        for fd in (mode_r, mode_w):
+            if fd >= 0:
+                os.close(fd)
+        for pipe in (proc.stdout, proc.stderr) if proc is not None else ():
+            pipe.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is the group id
+    except (ProcessLookupError, PermissionError):
+        pass
