@@ -27,7 +27,7 @@ Throughput on 2 cores: see bench/rewards_sandbox.py.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import selectors
 import shutil
@@ -109,23 +109,38 @@ def _clean_env(workdir: str) -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
-def kill_uid(uid: int) -> int:
-    """SIGKILL every process running as `uid` (a sandbox uid: nothing else runs as it). Returns how many."""
-    killed = 0
-    for _ in range(3):  # a process may fork while we scan; a couple of passes catch its children
-        found = 0
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
+def _alive_pids_of(uid: int) -> list[int]:
+    """Processes running as `uid` that are not zombies (a zombie runs nothing; its parent or init reaps it)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
                 continue
-            try:
-                if os.stat(f"/proc/{pid}").st_uid == uid:
-                    os.kill(int(pid), signal.SIGKILL)
-                    found += 1
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-        killed += found
-        if not found:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b") ", 1)[1][:1] != b"Z":
+                    pids.append(int(pid))
+        except (OSError, IndexError):
+            continue
+    return pids
+
+
+def kill_uid(uid: int, wait_s: float = 5.0) -> int:
+    """SIGKILL every process running as `uid` (a sandbox uid: nothing else runs as it) and wait until they are
+    gone (SIGKILL takes effect asynchronously; a fork bomb's children keep appearing for a moment)."""
+    killed, deadline = 0, time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        pids = _alive_pids_of(uid)
+        if not pids:
             break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                continue
+        time.sleep(0.01)
     return killed
 
 
@@ -181,23 +196,29 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
             f.write(stdin)
         if uid is not None:  # only matters without namespaces: there the program runs in this very folder
             os.chown(workdir, uid, uid)
-        cfg = {"parent": os.getpid(), "workdir": workdir, "uid": uid, "isolate": isolate, "mode_fd": mode_w,
-               "cpu_s": limits.cpu_s or limits.timeout_s + 1, "memory_mb": limits.memory_mb,
+        cfg = {"parent": os.getpid(), "workdir": workdir, "uid": uid, "mode_fd": mode_w,
+               "isolate": "require" if isolate == "require" else "yes" if isolate else "no",
+               "cpu_s": math.ceil(limits.cpu_s or limits.timeout_s + 1), "memory_mb": limits.memory_mb,
                "disk_mb": limits.disk_mb, "file_mb": limits.file_mb, "nproc": limits.nproc,
                "nofile": limits.nofile}
         with open(stdin_path) as stdin_file:
             proc = subprocess.Popen(
-                [sys.executable, "-I", LAUNCHER, json.dumps(cfg)], stdin=stdin_file, stdout=subprocess.PIPE,
+                [sys.executable, "-I", LAUNCHER, *(f"{k}={v}" for k, v in cfg.items())], stdin=stdin_file, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env=_clean_env(workdir), cwd=workdir, start_new_session=True,
                 pass_fds=(mode_w,))
         os.close(mode_w)
         mode_w = -1
         out, err, timed_out, truncated = _read_all(proc, start + limits.timeout_s, limits.output_bytes)
-        _kill_group(proc)
+        if uid is not None:
+            kill_uid(uid)  # the program and all it started; the launcher then reaps it and exits by itself
+        elif timed_out or truncated:
+            _kill_group(proc)
         try:
+            returncode = proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
             returncode = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # SIGKILLed above; only an unkillable (D state) process gets here
-            returncode = None
+        _kill_group(proc)  # stragglers left in the group (only possible without a PID namespace)
         os.set_blocking(mode_r, False)
         try:
             mode = os.read(mode_r, 4096).decode()
