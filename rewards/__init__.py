@@ -289,7 +289,7 @@ class RewardPool:
                             if not model:
                                 self._finish(future, i, failed(f"error: task {task.get('id')}: no rm_model given"))
                             else:
-                                self._rm_client(model).add(future, i, response, task)
+                                self._rm_client(model).add(future, i, response, task, self._finish)
                         else:
                             pending.append((future, i, response, task))
                 self._step(pending)

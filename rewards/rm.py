@@ -144,7 +144,11 @@ class RMClient:
         self.proc = self.conn = None
         self.ready = False
 
-    def add(self, future, index: int, response: str, task: dict):
+    def add(self, future, index: int, response: str, task: dict, finish=None):
+        if self.model_path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(self.model_path)):
+            # A local path that is not there: say so at once instead of starting a process to find out.
+            self._fail([(future, index)], f"error: reward model {self.model_path}: no such folder", finish)
+            return
         self.waiting.append((future, index, response, task))
         if self.conn is None:
             self._start()
