@@ -59,16 +59,6 @@ def mounts():
     return out
 
 
-def count_processes(uid: int) -> int:
-    n = 0
-    for pid in os.listdir("/proc"):
-        try:
-            n += pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid
-        except OSError:
-            continue
-    return n
-
-
 def hidden_ancestors(paths):
     """For each directory Python needs, the topmost ancestor that others cannot enter (e.g. /root with mode 700):
     after the uid drop that ancestor would lock Python out of its own standard library."""
@@ -94,10 +84,9 @@ def isolate(cfg, mode):
     else:
         uid, gid = os.getuid(), os.getgid()
         check(libc.unshare(base | CLONE_NEWUSER), "unshare (user namespace)")
-        # No uid of our own in a user namespace: RLIMIT_NPROC counts all of the caller's processes, so the limit
-        # is set above what the caller already runs; and the uid drop is skipped.
-        if cfg["nproc"]:
-            cfg["nproc"] += count_processes(uid)
+        # No uid of our own here (the uid drop is skipped). Since Linux 5.14 RLIMIT_NPROC is counted per user
+        # namespace, so the limit still counts only the sandbox's processes; older kernels count all of the
+        # caller's processes, where the limit errs on the strict side.
         cfg["uid"] = None
         for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:

@@ -15,9 +15,10 @@ What protects a run (on Linux; `Result.mode` says which of these the machine all
   or write root's files, signal other processes, or read other processes' environments, and RLIMIT_NPROC counts
   exactly this sandbox's processes (the kernel does not enforce RLIMIT_NPROC for root). Afterwards every process
   of that uid is killed, whatever session it moved to.
-Fallbacks, honestly: in a `user-namespace` run the program keeps the caller's uid, so RLIMIT_NPROC is set to
-what the caller already runs plus the limit (shared with the caller's other processes), but the file system is
-still read-only and there is still no network. With `no-isolation` (no namespaces allowed at all, e.g. an
+Fallbacks, honestly: in a `user-namespace` run (not root) the program keeps the caller's uid: it can signal the
+caller's other processes and read files the caller can read (/proc shows only the sandbox, though), RLIMIT_NPROC
+is counted per user namespace (Linux >= 5.14; older kernels count all the caller's processes), and the file
+system is still read-only with no network (checked as uid nobody on Linux 6.18). With `no-isolation` (no namespaces allowed at all, e.g. an
 unprivileged container) there is NO network isolation and files the caller may write are writable: only the
 rlimits, the timeout, the scrubbed environment, the process-group kill and (as root) the uid of its own protect.
 Use `isolate="require"` to refuse to run in that case.
