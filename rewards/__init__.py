@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 
 KINDS = ("math", "code", "k12", "vision", "rm")
+MAX_CHUNK = 16  # items sent to a worker at once (each still has its own deadline)
+JUDGE_TIMEOUT_S = 120.0  # per item for tasks with a judge_model (model loading happens inside the first item)
 PR_SET_PDEATHSIG = 1
 
 
@@ -86,10 +88,11 @@ def _serve(conn, score_fn, parent_pid: int):
     conn.send("ready")
     while True:
         try:
-            item = conn.recv()
+            chunk = conn.recv()  # a list of (response, task); one result goes back per item, in order
         except (EOFError, OSError):
             return
-        conn.send(_safe_score(score_fn, *item))
+        for response, task in chunk:
+            conn.send(_safe_score(score_fn, response, task))
 
 
 class RewardFuture:
@@ -127,14 +130,16 @@ class _Worker:
     proc: object
     conn: object
     ready: bool = False
-    item: tuple | None = None  # (future, index, deadline, limit_s) while busy
+    items: deque = field(default_factory=deque)  # in flight, in order: (future, index, response, task, limit_s)
+    deadline: float = 0.0  # for the item at the head of `items` (the one the worker is running)
     started: float = field(default_factory=time.time)
 
 
 class RewardPool:
     """Verifiers in `num_workers` child processes (spawn, non-daemon), each item under a wall-clock limit.
 
-    - `timeout_s`: per item (a task may ask for more with `task["reward_timeout_s"]`, e.g. long code tests).
+    - `timeout_s`: per item (a task may ask for more with `task["reward_timeout_s"]`, e.g. long code tests;
+      tasks with a `judge_model` get at least JUDGE_TIMEOUT_S since the first one loads the judge).
     - `score_fn`: a module-level function (default `rewards.score`): how a custom verifier is plugged in.
     - `rm_model`, `rm_device`, `rm_batch_size`: the learned reward model for `reward: rm` tasks (a task may
       name its own with `task["rm_model"]`). It is served by one process per model on its own device
@@ -271,7 +276,11 @@ class RewardPool:
         future._set(i, reward)
 
     def _item_timeout(self, task: dict) -> float:
-        return float(task.get("reward_timeout_s", self.timeout_s))
+        if "reward_timeout_s" in task:
+            return float(task["reward_timeout_s"])
+        if task.get("judge_model"):  # a worker's first judge call loads the LM (seconds); later calls are fast
+            return max(self.timeout_s, JUDGE_TIMEOUT_S)
+        return self.timeout_s
 
     def _dispatch(self):
         pending: deque = deque()  # (future, index, response, task)
@@ -300,17 +309,19 @@ class RewardPool:
             self._shutdown(pending)
 
     def _step(self, pending: deque):
-        now = time.time()
-        for w in self._workers:  # hand out work to idle, ready workers
-            if w.ready and w.item is None and pending:
-                future, i, response, task = pending.popleft()
-                limit = self._item_timeout(task)
-                w.item = (future, i, now + limit, limit)
-                try:
-                    w.conn.send((response, task))
-                except (OSError, ValueError) as e:  # pipe broken (worker died) or task not picklable
-                    self._fail_worker(w, failed(f"error: could not send the task to a verifier: {e}"))
-        waits = [w.item[2] for w in self._workers if w.item] + [c.deadline for c in self._rm.values() if c.busy]
+        idle = [w for w in self._workers if w.ready and not w.items]
+        for w in idle:  # hand out work in chunks: one round trip per chunk, not per item (cheap verifiers)
+            if not pending:
+                break
+            size = max(1, min(MAX_CHUNK, len(pending) // (2 * len(self._workers))))
+            chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+            w.items.extend((f, i, r, t, self._item_timeout(t)) for f, i, r, t in chunk)
+            w.deadline = time.time() + w.items[0][4]
+            try:
+                w.conn.send([(r, t) for _, _, r, t in chunk])
+            except (OSError, ValueError, TypeError) as e:  # pipe broken (worker died) or a task not picklable
+                self._fail_worker(w, failed(f"error: could not send the task to a verifier: {e}"), pending)
+        waits = [w.deadline for w in self._workers if w.items] + [c.deadline for c in self._rm.values() if c.busy]
         waits += [w.started + 120 for w in self._workers if not w.ready]  # a worker that never starts
         timeout = max(0.0, min(waits) - time.time()) if waits else None
         conns = {w.conn: w for w in self._workers}
@@ -321,20 +332,20 @@ class RewardPool:
                 while self._wake_r.poll():
                     self._wake_r.recv_bytes()
             elif conn in conns:
-                self._receive(conns[conn])
+                self._receive(conns[conn], pending)
             else:
                 rm_conns[conn].receive(self._finish)
         now = time.time()
         for w in self._workers:
-            if w.item and now >= w.item[2]:
+            if w.items and now >= w.deadline:
                 self.stats["timeouts"] += 1
-                self._fail_worker(w, failed(f"timeout after {w.item[3]:g}s"))
+                self._fail_worker(w, failed(f"timeout after {w.items[0][4]:g}s"), pending)
             elif not w.ready and now >= w.started + 120:
                 self._replace(w)
         for client in self._rm.values():
             client.poll(self._finish)
 
-    def _receive(self, w: _Worker):
+    def _receive(self, w: _Worker, pending: deque):
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):  # the worker died mid-item (segfault, os._exit, OOM kill)
@@ -342,27 +353,31 @@ class RewardPool:
             w.proc.join(timeout=1)
             code = w.proc.exitcode if code is None else code
             self.stats["crashes"] += 1
-            self._fail_worker(w, failed(f"verifier crashed (exit code {code})"))
+            self._fail_worker(w, failed(f"verifier crashed (exit code {code})"), pending)
             return
         if msg == "ready":
             w.ready = True
-        elif w.item is not None:
-            future, i = w.item[:2]
-            w.item = None
+        elif w.items:
+            future, i, *_ = w.items.popleft()
             self._finish(future, i, msg)
+            if w.items:  # the worker moves straight on to the next item of its chunk
+                w.deadline = time.time() + w.items[0][4]
 
-    def _fail_worker(self, w: _Worker, reward: Reward):
-        """Give the item in flight `reward`, and replace the worker (it may be stuck or dead)."""
-        if w.item is not None:
-            future, i = w.item[:2]
-            w.item = None
+    def _fail_worker(self, w: _Worker, reward: Reward, pending: deque):
+        """Give the item the worker was running `reward`, put the rest of its chunk back at the front of the
+        queue (they never started), and replace the worker (it may be stuck or dead)."""
+        if w.items:
+            future, i, *_ = w.items.popleft()
             self._finish(future, i, reward)
+            for f, i, r, t, _ in reversed(w.items):
+                pending.appendleft((f, i, r, t))
+            w.items.clear()
         self._replace(w)
 
     def _replace(self, w: _Worker):
         self._stop(w.proc, w.conn)
         fresh = self._start_worker()
-        w.proc, w.conn, w.ready, w.item, w.started = fresh.proc, fresh.conn, False, None, fresh.started
+        w.proc, w.conn, w.ready, w.items, w.started = fresh.proc, fresh.conn, False, deque(), fresh.started
 
     def _shutdown(self, pending: deque):
         for w in self._workers:
@@ -371,7 +386,7 @@ class RewardPool:
             client.close()
         reason = RuntimeError("RewardPool closed" if self._error is None else f"reward dispatcher died: {self._error}")
         futures = {id(f): f for f, *_ in pending}
-        futures.update({id(w.item[0]): w.item[0] for w in self._workers if w.item})
+        futures.update({id(item[0]): item[0] for w in self._workers for item in w.items})
         while True:
             try:
                 future, _, _ = self._jobs.get_nowait()

@@ -8,7 +8,8 @@ Task formats:
 - stdin/stdout: `tests: [{"input": str, "output": str}, ...]`; one run per case, outputs compared line by line
   with trailing whitespace ignored. pass_frac = passed / total.
 Score 1 iff every test passes. Optional task fields: `timeout_s` (per run, default 4), `budget_s` (all runs of one
-response, default 8: keep it under the RewardPool timeout), `memory_mb`.
+response, default 8: a run is not started unless it can finish within it, so that the RewardPool timeout
+(default 10 s) is not hit), `memory_mb`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def score(response: str, task: dict):
     budget, start = float(task.get("budget_s", 8.0)), time.monotonic()
     passed, first_failure, mode = 0, None, ""
     for k, case in enumerate(tests):
-        if time.monotonic() - start > budget:
+        if k and time.monotonic() - start + limits.timeout_s > budget:  # stay inside the pool's timeout
             first_failure = first_failure or f"time budget of {budget:g}s used up after {k} of {len(tests)} tests"
             break
         result = run(code, stdin=str(case.get("input", "")), limits=limits)

@@ -7,7 +7,9 @@ time limit is enforced by `rewards.RewardPool`, which runs verifiers in child pr
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
+PLAIN_NUMBER = re.compile(r"^[-+]?\d+(?:\.\d+)?$")
 ANSWER_LINE = re.compile(r"answer\s*[:：]\s*(.+)", re.IGNORECASE)
 
 
@@ -46,6 +48,9 @@ def format_score(response: str) -> float:
 
 
 def is_equivalent(pred: str, gold: str) -> bool:
+    if PLAIN_NUMBER.match(pred) and PLAIN_NUMBER.match(gold):
+        # Fast path for the common case (arithmetic tasks): exact decimal comparison, ~100x cheaper than parsing.
+        return Decimal(pred) == Decimal(gold)
     from math_verify import parse, verify
 
     def parsed(text: str):

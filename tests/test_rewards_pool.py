@@ -124,3 +124,29 @@ def test_shape_group_weights_switch_terms():
     assert format_reward(True) == 1.0 and format_reward(False) == 0.0
     with pytest.raises(ValueError, match="format_ok"):
         shape_group(rewards, lengths, format_weight=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_hang_and_crash_inside_a_chunk_fail_only_that_item():
+    """Workers get items in chunks; a hang or crash fails the item it happened on, the rest of the chunk is
+    re-queued and scored normally."""
+    responses = [f"Answer: {i % 7}" for i in range(40)]
+    responses[5], responses[21] = "hang", "crash"
+    with RewardPool(num_workers=2, timeout_s=2, score_fn=hostile) as pool:
+        got = pool.score_batch(responses, [TASK] * 40)
+    for i, r in enumerate(got):
+        if i == 5:
+            assert "timeout" in r.info["reason"]
+        elif i == 21:
+            assert r.info["reason"].startswith("verifier crashed")
+        else:
+            assert r.score == float(i % 7 == 4) and not r.info.get("failed"), (i, r)
+    assert pool.stats["timeouts"] == 1 and pool.stats["crashes"] == 1 and pool.stats["failed"] == 2
+
+
+def hostile(response: str, task: dict) -> Reward:
+    if response == "hang":
+        time.sleep(600)
+    if response == "crash":
+        os._exit(7)
+    return score(response, task)
