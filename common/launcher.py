@@ -85,6 +85,9 @@ def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, time
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # Under torchrun the agent's store owns MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE would make rank 0 join
+        # it as a client; this world has its own store on its own port.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": device} if backend == "nccl" else {}))

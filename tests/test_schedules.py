@@ -132,3 +132,17 @@ def _find_worker(parent: int, name: str) -> int:
             if f"TANDEM_WORKER={name}".encode() in f.read():
                 return int(pid)
     raise AssertionError(f"no worker {name} under {parent}")
+
+
+def test_torchrun_launch_with_tracking(tmp_path):
+    """`torchrun --nproc-per-node 1 train_async.py` works like python (the agent's store is not reused), and
+    --track logs to W&B offline when no API key is set."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                           os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "2", "--out-dir", str(out),
+                           "--track"], cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(str(out))] == [1, 2]
+    assert list((out / "wandb").glob("offline-run-*"))
