@@ -140,7 +140,6 @@ def set_limits(cfg):
 
 def child(cfg, mode):
     """PID 1 of the sandbox: fresh /proc, limits, uid drop, then the untrusted program."""
-    check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
     if "namespaces" in mode or "user-namespace" in mode:
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.chdir(cfg["workdir"])
@@ -153,6 +152,12 @@ def child(cfg, mode):
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
+    # Die with the launcher (and so with the caller). Set only now: a credential change clears it.
+    check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
+    import select
+    if select.select([cfg["alive_fd"]], [], [], 0)[0]:  # EOF: the launcher died before prctl took effect
+        os._exit(1)
+    os.close(cfg["alive_fd"])
     program = compile(cfg.pop("program"), "main.py", "exec")
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
@@ -193,10 +198,14 @@ def main():
     os.write(cfg["mode_fd"], ",".join(mode).encode())
     os.close(cfg["mode_fd"])
     sys.stdout.flush()
+    alive_r, alive_w = os.pipe()  # the child sees EOF on alive_r once this launcher is gone
     pid = os.fork()
     if pid == 0:
+        os.close(alive_w)
+        cfg["alive_fd"] = alive_r
         child(cfg, mode)
         sys.exit(0)
+    os.close(alive_r)
     _, status = os.waitpid(pid, 0)
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 

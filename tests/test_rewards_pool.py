@@ -1,6 +1,7 @@
 """RewardPool: asynchronous submit, failure containment, use from a spawned (non-daemon) child; shaping functions."""
 
 import os
+import signal
 import time
 
 import pytest
@@ -150,3 +151,90 @@ def hostile(response: str, task: dict) -> Reward:
     if response == "crash":
         os._exit(7)
     return score(response, task)
+
+
+OWNER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from rewards import RewardPool
+if __name__ == "__main__":
+    pool = RewardPool(num_workers=2, timeout_s=60)
+    loop = {{"id": "loop", "reward": "code", "tests": [{{"input": "", "output": ""}}], "timeout_s": 50, "budget_s": 50}}
+    pool.submit(["while True: pass"] * 2, [loop] * 2)
+    print("submitted", flush=True)
+    time.sleep(120)
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_killing_the_owner_leaves_no_process_behind(tmp_path):
+    """SIGKILL the process that owns a pool while sandboxed programs run: workers, launchers and the programs
+    all die with it (PR_SET_PDEATHSIG down the chain; PID namespaces take the programs' children)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER.format(root=os.getcwd()))
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    tree: set[int] = set()
+    try:
+        assert owner.stdout.readline().strip() == "submitted"
+        deadline = time.time() + 30
+        while time.time() < deadline:  # wait until both workers run a sandboxed program
+            sandbox = {p for p in _descendants(owner.pid) if b"_sandbox_launch.py" in _cmdline(p)}
+            programs = {c for p in sandbox for c in _descendants(p)}  # PID 1 of each sandbox (a forked launcher)
+            launchers = sandbox - programs
+            if len(launchers) == 2 and len(programs) == 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the sandboxed programs never started")
+        tree = _descendants(owner.pid)
+        assert sandbox <= tree and len(tree) >= 6  # + 2 workers (+ multiprocessing's resource tracker)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_running(p) for p in tree):
+            time.sleep(0.1)
+        assert [p for p in tree if _running(p)] == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(timeout=10)
+        for pid in tree:  # if the test failed, do not leave busy loops behind
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
