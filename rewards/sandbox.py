@@ -180,12 +180,44 @@ def _read_all(proc, deadline: float, limit: int) -> tuple[bytes, bytes, bool, bo
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
 
 
+WORKDIR_PREFIX = "tandem-sbx-"
+_swept = False
+
+
+def _process_alive(pid: int) -> bool:
+    """Exists and is not a zombie (a killed worker may wait a while to be reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b") ", 1)[1][:1] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def sweep_stale_workdirs(root: str | None = None) -> int:
+    """Remove working folders left by sandbox callers that died mid-run (killed workers never reach their
+    cleanup). Folder names carry the creating pid; only folders of pids that no longer exist are removed."""
+    root = root or tempfile.gettempdir()
+    removed = 0
+    for name in os.listdir(root):
+        if not name.startswith(WORKDIR_PREFIX):
+            continue
+        pid = name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bool | str = True) -> Result:
     """Run `program` (Python source) with `stdin`; see the module docstring for what it may and may not do.
     `isolate`: True (namespaces when the machine allows them), "require" (refuse to run without), False."""
+    global _swept
+    if not _swept:  # once per process: leftovers of callers killed mid-run
+        _swept = True
+        sweep_stale_workdirs()
     limits = limits or Limits()
     uid = _sandbox_uid()
-    workdir = tempfile.mkdtemp(prefix="tandem-sbx-")
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
     start = time.monotonic()
     mode_r, mode_w = os.pipe()
     proc = None

@@ -6,12 +6,14 @@ skipped, with the reason, where `rewards.sandbox` had to fall back (see its docs
 
 import os
 import socket
+import subprocess
+import tempfile
 import time
 
 import pytest
 
 from rewards import RewardPool
-from rewards.sandbox import UID_BASE, Limits, run
+from rewards.sandbox import UID_BASE, WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
 
 MODE = run("pass").mode
 ISOLATED = "read-only-fs" in MODE
@@ -179,7 +181,20 @@ def test_escaped_daemon_is_killed(clean):
     # `clean` checks that no sandbox process (the daemon included) is left
 
 
-def test_workdir_is_removed():
-    before = {p for p in os.listdir("/tmp") if p.startswith("tandem-sbx-")}
+def test_workdir_is_removed(tmp_path):
+    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(WORKDIR_PREFIX)}
     run("open('a', 'w').write('x')")
-    assert {p for p in os.listdir("/tmp") if p.startswith("tandem-sbx-")} == before
+    assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(WORKDIR_PREFIX)} - before == set()
+    # Folders of callers killed mid-run are swept; those of live processes are not.
+    dead = tmp_path / f"{WORKDIR_PREFIX}{_finished_pid()}-abc"
+    live = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-def"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "main.py").write_text("x")
+    assert sweep_stale_workdirs(str(tmp_path)) == 1 and not dead.exists() and live.exists()
+
+
+def _finished_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait(timeout=10)
+    return proc.pid
