@@ -12,6 +12,7 @@ import ctypes
 import importlib
 import logging
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.reduction import ForkingPickler
 
 KINDS = ("math", "code", "k12", "vision", "rm")
 MAX_CHUNK = 16  # items sent to a worker at once (each still has its own deadline)
@@ -309,9 +311,9 @@ class RewardPool:
             self._shutdown(pending)
 
     def _step(self, pending: deque):
-        idle = [w for w in self._workers if w.ready and not w.items]
-        for w in idle:  # hand out work in chunks: one round trip per chunk, not per item (cheap verifiers)
-            if not pending:
+        while pending:  # hand out work in chunks: one round trip per chunk, not per item (cheap verifiers)
+            w = next((w for w in self._workers if w.ready and not w.items), None)
+            if w is None:
                 break
             size = max(1, min(MAX_CHUNK, len(pending) // (2 * len(self._workers))))
             chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
@@ -319,8 +321,18 @@ class RewardPool:
             w.deadline = time.time() + w.items[0][4]
             try:
                 w.conn.send([(r, t) for _, _, r, t in chunk])
-            except (OSError, ValueError, TypeError) as e:  # pipe broken (worker died) or a task not picklable
-                self._fail_worker(w, failed(f"error: could not send the task to a verifier: {e}"), pending)
+            except OSError:  # the worker is gone: the chunk never started, so it goes back to the queue
+                pending.extendleft(reversed(chunk))
+                w.items.clear()
+                self._replace(w)
+            except (TypeError, AttributeError, pickle.PicklingError):  # pickling fails before anything is sent
+                w.items.clear()
+                for item in reversed(chunk):  # fail only the items that cannot be pickled, requeue the others
+                    try:
+                        ForkingPickler.dumps(item[2:])
+                        pending.appendleft(item)
+                    except (TypeError, AttributeError, pickle.PicklingError) as e:
+                        self._finish(item[0], item[1], failed(f"error: task cannot be sent to a verifier: {e}"))
         waits = [w.deadline for w in self._workers if w.items] + [c.deadline for c in self._rm.values() if c.busy]
         waits += [w.started + 120 for w in self._workers if not w.ready]  # a worker that never starts
         timeout = max(0.0, min(waits) - time.time()) if waits else None

@@ -48,6 +48,16 @@ def test_segfault_is_contained_and_counted():
         assert pool.stats["crashes"] == 1
 
 
+@pytest.mark.timeout(60)
+def test_unpicklable_task_fails_alone():
+    tasks = [TASK] * 12
+    tasks[4] = {**TASK, "id": "bad-4", "extra": lambda: None}  # a lambda cannot cross a process boundary
+    with RewardPool(num_workers=1) as pool:
+        got = pool.score_batch(["Answer: 4"] * 12, tasks)
+    assert [r.score for r in got] == [1.0] * 4 + [0.0] + [1.0] * 7
+    assert "cannot be sent" in got[4].info["reason"] and got[4].info["failed"]
+
+
 def test_unknown_kind_fails_at_submit_naming_the_task():
     with RewardPool(num_workers=1) as pool:
         with pytest.raises(ValueError, match=r"task poem-3: unknown reward 'poetry'"):
