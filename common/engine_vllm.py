@@ -293,11 +293,12 @@ class VLLMEngine(RolloutEngine):
     gpu_memory_utilization: GPU only: the share of the GPU vLLM takes (weights + KV cache); lower it when a trainer
         shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
         of the whole machine's memory).
+    max_model_len: longest prompt + response (default: the model's max_position_embeddings).
     stop_token_ids: end a response at these (default: the tokenizer's eos), like the HF engine.
     """
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
                  stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):
         ok, why = vllm_available()
         if not ok:

@@ -1,0 +1,138 @@
+"""HF `generate` vs vLLM rollout engine, side by side in one run, plus the cost of a weight update into vLLM.
+
+    .venv-vllm/bin/python bench/engines.py                      # default model, 8 prompts x n=4, 128 new tokens
+    .venv-vllm/bin/python bench/engines.py --model tiny-vllm --max-new-tokens 32   # quick smoke run
+
+Prints generated tokens/s of each engine at batch prompts x n (best of --repeats timed calls after one warm-up
+call), and for vLLM the time of one weight update through weight_buffers()/commit_weights() (the explorer's
+broadcast path, excluding the broadcast itself) and through load_from_checkpoint (checkpoint sync), each checked
+by the checksum read back from the vLLM worker. --json writes the figures to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPTS = [
+    "What is 17 + 25? Answer with a number.",
+    "Tom has 3 apples and buys 4 more. How many apples does he have?",
+    "Write a short sentence about the sea.",
+    "What is 9 times 8?",
+    "Name three colours.",
+    "A train travels 60 km in one hour. How far does it go in 3 hours?",
+    "What is the capital of France?",
+    "Explain in one sentence what a prime number is.",
+]
+
+
+def timed_generate(engine, prompts, sampling, repeats):
+    engine.generate(prompts[:2], type(sampling)(sampling.temperature, sampling.top_p, 8, 1))  # warm-up
+    best = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, sampling)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(g.response_ids) for gs in out for g in gs)
+        if best is None or tokens / seconds > best["tokens_per_s"]:
+            best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                    "mean_len": round(tokens / sum(len(gs) for gs in out), 1)}
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="default | tiny-vllm | an HF folder")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+
+    import torch
+
+    from common.engine import HFEngine, SamplingConfig
+    from common.model import chat_prompt_ids, resolve_model
+
+    tmp = tempfile.mkdtemp(prefix="bench-engines-")
+    if args.model == "tiny-vllm":
+        from common.engine_vllm import save_servable_tiny
+
+        path = save_servable_tiny(tmp)
+    else:
+        path = resolve_model(args.model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [chat_prompt_ids(tokenizer, {"prompt": PROMPTS[i % len(PROMPTS)]}) for i in range(args.prompts)]
+    sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.n)
+    results = {"model": args.model, "batch": args.prompts * args.n, "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "top_p": args.top_p, "cpu_threads": torch.get_num_threads()}
+    print(f"[bench] {args.model}: {args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
+          f"T={args.temperature} top_p={args.top_p}, torch threads {torch.get_num_threads()}", flush=True)
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if "hf" in args.engines:
+        results["hf"] = timed_generate(HFEngine(hf, tokenizer), prompts, sampling, args.repeats)
+        print(f"[bench] hf   : {results['hf']}", flush=True)
+
+    if "vllm" in args.engines:
+        from common.engine_vllm import VLLMEngine
+        from common.weight_sync import weights_hash, write_sync_checkpoint
+
+        start = time.perf_counter()
+        engine = VLLMEngine(path, tokenizer=tokenizer, dtype="float32", kv_cache_gb=1.0)
+        startup = time.perf_counter() - start
+        results["vllm"] = timed_generate(engine, prompts, sampling, args.repeats)
+        results["vllm"]["startup_s"] = round(startup, 1)
+        print(f"[bench] vllm : {results['vllm']}", flush=True)
+
+        # One weight update: new weights in the buffers (what broadcast_weights leaves there), then commit.
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.mul_(1.0001)
+        named = dict(hf.named_parameters())
+        buffers = engine.weight_buffers()
+        start = time.perf_counter()
+        for name, t in buffers:
+            t.copy_(named[name])
+        fill = time.perf_counter() - start
+        engine.commit_weights(buffers)
+        ok = engine.weights_checksum() == weights_hash(hf.named_parameters())
+        size_mb = sum(t.numel() * t.element_size() for _, t in buffers) / 2**20
+        results["vllm_update"] = {"weights_mb": round(size_mb, 1), "fill_buffers_s": round(fill, 3),
+                                  "commit_s": round(engine.last_update_s, 3),
+                                  "worker_reload_s": round(engine.last_reload_s, 3), "checksum_equal": ok}
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.mul_(1.0001)
+        ckpt = write_sync_checkpoint(os.path.join(tmp, "sync"), list(hf.named_parameters()), 1)
+        engine.load_from_checkpoint(ckpt)
+        ok = engine.weights_checksum() == weights_hash(hf.named_parameters())
+        results["vllm_checkpoint_load"] = {"load_s": round(engine.last_update_s, 3), "checksum_equal": ok}
+        print(f"[bench] vllm weight update (buffers -> vLLM): {results['vllm_update']}", flush=True)
+        print(f"[bench] vllm checkpoint load: {results['vllm_checkpoint_load']}", flush=True)
+        engine.close()
+
+    if "hf" in results and "vllm" in results:
+        results["speedup"] = round(results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"], 2)
+        print(f"[bench] generated tokens/s  hf {results['hf']['tokens_per_s']}  vllm {results['vllm']['tokens_per_s']}"
+              f"  (x{results['speedup']})", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: keep the work under this guard
+    main()
