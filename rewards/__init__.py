@@ -146,6 +146,8 @@ class RewardPool:
     - `rm_model`, `rm_device`, `rm_batch_size`: the learned reward model for `reward: rm` tasks (a task may
       name its own with `task["rm_model"]`). It is served by one process per model on its own device
       (`rewards.rm.RMServer`), batched, started on first use.
+    - `judge_model`: the K-12 / vision judge (`--judge-model`) for tasks that do not name their own; it runs
+      inside the verifier workers (loaded once per worker, on CPU unless the task says `judge_device`).
     - `stats`: scored / failed / timeouts / crashes / errors, cumulative.
 
     Scoring runs on a dispatcher thread, so `submit` returns at once and generation goes on meanwhile.
@@ -153,13 +155,15 @@ class RewardPool:
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score, rm_model: str | None = None,
-                 rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0):
+                 rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0,
+                 judge_model: str | None = None):
         import multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
         self.num_workers, self.timeout_s, self.score_fn = max(1, num_workers), timeout_s, score_fn
         self.rm_model, self.rm_device, self.rm_batch_size, self.rm_timeout_s = (
             rm_model, rm_device, rm_batch_size, rm_timeout_s)
+        self.judge_model = judge_model
         self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0}
         self._jobs: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
@@ -302,6 +306,9 @@ class RewardPool:
                             else:
                                 self._rm_client(model).add(future, i, response, task, self._finish)
                         else:
+                            if self.judge_model and task.get("reward") in ("k12", "vision") and \
+                                    "judge_model" not in task:
+                                task = {**task, "judge_model": self.judge_model}
                             pending.append((future, i, response, task))
                 self._step(pending)
         except BaseException as e:  # the dispatcher itself broke: fail every waiter loudly rather than hang them

@@ -94,6 +94,25 @@ def test_generative_judge_with_tiny_models(judges):
     assert score("Answer: Amazon", {**task, "judge_model": judges["random"]}).info["judge_p_yes"] == p
 
 
+def echo_judge(response: str, task: dict):
+    """A verifier that reports which judge the pool handed it (the judge itself is tested above)."""
+    from rewards import Reward
+
+    return Reward(1.0, {"reason": "echo", "judge_model": task.get("judge_model")})
+
+
+@pytest.mark.timeout(60)
+def test_pool_level_judge_model_reaches_k12_and_vision_tasks():
+    from rewards import RewardPool
+
+    tasks = [{"id": "a", "reward": "k12", "answer": "x"}, {"id": "b", "reward": "vision", "answer": "x"},
+             {"id": "c", "reward": "k12", "answer": "x", "judge_model": "/own"},  # a task's own judge wins
+             {"id": "d", "reward": "math", "answer": "x"}]
+    with RewardPool(num_workers=1, judge_model="/pool-judge", score_fn=echo_judge) as pool:
+        got = pool.score_batch(["x"] * 4, tasks)
+    assert [r.info["judge_model"] for r in got] == ["/pool-judge", "/pool-judge", "/own", None]
+
+
 # ---------------------------------------------------------------- vision
 def _png(width=8, height=6) -> bytes:
     from PIL import Image
