@@ -6,8 +6,6 @@ so they load exactly like a real `rm_model` / `judge_model` path.
 
 from __future__ import annotations
 
-import torch
-
 
 def _tokenizer():
     from common.model import build_tiny_tokenizer
@@ -26,6 +24,7 @@ def _config(tokenizer, **extra):
 
 def build_tiny_rm(path: str, seed: int = 0) -> str:
     """A random 2-layer LlamaForSequenceClassification (one logit) + tokenizer saved at `path`."""
+    import torch
     from transformers import LlamaForSequenceClassification
 
     tokenizer = _tokenizer()
@@ -47,6 +46,7 @@ def build_tiny_judge(path: str, kind: str = "random", seed: int = 0) -> str:
       output layer is wired so that after the prompt's last token "y", "e", "s" follow with near certainty and
       "n" is near impossible: it always says yes.
     """
+    import torch
     from transformers import LlamaForCausalLM
 
     tokenizer = _tokenizer()
