@@ -236,9 +236,9 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
                "nofile": limits.nofile}
         with open(stdin_path) as stdin_file:
             proc = subprocess.Popen(
-                [sys.executable, "-I", LAUNCHER, *(f"{k}={v}" for k, v in cfg.items())], stdin=stdin_file, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=_clean_env(workdir), cwd=workdir, start_new_session=True,
-                pass_fds=(mode_w,))
+                [sys.executable, "-I", LAUNCHER, *(f"{k}={v}" for k, v in cfg.items())], stdin=stdin_file,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env(workdir), cwd=workdir,
+                start_new_session=True, pass_fds=(mode_w,))
         os.close(mode_w)
         mode_w = -1
         out, err, timed_out, truncated = _read_all(proc, start + limits.timeout_s, limits.output_bytes)
@@ -246,12 +246,12 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
             kill_uid(uid)  # the program and all it started; the launcher then reaps it and exits by itself
         elif timed_out or truncated:
             _kill_group(proc)
-        try:
-            returncode = proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
+        if not _exited_unreaped(proc.pid, 2.0):
             _kill_group(proc)
-            returncode = proc.wait(timeout=5)
-        _kill_group(proc)  # stragglers left in the group (only possible without a PID namespace)
+        # Stragglers left in the group (only possible without a PID namespace). The launcher is not reaped yet,
+        # so its pid, the group id, cannot have been reused by an unrelated process group.
+        _kill_group(proc)
+        returncode = proc.wait(timeout=5)
         os.set_blocking(mode_r, False)
         try:
             mode = os.read(mode_r, 4096).decode()
@@ -271,6 +271,16 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
         for pipe in (proc.stdout, proc.stderr) if proc is not None else ():
             pipe.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _exited_unreaped(pid: int, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the child to exit, leaving it unreaped (a zombie keeps its pid reserved)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        time.sleep(0.001)
+    return False
 
 
 def _kill_group(proc):
