@@ -47,7 +47,7 @@ def test_jsonl_taskset_with_held_out_and_epochs(tmp_path):
 
 @pytest.mark.parametrize("line,fragment", [
     ('{"answer": "2"}', "missing field 'prompt'"),
-    ('{"prompt": "x", "answer": "1", "reward": "vision"}', "'vision' has no verifier"),
+    ('{"prompt": "x", "reward": "code"}', "missing field 'tests'"),
     ('{"prompt": "x", "answer": "1", "reward": "poetry"}', "unknown reward 'poetry'"),
     ('{"prompt": "x", ', "not valid JSON"),
 ])
