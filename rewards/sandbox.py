@@ -160,7 +160,7 @@ def _read_all(proc, deadline: float, limit: int) -> tuple[bytes, bytes, bool, bo
             if now >= deadline:
                 timed_out = True
                 break
-            if exited_at is None and proc.poll() is not None:
+            if exited_at is None and _exited_unreaped(proc.pid, 0.0):  # not proc.poll(): it would reap
                 exited_at = now
             if exited_at is not None and now - exited_at > 0.5:
                 break  # the launcher is gone; a straggler holding the pipe open is killed below
@@ -276,11 +276,12 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
 def _exited_unreaped(pid: int, timeout_s: float) -> bool:
     """Wait up to `timeout_s` for the child to exit, leaving it unreaped (a zombie keeps its pid reserved)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.001)
-    return False
 
 
 def _kill_group(proc):

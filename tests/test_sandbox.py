@@ -26,25 +26,43 @@ STDIN_TASK = {"id": "sum-1", "reward": "code", "tests": [{"input": "2 3\n", "out
 GOOD = "```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```"
 
 
-def sandbox_processes() -> list[int]:
-    """Pids of anything a sandbox left running: its launcher, or any process as a sandbox uid. Zombies run
-    nothing and are skipped (an orphan's is reaped by init in its own time)."""
-    left = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
+def _proc_table() -> dict[int, tuple[int, int, bytes, bool]]:
+    """pid -> (parent pid, uid, cmdline, zombie) for every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b") ", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read()
-            uid = os.stat(f"/proc/{pid}").st_uid
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                zombie = f.read().rsplit(b") ", 1)[1].startswith(b"Z")
-        except OSError:
+            table[int(entry)] = (int(fields[1]), os.stat(f"/proc/{entry}").st_uid, cmd, fields[0] == b"Z")
+        except (OSError, IndexError, ValueError):
             continue
-        if zombie:
+    return table
+
+
+def sandbox_processes() -> list[int]:
+    """Pids of anything a sandbox of this test run left running: a launcher below this process, or any process
+    with a sandbox uid made by this process or one of its children (the uid encodes the creating pid, so
+    concurrent test runs on the same machine do not see each other's). Zombies run nothing and are skipped."""
+    table = _proc_table()
+    mine, todo = {os.getpid()}, [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, *_) in table.items():
+            if ppid == parent and pid not in mine:
+                mine.add(pid)
+                todo.append(pid)
+    creators = {pid % (1 << 22) for pid in mine}
+    left = []
+    for pid, (_, uid, cmd, zombie) in table.items():
+        if zombie or pid == os.getpid():
             continue
-        if b"_sandbox_launch.py" in cmd or uid >= UID_BASE:
-            left.append(int(pid))
+        if (b"_sandbox_launch.py" in cmd and pid in mine) or (
+                uid >= UID_BASE and (uid - UID_BASE) // 64 in creators):
+            left.append(pid)
     return left
 
 
@@ -198,3 +216,15 @@ def _finished_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait(timeout=10)
     return proc.pid
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_runs_from_threads(clean):
+    """Runs from several threads at once (uids, pipes and reaping must not mix up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(lambda k: run(f"import sys\nprint({k} * 2, sys.stdin.read())", stdin=str(k)),
+                              range(24)))
+    assert [r.stdout.split() for r in results] == [[str(k * 2), str(k)] for k in range(24)]
+    assert all(r.ok for r in results)
