@@ -200,9 +200,10 @@ def test_escaped_daemon_is_killed(clean):
 
 
 def test_workdir_is_removed(tmp_path):
-    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(WORKDIR_PREFIX)}
+    mine = f"{WORKDIR_PREFIX}{os.getpid()}-"  # this process's folders (other test runs may be sandboxing too)
+    before = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(mine)}
     run("open('a', 'w').write('x')")
-    assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(WORKDIR_PREFIX)} - before == set()
+    assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(mine)} == before == set()
     # Folders of callers killed mid-run are swept; those of live processes are not.
     dead = tmp_path / f"{WORKDIR_PREFIX}{_finished_pid()}-abc"
     live = tmp_path / f"{WORKDIR_PREFIX}{os.getpid()}-def"
