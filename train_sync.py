@@ -16,7 +16,6 @@ Launch (CPU, embedded SmolLM2-135M-Instruct; `python` and `torchrun --nproc-per-
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.multiprocessing as mp
@@ -26,7 +25,7 @@ from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer import Explorer
 from common.launcher import WorkerContext, WorkerSpec, launch
 from common.metrics import Timeline
-from common.run import finish_run, prepare_run
+from common.run import finish_run, prepare_run, threads_per_worker
 from common.trainer import TrainerRun
 from common.weight_sync import WeightReceiver, WeightSender
 
@@ -79,8 +78,8 @@ def main():
     specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, (args, queue))
              for i, d in enumerate(args.trainer_device_list)]
     specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, (args, queue))]
-    # Explorer and trainer take turns here, so each may use every core.
-    launch(specs, num_threads=args.num_threads or os.cpu_count(), timeout_s=args.timeout_s)
+    # Explorer and trainer take turns here, so each may use every core (data-parallel trainers share them).
+    launch(specs, num_threads=threads_per_worker(args, len(args.trainer_device_list)), timeout_s=args.timeout_s)
     finish_run(args, title="train_sync.py: schedule (a), synchronous")
 
 

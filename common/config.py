@@ -166,20 +166,39 @@ class CommonArgs:
         if self.minibatch_size > self.rollout_batch_size:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
                               f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size})")
-        devices = self.explorer_device_list + self.trainer_device_list
-        if not self.explorer_device_list or not self.trainer_device_list:
-            raise ConfigError("--explorer-devices and --trainer-devices each need at least one device")
-        for d in devices:
-            if not (d == "cpu" or d.startswith("cuda")):
-                raise ConfigError(f"device {d!r} in --explorer-devices/--trainer-devices is neither cpu nor cuda[:N]")
-            if d.startswith("cuda"):
-                import torch
+        check_placement(self.explorer_device_list, self.trainer_device_list)
 
-                index = int(d.split(":")[1]) if ":" in d else 0
-                if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-                    raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices does not exist here")
-        if len(self.trainer_device_list) > 1:
-            raise ConfigError("--trainer-devices: data-parallel training over several devices is not implemented yet")
+
+def check_placement(explorers: list[str], trainers: list[str]) -> None:
+    """Impossible device placements, before any process starts. Explorer and trainer may share a GPU (colocated:
+    their weight sync then goes through the CPU over gloo, as NCCL cannot connect two ranks on one GPU)."""
+    if not explorers or not trainers:
+        raise ConfigError("--explorer-devices and --trainer-devices each need at least one device")
+    for d in explorers + trainers:
+        if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ConfigError(f"device {d!r} in --explorer-devices/--trainer-devices is neither cpu nor cuda[:N]")
+    kinds = {d.split(":")[0] for d in trainers}
+    if len(kinds) > 1:
+        raise ConfigError(f"--trainer-devices {','.join(trainers)}: data-parallel trainers must be all cpu or all cuda")
+    if "cuda" in kinds:
+        seen = [normalize_device(d) for d in trainers]
+        twice = next((d for d in seen if seen.count(d) > 1), None)
+        if twice:
+            raise ConfigError(f"--trainer-devices lists {twice} twice: each data-parallel trainer needs its own GPU")
+    for d in explorers + trainers:
+        if d.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices: CUDA is not available here")
+            if (torch.device(d).index or 0) >= torch.cuda.device_count():
+                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices does not exist here "
+                                  f"({torch.cuda.device_count()} GPU(s))")
+
+
+def normalize_device(device: str) -> str:
+    """'cuda' -> 'cuda:0' (so placements can be compared); other names unchanged."""
+    return "cuda:0" if device == "cuda" else device
 
 
 def parse_args(cls, argv: list[str] | None = None):

@@ -1,7 +1,10 @@
 """Spawn the workers of one run, join them into one torch.distributed world, and supervise them.
 
 World layout: ranks 0..T-1 are trainers (data parallel), then one rank per explorer. Groups: `trainers` and
-`sync` (trainer rank 0 + every explorer). Backend: nccl when every worker is on CUDA, gloo otherwise.
+`sync` (trainer rank 0 + every explorer). Backend: nccl when every worker has a GPU of its own; gloo when all are
+on the CPU; otherwise both ("cpu:gloo,cuda:nccl", each collective picks by the tensors' device): data-parallel
+trainers on GPUs all-reduce over NCCL, and the weight sync goes through the CPU over gloo, because NCCL cannot
+connect two ranks on one GPU (colocated explorer + trainer) or a CPU rank.
 
 The first worker to fail makes the launcher print its traceback, kill every worker's process group (so reward
 pools and sandboxes they started go too) and exit non-zero. Ctrl-C asks the trainers to save a checkpoint first.
@@ -56,8 +59,25 @@ class WorkerContext:
 
     @property
     def comm_device(self) -> torch.device:
-        """Where collective buffers live: the worker's GPU under nccl, the CPU under gloo."""
+        """Where weight-sync buffers live: the worker's GPU under nccl, the CPU under gloo (or a colocated GPU)."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def trainer_comm_device(self) -> torch.device:
+        """Where the data-parallel trainers' collectives run: their GPUs (always distinct) or the CPU."""
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+def choose_backend(devices: list[str]) -> str:
+    """nccl when every worker has a GPU of its own, gloo when none has one, else both (see module docstring)."""
+    from common.config import normalize_device
+
+    devices = [normalize_device(d) for d in devices]
+    if not any(d.startswith("cuda") for d in devices):
+        return "gloo"
+    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "cpu:gloo,cuda:nccl"
 
 
 def _free_port() -> int:
@@ -120,8 +140,7 @@ def _kill_group(proc, sig=signal.SIGKILL):
 
 def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900.0) -> None:
     """Run every worker to completion; on the first failure stop all and exit non-zero with its traceback."""
-    devices = [s.device for s in specs]
-    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+    backend = choose_backend([s.device for s in specs])
     # Under torchrun MASTER_ADDR is honoured; its MASTER_PORT may be held by the agent's store, so the world of
     # spawned workers gets its own free port unless TANDEM_PORT says otherwise.
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")

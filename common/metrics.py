@@ -35,9 +35,10 @@ class Timeline:
 
     @contextmanager
     def phase(self, phase: str, **extra):
+        """Yields the event's extra fields: what the body adds to them is recorded too."""
         start = time.time()
         try:
-            yield
+            yield extra
         finally:
             self.record(phase, start, time.time(), **extra)
 

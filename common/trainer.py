@@ -19,13 +19,16 @@ from common.metrics import MetricsLogger, Timeline
 from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, group_advantages, kl_estimate,
                            masked_mean, opmd_loss)
 from common.model import load_model, load_tokenizer, sequence_logprobs
+from common.parallel import DataParallel
+from common.weight_sync import weights_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Trainer:
-    def __init__(self, args, device: torch.device):
+    def __init__(self, args, device: torch.device, dp: DataParallel | None = None):
         self.args, self.device = args, device
+        self.dp = dp or DataParallel()  # one trainer unless --trainer-devices lists several
         self.tokenizer = load_tokenizer(args.model)
         self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
         self.model.config.use_cache = False
@@ -57,8 +60,10 @@ class Trainer:
         correcting = args.off_policy_correction != "none"
         single_update = args.ppo_epochs == 1 and len(trained) <= args.minibatch_size
         prox_logprobs = self._logprobs(self.model, batch) if correcting and not single_update else None
+        # Seeded by step: every data-parallel trainer walks the same order, and a resumed run the same as before.
+        shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + self.step)
         for _ in range(args.ppo_epochs if len(trained) else 0):
-            order = trained[torch.randperm(len(trained))]
+            order = trained[torch.randperm(len(trained), generator=shuffle)]
             for start in range(0, len(order), args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
                 self._minibatch_update(batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
@@ -86,8 +91,9 @@ class Trainer:
         per_token = args.algo == "grpo"
         total_units = batch.response_mask[idx].sum().clamp(min=1) if per_token else len(idx)
         self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(idx), args.micro_batch_size):
-            mb_idx = idx[start: start + args.micro_batch_size]
+        local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
+        for start in range(0, len(local), args.micro_batch_size):
+            mb_idx = local[start: start + args.micro_batch_size]
             mb = batch.select(mb_idx)
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
                                                   mb.response_mask, with_entropy=True,
@@ -118,6 +124,7 @@ class Trainer:
                 stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask).item())
                 ratio = torch.exp(logprobs - mb.old_logprobs)
                 stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask).item())
+        self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
         stats.setdefault("grad_norm", []).append(grad_norm.item())
         self.optimizer.step()
@@ -191,12 +198,13 @@ class TrainerRun:
     def __init__(self, ctx, args):
         self.ctx, self.args = ctx, args
         self.timeline = Timeline(args.out_dir, ctx.name)
-        self.trainer = Trainer(args, ctx.device)
+        self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
+        self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
         state = self.trainer.resume(args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0)}
         self.start_time = time.time() - state.get("elapsed", 0.0)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
-                                    args.wandb_project) if ctx.index == 0 else None
+                                    args.wandb_project) if self.is_main else None
 
     @property
     def step(self) -> int:
@@ -204,14 +212,17 @@ class TrainerRun:
 
     def get(self, queue):
         start = time.time()
-        batch = queue.get(self.args.timeout_s)
+        batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s) if self.is_main else None)
         key = f"{batch.explorer}-{'final' if batch.final else batch.step}"  # the final message carries only the eval
         self.timeline.record("wait", start, time.time(), get=key)
         return batch
 
     def train(self, batch, step: int) -> dict:
-        with self.timeline.phase("train", step=step):
-            return self.trainer.train_step(batch.experiences)
+        with self.timeline.phase("train", step=step) as event:
+            metrics = self.trainer.train_step(batch.experiences)
+            if self.args.verify_sync:  # data-parallel replicas must stay bit-identical
+                event["hash"] = weights_hash(self.trainer.named_weights())
+        return metrics
 
     def log(self, batch, metrics: dict, **extra):
         step = self.trainer.step
@@ -226,11 +237,15 @@ class TrainerRun:
             self.checkpoint()
 
     def checkpoint(self, name: str | None = None):
+        if not self.is_main:  # the replicas are identical: one writer
+            return None
         with self.timeline.phase("checkpoint", step=self.trainer.step):
             return self.trainer.save_checkpoint(self.args.out_dir, name, {**self.summary,
                                                                           "elapsed": time.time() - self.start_time})
 
     def finish(self, final_eval: dict):
+        if not self.is_main:
+            return
         self.checkpoint()
         self.checkpoint("final")
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,

@@ -124,6 +124,8 @@ class WeightSender:
         self._error: BaseException | None = None
 
     def push(self, named_tensors, version: int, step: int, method: str = "broadcast", in_flight: bool = False):
+        if self.ctx.index != 0:  # data-parallel trainers other than rank 0 are not in the sync group
+            return
         self.wait()  # collectives must not interleave: the previous in-flight broadcast finishes first
         check = {"hash": weights_hash(named_tensors)} if self.args.verify_sync else {}
         if method == "checkpoint":
