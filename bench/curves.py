@@ -59,7 +59,9 @@ def plot(results: dict, title: str, path: str) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(title)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

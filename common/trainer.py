@@ -53,7 +53,7 @@ class Trainer:
         n = len(batch)
         trained = torch.arange(n)
         if args.drop_zero_signal_groups:
-            trained = trained[advantages != 0]
+            trained = trained[(advantages != 0).cpu()]
         # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
         # the proximal ones and the extra forward pass is skipped.
