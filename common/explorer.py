@@ -74,8 +74,8 @@ class Explorer:
             finish_reason=r.finish_reason, timings={"rollout": t1 - t0, "reward": t2 - t1},
             segment_versions=r.versions,
         ) for (g, r), s in zip(flat, scores)]
-        for k, g in enumerate(groups):
-            n = args.samples_per_task
+        n = args.samples_per_task
+        for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
             self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[k * n:(k + 1) * n]])
         metrics = {
             "time/rollout": t1 - t0, "time/reward": t2 - t1,

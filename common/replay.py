@@ -143,8 +143,8 @@ class ReplayBuffer:
     def size(self) -> int:
         return sum(len(g.experiences) for g in self.stored)
 
-    def mix(self, fresh: list[Experience], version: int, source: int = 0) -> tuple[list[Experience], dict]:
-        """The experiences to train on at trainer version `version`: fresh (from explorer `source`) + replayed."""
+    def mix(self, fresh: list[Experience], version: int) -> tuple[list[Experience], dict]:
+        """What to train on at trainer version `version`: the fresh experiences (one explorer's batch) + replayed."""
         groups: dict[int, list[Experience]] = {}
         for e in fresh:
             groups.setdefault(e.group_id, []).append(e)

@@ -47,7 +47,7 @@ def finish_run(args, title: str) -> None:
     summary_path = os.path.join(args.out_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     if rows:
-        rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: first steps may train nothing
+        rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"
         print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; "
               f"held-out accuracy {summary.get('eval_before')} -> "

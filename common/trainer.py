@@ -226,7 +226,7 @@ class TrainerRun:
     def train(self, batch, step: int) -> dict:
         experiences, replay_metrics = batch.experiences, {}
         if self.replay is not None:
-            experiences, replay_metrics = self.replay.mix(experiences, self.trainer.version, batch.explorer)
+            experiences, replay_metrics = self.replay.mix(experiences, self.trainer.version)
         with self.timeline.phase("train", step=step):
             metrics = self.trainer.train_step(experiences) if experiences else self.trainer.skip_step()
         return {**metrics, **replay_metrics}
