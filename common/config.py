@@ -124,6 +124,24 @@ class CommonArgs:
     verify_sync: bool = False
     """Hash the weights on both sides of every sync and record the hashes in the timeline (debugging, tests)."""
 
+    # --- Kimi k1.5: partial rollouts, replay, curriculum ----------------------------------------------------
+    rollout_token_budget: int = 0
+    """Partial rollouts (Kimi k1.5): at most B new tokens per response per rollout step; a response not finished
+    by then is kept by the explorer and continued with newer weights in later steps (0: off, one round)."""
+    partial_loss: str = "last_segment"
+    """last_segment: train only the tokens made by a response's newest weights (older segments get loss mask 0);
+    all: train every segment (each with its own behaviour log-probs)."""
+    max_reuse: int = 1
+    """Replay: train each sample group at most N times (1: no replay); see common/replay.ReplayBuffer."""
+    replay_groups: int = 0
+    """Replayed groups added to each trainer step when --max-reuse > 1 (0: as many as the fresh batch has)."""
+    task_sampling: str = "uniform"
+    """uniform, or prioritized (Kimi k1.5): sample tasks in proportion to 1 - their success rate so far (needs a
+    finite --taskset: a .jsonl file or dataset)."""
+    curriculum: bool = False
+    """Easy to hard (Kimi k1.5): difficulty levels open one by one over the run (see common/tasks.TaskStream);
+    arith: levels 1..--difficulty; files: each task's 'difficulty' field."""
+
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
     def explorer_device_list(self) -> list[str]:
@@ -166,7 +184,26 @@ class CommonArgs:
         if self.minibatch_size > self.rollout_batch_size:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
                               f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size})")
+        self._validate_kimi()
         check_placement(self.explorer_device_list, self.trainer_device_list)
+
+    def _validate_kimi(self) -> None:
+        if not 0 <= self.rollout_token_budget < self.max_new_tokens:
+            raise ConfigError(f"--rollout-token-budget must be 0 (off) or in 1..--max-new-tokens - 1 "
+                              f"(got {self.rollout_token_budget} with --max-new-tokens {self.max_new_tokens})")
+        if self.partial_loss not in ("last_segment", "all"):
+            raise ConfigError(f"--partial-loss must be last_segment or all (got {self.partial_loss!r})")
+        if self.max_reuse < 1:
+            raise ConfigError(f"--max-reuse must be >= 1 (got {self.max_reuse}; 1 = no replay)")
+        if self.replay_groups < 0:
+            raise ConfigError(f"--replay-groups must be >= 0 (got {self.replay_groups})")
+        if self.task_sampling not in ("uniform", "prioritized"):
+            raise ConfigError(f"--task-sampling must be uniform or prioritized (got {self.task_sampling!r})")
+        if self.task_sampling == "prioritized" and self.taskset == "arith":
+            raise ConfigError("--task-sampling prioritized needs a finite --taskset (.jsonl or dataset): "
+                              "arith never repeats a task")
+        if self.curriculum and self.taskset == "arith" and self.difficulty < 2:
+            raise ConfigError("--curriculum with --taskset arith needs --difficulty >= 2 (levels 1..difficulty)")
 
 
 def check_placement(explorers: list[str], trainers: list[str]) -> None:

@@ -21,10 +21,13 @@ class Experience:
     reward: float
     group_id: int                  # samples of one task in one rollout share it
     task_id: str
-    policy_version: int            # version of the weights that produced the response
+    policy_version: int            # version of the weights that produced the response (partial rollouts: of its
+                                   # trained tokens, see common/replay.py)
     reward_info: dict = field(default_factory=dict)
     finish_reason: str = "stop"    # "stop" or "length" (truncated)
     timings: dict = field(default_factory=dict)
+    segment_versions: list[int] = field(default_factory=list)  # weights version of each response token (partial
+                                   # rollouts: a response's segments may come from different versions)
 
 
 @dataclass

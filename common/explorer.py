@@ -1,5 +1,8 @@
 """The explorer side shared by every schedule: sample tasks, generate with the rollout engine, score with the
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
+
+Generation goes through `PartialRollouts` (common/replay.py): with --rollout-token-budget 0 every group ends in the
+step it started; with a budget, unfinished responses are continued in later steps (Kimi k1.5 partial rollouts).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from common.engine import HFEngine, RolloutEngine, SamplingConfig
 from common.experience import Experience
 from common.metrics import Timeline
 from common.model import chat_prompt_ids, load_model, load_tokenizer
+from common.replay import PartialRollouts
 from common.tasks import build_tasksets
 from common.trainer import DTYPES
 
@@ -31,7 +35,9 @@ class Explorer:
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
-                                                           args.eval_size, args.seed + 1000 * index)
+                                                           args.eval_size, args.seed + 1000 * index,
+                                                           args.task_sampling, args.curriculum)
+        self.in_flight = PartialRollouts(args.rollout_token_budget, args.max_new_tokens)
         self.rewards = RewardPool(num_workers=1)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0
@@ -44,34 +50,48 @@ class Explorer:
         self.first_step = step + 1
 
     def rollout(self, step: int) -> tuple[list[Experience], dict]:
-        """One rollout batch with the current weights: tasks_per_step tasks x samples_per_task responses."""
-        tasks = self.train_tasks.next_batch(self.args.tasks_per_step)
-        prompts = [chat_prompt_ids(self.tokenizer, t) for t in tasks]
+        """One generation round with the current weights over tasks_per_step new tasks x samples_per_task responses
+        and every response still unfinished from earlier steps; returns the experiences of the groups that ended
+        (every group, when partial rollouts are off; possibly none while long responses are still in flight)."""
+        args = self.args
+        for task in self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps):
+            self.in_flight.start(task, self.next_group, chat_prompt_ids(self.tokenizer, task), args.samples_per_task)
+            self.next_group += 1
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
-            generations = self.engine.generate(prompts, self.sampling)
+            generated = self.in_flight.generate(self.engine, self.sampling, self.version)
         t1 = time.time()
-        flat = [(task, g) for task, gs in zip(tasks, generations) for g in gs]
+        groups = self.in_flight.pop_finished()
+        flat = [(g, r) for g in groups for r in g.responses]
         with self.timeline.phase("reward", step=step):
-            texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for _, g in flat]
-            scores = self.rewards.score_batch(texts, [task for task, _ in flat])
+            texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in flat]
+            scores = self.rewards.score_batch(texts, [g.task for g, _ in flat])
         t2 = time.time()
-        experiences = []
-        for k, ((task, g), r) in enumerate(zip(flat, scores)):
-            experiences.append(Experience(
-                prompt_ids=g.prompt_ids, response_ids=g.response_ids, logprobs=g.logprobs,
-                loss_mask=[1] * len(g.response_ids), reward=float(r.score), reward_info=r.info,
-                group_id=self.next_group + k // self.args.samples_per_task, task_id=str(task["id"]),
-                policy_version=self.version, finish_reason=g.finish_reason,
-                timings={"rollout": t1 - t0, "reward": t2 - t1},
-            ))
-        self.next_group += len(tasks)
-        n_tokens = sum(len(g.response_ids) for _, g in flat)
+        experiences = [Experience(
+            prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
+            loss_mask=r.loss_mask(args.partial_loss), reward=float(s.score), reward_info=s.info, group_id=g.group_id,
+            task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
+            finish_reason=r.finish_reason, timings={"rollout": t1 - t0, "reward": t2 - t1},
+            segment_versions=r.versions,
+        ) for (g, r), s in zip(flat, scores)]
+        n = args.samples_per_task
+        for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
+            self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[k * n:(k + 1) * n]])
         metrics = {
-            "time/rollout": t1 - t0, "time/reward": t2 - t1, "rollout/tokens_per_s": n_tokens / max(t1 - t0, 1e-9),
-            "rollout/truncated_frac": sum(g.finish_reason == "length" for _, g in flat) / len(flat),
+            "time/rollout": t1 - t0, "time/reward": t2 - t1,
+            "rollout/tokens_per_s": generated["tokens"] / max(t1 - t0, 1e-9),
+            "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
         }
+        if args.rollout_token_budget:
+            metrics.update({
+                "rollout/partial_continued": generated["continued"],  # responses given another segment now
+                "rollout/partial_saved": len(self.in_flight.unfinished()),  # still unfinished: continued later
+                "rollout/partial_finished": sum(r.segments > 1 for _, r in flat),  # ended after 2+ segments
+                "rollout/groups_finished": len(groups), "rollout/groups_in_flight": len(self.in_flight.groups),
+            })
+        if args.curriculum:
+            metrics["tasks/max_difficulty"] = self.train_tasks.open_levels(self.version / args.steps)[-1]
         return experiences, metrics
 
     def eval_due(self, step: int) -> bool:

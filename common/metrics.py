@@ -165,8 +165,9 @@ def plot_reward_curve(out_dir: str, path: str | None = None):
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    minutes = [r["time/elapsed"] / 60 for r in rows]
-    ax.plot(minutes, [r["reward/mean"] for r in rows], label="train reward (mean)", alpha=0.6)
+    trained = [r for r in rows if "reward/mean" in r]  # partial rollouts: the first steps may have nothing to train
+    ax.plot([r["time/elapsed"] / 60 for r in trained], [r["reward/mean"] for r in trained], label="train reward (mean)",
+            alpha=0.6)
     evals = [(r["time/elapsed"] / 60, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     summary_path = os.path.join(out_dir, "summary.json")
     if os.path.exists(summary_path):

@@ -20,7 +20,8 @@ def prepare_run(args, schedule: str) -> None:
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     resolve_model(args.model)
-    build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed)  # bad rows fail here
+    build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,  # bad rows fail here
+                   args.task_sampling, args.curriculum)
     if args.resume and latest_checkpoint(args.out_dir) is None:
         raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")
     if not args.resume and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
@@ -46,6 +47,8 @@ def finish_run(args, title: str) -> None:
     summary_path = os.path.join(args.out_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     if rows:
-        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {rows[0]['reward/mean']:.3f} -> "
-              f"{rows[-1]['reward/mean']:.3f}; held-out accuracy {summary.get('eval_before')} -> "
+        rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
+        reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"
+        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; "
+              f"held-out accuracy {summary.get('eval_before')} -> "
               f"{summary.get('eval_after')}; outputs in {args.out_dir}")

@@ -44,8 +44,10 @@ def arithmetic_task(rng: random.Random, difficulty: int) -> dict:
     return {"prompt": f"{text}\n{ANSWER_FORMAT}", "answer": str(answer), "reward": "math", "difficulty": difficulty}
 
 
-def arithmetic_split(seed: int, difficulty: int, eval_size: int) -> tuple["TaskStream", list[dict]]:
-    """(endless training stream, fixed held-out list); held-out prompts never appear in training."""
+def arithmetic_split(seed: int, difficulty: int, eval_size: int,
+                     curriculum: bool = False) -> tuple["TaskStream", list[dict]]:
+    """(endless training stream, fixed held-out list at `difficulty`); held-out prompts never appear in training.
+    With `curriculum` the stream draws levels 1..difficulty (see TaskStream)."""
     rng = random.Random(f"arith-eval-{seed}")
     eval_tasks = []
     for i in range(eval_size):
@@ -53,13 +55,14 @@ def arithmetic_split(seed: int, difficulty: int, eval_size: int) -> tuple["TaskS
         eval_tasks.append({**task, "id": f"arith-eval-{i}"})
     held_out = {t["prompt"] for t in eval_tasks}
 
-    def generate(rng: random.Random, index: int) -> dict:
+    def generate(rng: random.Random, index: int, level: int) -> dict:
         while True:
-            task = arithmetic_task(rng, difficulty)
+            task = arithmetic_task(rng, level)
             if task["prompt"] not in held_out:
                 return {**task, "id": f"arith-{index}"}
 
-    return TaskStream(generator=generate, seed=seed), eval_tasks
+    levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
+    return TaskStream(generator=generate, seed=seed, levels=levels, curriculum=curriculum), eval_tasks
 
 
 def validate_task(task: dict, where: str) -> dict:
@@ -127,30 +130,85 @@ def load_tasks(path: str) -> list[dict]:
 
 
 class TaskStream:
-    """Seeded, resumable stream of training tasks: procedural (a generator) or a shuffled list cycled in epochs."""
+    """Seeded, resumable stream of training tasks: procedural (a generator) or a list.
 
-    def __init__(self, tasks: list[dict] | None = None, generator=None, seed: int = 0):
+    A list is cycled in shuffled epochs, unless one of the Kimi k1.5 samplers is on:
+    - `sampling="prioritized"`: a task is drawn with weight 1 - its success rate so far (`record`; a task not yet
+      tried counts as 0 success, so it has the highest weight); no repeats within a batch while the pool allows;
+      when every open task is solved the draw is uniform.
+    - `curriculum`: the difficulty levels (sorted, m of them) open from easy to hard over the run: while
+      `progress` (trainer steps done / --steps) is in [k/m, (k+1)/m) tasks of the k+1 easiest levels are drawn
+      (the easier ones stay in the mix); a procedural stream draws its level uniformly among the open ones.
+    """
+
+    def __init__(self, tasks: list[dict] | None = None, generator=None, seed: int = 0, levels: list | None = None,
+                 sampling: str = "uniform", curriculum: bool = False):
         self.tasks, self.generator, self.seed = tasks, generator, seed
+        self.sampling, self.curriculum = sampling, curriculum
+        if levels is None:  # a list's levels matter only to the curriculum (which checked that every task has one)
+            levels = sorted({t["difficulty"] for t in tasks}) if curriculum else []
+        self.levels = levels
+        self.attempts: dict[str, list[int]] = {}  # task id -> [successes, attempts] (prioritized sampling)
         self.position = 0
 
-    def next_batch(self, n: int) -> list[dict]:
-        out = [self._task(self.position + i) for i in range(n)]
+    def next_batch(self, n: int, progress: float = 1.0) -> list[dict]:
+        levels = self.open_levels(progress)
+        if self.generator is not None:
+            out = [self._generated(self.position + i, levels) for i in range(n)]
+        elif self.sampling == "uniform" and not self.curriculum:
+            out = [self._shuffled(self.position + i) for i in range(n)]
+        else:
+            out = self._weighted(n, levels)
         self.position += n
         return out
 
-    def _task(self, index: int) -> dict:
-        if self.generator is not None:
-            return self.generator(random.Random(f"{self.seed}-{index}"), index)
+    def open_levels(self, progress: float) -> list:
+        if not self.curriculum:
+            return self.levels
+        return self.levels[:min(len(self.levels), 1 + int(progress * len(self.levels)))]
+
+    def record(self, task_id: str, successes: list[bool]) -> None:
+        """Outcomes of one task's samples (prioritized sampling learns its success rate from them)."""
+        if self.sampling == "prioritized":
+            counts = self.attempts.setdefault(task_id, [0, 0])
+            counts[0] += sum(successes)
+            counts[1] += len(successes)
+
+    def success_rate(self, task_id: str) -> float:
+        done, tried = self.attempts.get(task_id, (0, 0))
+        return done / tried if tried else 0.0
+
+    def _generated(self, index: int, levels: list) -> dict:
+        level = random.Random(f"{self.seed}-level-{index}").choice(levels) if self.curriculum else levels[-1]
+        return self.generator(random.Random(f"{self.seed}-{index}"), index, level)
+
+    def _shuffled(self, index: int) -> dict:
         epoch, offset = divmod(index, len(self.tasks))
         order = list(range(len(self.tasks)))
         random.Random(f"{self.seed}-epoch-{epoch}").shuffle(order)
         return self.tasks[order[offset]]
 
+    # ALGO LOGIC: Kimi k1.5 prioritized sampling (weight 1 - success rate) over the tasks the curriculum opened
+    def _weighted(self, n: int, levels: list) -> list[dict]:
+        pool = [t for t in self.tasks if not self.curriculum or t["difficulty"] in levels]
+        base = [1.0 - self.success_rate(t["id"]) if self.sampling == "prioritized" else 1.0 for t in pool]
+        if not any(base):
+            base = [1.0] * len(pool)
+        rng, weights, out = random.Random(f"{self.seed}-batch-{self.position}"), list(base), []
+        for _ in range(n):
+            if not any(weights):  # the pool is smaller than the batch: start drawing again
+                weights = list(base)
+            i = rng.choices(range(len(pool)), weights=weights)[0]
+            out.append(pool[i])
+            weights[i] = 0.0
+        return out
 
-def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int):
+
+def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int,
+                   sampling: str = "uniform", curriculum: bool = False):
     """(training TaskStream, held-out list) from the config fields of the same names."""
     if taskset == "arith":
-        train, held_out = arithmetic_split(seed, difficulty, eval_size)
+        train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
     else:
         tasks = load_tasks(taskset)
         if eval_taskset is None:  # hold out a seeded sample of the file itself
@@ -161,7 +219,11 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
             random.Random(seed).shuffle(order)
             held_out = [tasks[i] for i in order[:eval_size]]
             tasks = [tasks[i] for i in order[eval_size:]]
-        train = TaskStream(tasks=tasks, seed=seed)
+        if curriculum:
+            for t in tasks:
+                if not isinstance(t.get("difficulty"), (int, float)):
+                    raise SystemExit(f"error: --curriculum: task {t['id']} in {taskset} has no numeric 'difficulty'")
+        train = TaskStream(tasks=tasks, seed=seed, sampling=sampling, curriculum=curriculum)
     if eval_taskset is not None:
         held_out = load_tasks(eval_taskset)[:eval_size]
     return train, held_out

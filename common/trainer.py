@@ -20,6 +20,7 @@ from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_lo
                            masked_mean, opmd_loss)
 from common.model import load_model, load_tokenizer, sequence_logprobs
 from common.parallel import DataParallel
+from common.replay import ReplayBuffer
 from common.weight_sync import weights_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,6 +80,13 @@ class Trainer:
             "staleness/max": (self.version - 1 - batch.versions).max().item(),
         })
         return out
+
+    def skip_step(self) -> dict:
+        """A step with nothing to train (partial rollouts: no group has finished yet). It still counts, as a step and
+        a version, so every schedule keeps one version per trainer step."""
+        self.step += 1
+        self.version += 1
+        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0}
 
     def drop_stale(self, experiences: list[Experience], max_staleness: int) -> tuple[list[Experience], int]:
         """Keep samples at most `max_staleness` versions behind the weights about to be updated."""
@@ -203,6 +211,12 @@ class TrainerRun:
         state = self.trainer.resume(args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0)}
         self.start_time = time.time() - state.get("elapsed", 0.0)
+        self.replay = None  # Kimi k1.5 replay: groups trained up to --max-reuse times (in memory: not resumed)
+        if args.max_reuse > 1:
+            self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
+                                       capacity=(args.replay_groups or args.tasks_per_step) * args.max_reuse,
+                                       max_staleness=getattr(args, "max_staleness", None),
+                                       skip_uniform=args.drop_zero_signal_groups)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
                                     args.wandb_project) if self.is_main else None
 
@@ -218,11 +232,14 @@ class TrainerRun:
         return batch
 
     def train(self, batch, step: int) -> dict:
+        experiences, replay_metrics = batch.experiences, {}
+        if self.replay is not None:
+            experiences, replay_metrics = self.replay.mix(experiences, self.trainer.version)
         with self.timeline.phase("train", step=step) as event:
-            metrics = self.trainer.train_step(batch.experiences)
+            metrics = self.trainer.train_step(experiences) if experiences else self.trainer.skip_step()
             if self.args.verify_sync:  # data-parallel replicas must stay bit-identical
                 event["hash"] = weights_hash(self.trainer.named_weights())
-        return metrics
+        return {**metrics, **replay_metrics}
 
     def log(self, batch, metrics: dict, **extra):
         step = self.trainer.step

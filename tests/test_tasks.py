@@ -70,3 +70,50 @@ def test_hf_dataset_file_loader(tmp_path):
     datasets.Dataset.from_list([{"prompt": "1+1?", "x": 1}]).to_parquet(bad)
     with pytest.raises(SystemExit, match="row 0: missing field 'answer'"):
         load_tasks(str(bad))
+
+
+def _tasks(n, difficulty=lambda i: 1):
+    return [{"id": f"t{i}", "prompt": f"{i}?", "answer": "0", "difficulty": difficulty(i)} for i in range(n)]
+
+
+def test_prioritized_sampling_favours_low_success_tasks():
+    """Weights 1 - success rate: tasks solved 90% of the time should be drawn ~9x less often than 10% ones."""
+    from common.tasks import TaskStream
+
+    stream = TaskStream(tasks=_tasks(20), seed=0, sampling="prioritized")
+    for i in range(20):
+        stream.record(f"t{i}", [True] * 9 + [False] if i < 10 else [True] + [False] * 9)
+    drawn = [t["id"] for _ in range(500) for t in stream.next_batch(4)]
+    hard_share = sum(int(i[1:]) >= 10 for i in drawn) / len(drawn)
+    # Exactly proportional draws give 0.9; no repeats within a batch of 4 flatten it a little. Uniform gives 0.5.
+    assert hard_share > 0.8, hard_share
+    assert len(set(drawn[:4])) == 4  # no task twice in one batch
+    uniform = TaskStream(tasks=_tasks(20), seed=0)
+    assert 0.4 < sum(int(t["id"][1:]) >= 10 for t in uniform.next_batch(2000)) / 2000 < 0.6
+
+
+def test_prioritized_sampling_prefers_untried_and_falls_back_when_all_solved():
+    from common.tasks import TaskStream
+
+    stream = TaskStream(tasks=_tasks(4), seed=1, sampling="prioritized")
+    for i in range(3):
+        stream.record(f"t{i}", [True, True])
+    assert {t["id"] for _ in range(20) for t in stream.next_batch(1)} == {"t3"}  # the solved ones have weight 0
+    stream.record("t3", [True])
+    assert len({t["id"] for _ in range(40) for t in stream.next_batch(1)}) == 4  # all solved: uniform
+
+
+def test_curriculum_opens_levels_from_easy_to_hard(tmp_path):
+    from common.tasks import TaskStream
+
+    stream = TaskStream(tasks=_tasks(30, difficulty=lambda i: [3, 1, 2][i % 3]), seed=0, curriculum=True)
+    seen = [{t["difficulty"] for _ in range(30) for t in stream.next_batch(2, progress=p)} for p in (0.0, 0.4, 0.7)]
+    assert seen == [{1}, {1, 2}, {1, 2, 3}]
+    # The arithmetic stream: levels 1..difficulty open over the run; the held-out split stays at --difficulty.
+    train, held_out = build_tasksets("arith", None, 3, eval_size=4, seed=0, curriculum=True)
+    levels = [{t["difficulty"] for t in train.next_batch(40, progress=p)} for p in (0.1, 0.5, 0.99)]
+    assert levels == [{1}, {1, 2}, {1, 2, 3}] and {t["difficulty"] for t in held_out} == {3}
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}?", "answer": "1"}) + "\n" for i in range(6)))
+    with pytest.raises(SystemExit, match="--curriculum: task .* has no numeric 'difficulty'"):
+        build_tasksets(str(path), None, 1, eval_size=2, seed=0, curriculum=True)
