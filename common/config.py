@@ -94,11 +94,12 @@ class CommonArgs:
     judge_model: str | None = None
     """Causal LM folder or hub id used as the generative judge of k12/vision short answers that the rules reject
     (tasks may name their own judge_model)."""
+    # ALGO LOGIC: reward shaping per sample group (rewards/shaping.py)
     length_penalty: float = 0.0
-    """ALGO LOGIC: weight of the Kimi k1.5 length reward added per sample group (0 = off, 1 = as in the paper):
+    """Weight of the Kimi k1.5 length reward added per sample group (0 = off, 1 = as in the paper):
     correct responses get lambda = 0.5 - (len - min_len) / (max_len - min_len), wrong ones min(0, lambda)."""
     format_reward: float = 0.0
-    """ALGO LOGIC: weight of a +1 bonus for responses in the expected format (math/k12/vision: an Answer: line or
+    """Weight of a +1 bonus for responses in the expected format (math/k12/vision: an Answer: line or
     \\boxed{}; code: any non-empty program; rm: none), added per sample; 0 = off."""
 
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
