@@ -79,6 +79,25 @@ class CommonArgs:
     max_new_tokens: int = 48
     """Longest response in tokens; longer ones are cut and marked truncated."""
 
+    # --- rewards (rewards/; tasks name their verifier in task["reward"]) ---------------------------------------
+    reward_workers: int = 1
+    """Verifier processes of the explorer's RewardPool (math, code, k12, vision; a learned RM has its own process)."""
+    reward_timeout_s: float = 10.0
+    """Wall-clock limit per scored response; a verifier that hangs past it scores 0 and counts in reward/failed."""
+    rm_model: str | None = None
+    """Learned reward model (an AutoModelForSequenceClassification folder or hub id) for tasks with reward 'rm'
+    that name no rm_model of their own; it runs in its own process on CPU."""
+    judge_model: str | None = None
+    """Causal LM folder or hub id used as the generative judge of k12/vision short answers that the rules reject
+    (tasks may name their own judge_model)."""
+    # ALGO LOGIC: reward shaping per sample group (rewards/shaping.py)
+    length_penalty: float = 0.0
+    """Weight of the Kimi k1.5 length reward added per sample group (0 = off, 1 = as in the paper):
+    correct responses get lambda = 0.5 - (len - min_len) / (max_len - min_len), wrong ones min(0, lambda)."""
+    format_reward: float = 0.0
+    """Weight of a +1 bonus for responses in the expected format (math/k12/vision: an Answer: line or
+    \\boxed{}; code: any non-empty program; rm: none), added per sample; 0 = off."""
+
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
     algo: str = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
@@ -164,6 +183,17 @@ class CommonArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.reward_workers < 1:
+            raise ConfigError(f"--reward-workers must be >= 1 (got {self.reward_workers})")
+        if self.reward_timeout_s <= 0:
+            raise ConfigError(f"--reward-timeout-s must be > 0 (got {self.reward_timeout_s})")
+        for name in ("length_penalty", "format_reward"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (a weight; 0 switches it off)")
+        for name in ("rm_model", "judge_model"):
+            path = getattr(self, name)
+            if path and path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
+                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such folder")
         if self.temperature <= 0:
             raise ConfigError(f"--temperature must be > 0 for training rollouts (got {self.temperature})")
         if not 0 < self.top_p <= 1:

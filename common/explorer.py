@@ -18,6 +18,8 @@ from common.model import chat_prompt_ids, load_model, load_tokenizer
 from common.replay import PartialRollouts
 from common.tasks import build_tasksets
 from common.trainer import DTYPES
+from rewards import RewardPool
+from rewards.shaping import shape_batch
 
 
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
@@ -29,8 +31,6 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
 
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
-        from rewards import RewardPool
-
         self.args, self.timeline, self.index = args, timeline, index
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
@@ -38,7 +38,8 @@ class Explorer:
                                                            args.eval_size, args.seed + 1000 * index,
                                                            args.task_sampling, args.curriculum)
         self.in_flight = PartialRollouts(args.rollout_token_budget, args.max_new_tokens)
-        self.rewards = RewardPool(num_workers=1)
+        self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
+                                  rm_model=args.rm_model, judge_model=args.judge_model)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0
         self.next_group = 0
@@ -67,13 +68,16 @@ class Explorer:
             texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in flat]
             scores = self.rewards.score_batch(texts, [g.task for g, _ in flat])
         t2 = time.time()
+        # ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward); reward_info keeps the parts
+        shaped = shape_batch(scores, [len(r.response_ids) for _, r in flat], args.samples_per_task,
+                             args.length_penalty, args.format_reward)
         experiences = [Experience(
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
-            loss_mask=r.loss_mask(args.partial_loss), reward=float(s.score), reward_info=s.info, group_id=g.group_id,
-            task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
+            loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
+            group_id=g.group_id, task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
             finish_reason=r.finish_reason, timings={"rollout": t1 - t0, "reward": t2 - t1},
             segment_versions=r.versions,
-        ) for (g, r), s in zip(flat, scores)]
+        ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         n = args.samples_per_task
         for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
             self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[k * n:(k + 1) * n]])
@@ -92,6 +96,8 @@ class Explorer:
             })
         if args.curriculum:
             metrics["tasks/max_difficulty"] = self.train_tasks.open_levels(self.version / args.steps)[-1]
+        for name in (shaped[0][1] if shaped else {}):  # raw, and each shaping term that is switched on
+            metrics[f"reward/{name}_mean"] = sum(parts[name] for _, parts in shaped) / len(shaped)
         return experiences, metrics
 
     def eval_due(self, step: int) -> bool:

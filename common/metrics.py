@@ -16,6 +16,7 @@ from contextlib import contextmanager
 PHASE_COLORS = {
     "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",
     "sync-checkpoint": "#E377C2", "sync-in-flight": "#F2A0A0", "wait": "#D0D0D0", "checkpoint": "#937860", "buffer": "#CCB974",
+    "reward-in-flight": "#F5C29A",
 }
 
 
@@ -99,7 +100,7 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
         if e["phase"] == "buffer":  # a batch's time in the queue, one sub-lane per explorer
             share = 0.8 / max(1, len(explorers))
             height, base = share, lane - 0.4 + share * int(str(e["batch"]).split("-")[0])
-        elif e["phase"] == "sync-in-flight":  # a background thread: a strip under the trainer's own phases
+        elif e["phase"] in ("sync-in-flight", "reward-in-flight"):  # in the background: a strip under the lane
             height, base = 0.2, lane - 0.45
         label = e["phase"] if e["phase"] not in seen else None
         seen.add(e["phase"])

@@ -20,8 +20,10 @@ def prepare_run(args, schedule: str) -> None:
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     resolve_model(args.model)
-    build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,  # bad rows fail here
-                   args.task_sampling, args.curriculum)
+    train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
+                                     args.task_sampling, args.curriculum)  # bad rows fail here
+    if not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
+        raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume and latest_checkpoint(args.out_dir) is None:
         raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")
     if not args.resume and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):

@@ -105,7 +105,9 @@ class RewardFuture:
         self.results: list[Reward | None] = [None] * n
         self.remaining = n
         self.submitted_at = time.time()
+        self.done_at: float | None = None  # when the last item was scored
         if n == 0:
+            self.done_at = self.submitted_at
             self._future.set_result([])
 
     def done(self) -> bool:
@@ -124,6 +126,7 @@ class RewardFuture:
             self.results[i] = reward
             self.remaining -= 1
             if self.remaining == 0 and not self._future.done():
+                self.done_at = time.time()
                 self._future.set_result(list(self.results))
 
 

@@ -7,6 +7,8 @@
 
 `shape_group` combines them with config weights (0 switches a term off):
     shaped_i = reward_i + length_penalty_weight * λ'_i + format_weight * format_i
+`shape_batch` does it for a whole rollout batch (consecutive groups) and keeps each term (`--length-penalty`,
+`--format-reward` in common/config.py).
 """
 
 from __future__ import annotations
@@ -33,20 +35,48 @@ def format_reward(format_ok: bool) -> float:
     return 1.0 if format_ok else 0.0
 
 
-def shape_group(rewards: list[float], lengths: list[int], correct: list[bool] | None = None,
-                length_penalty_weight: float = 0.0, format_weight: float = 0.0,
-                format_ok: list[bool] | None = None) -> list[float]:
-    """Shaped rewards of one group. `correct` defaults to reward >= 1; `format_ok` is needed when format_weight
-    is set (e.g. from Reward.info["format_ok"]). Weights of 0 leave the rewards untouched."""
+# ALGO LOGIC: the shaping terms and how they add up
+def shaping_terms(rewards: list[float], lengths: list[int], correct: list[bool] | None = None,
+                  length_penalty_weight: float = 0.0, format_weight: float = 0.0,
+                  format_ok: list[bool] | None = None) -> dict[str, list[float]]:
+    """The weighted terms of one group that are switched on, by name ("length_penalty", "format"). `correct`
+    defaults to reward >= 1; `format_ok` is needed when format_weight is set (e.g. Reward.info["format_ok"])."""
     n = len(rewards)
     if len(lengths) != n:
         raise ValueError(f"{n} rewards for {len(lengths)} lengths")
-    shaped = [float(r) for r in rewards]
+    terms = {}
     if length_penalty_weight:
         flags = correct if correct is not None else [r >= 1.0 for r in rewards]
-        shaped = [s + length_penalty_weight * lam for s, lam in zip(shaped, length_penalty(lengths, flags))]
+        terms["length_penalty"] = [length_penalty_weight * lam for lam in length_penalty(lengths, flags)]
     if format_weight:
         if format_ok is None or len(format_ok) != n:
             raise ValueError("format_weight is set but format_ok does not have one flag per response")
-        shaped = [s + format_weight * format_reward(ok) for s, ok in zip(shaped, format_ok)]
-    return shaped
+        terms["format"] = [format_weight * format_reward(ok) for ok in format_ok]
+    return terms
+
+
+def shape_group(rewards: list[float], lengths: list[int], correct: list[bool] | None = None,
+                length_penalty_weight: float = 0.0, format_weight: float = 0.0,
+                format_ok: list[bool] | None = None) -> list[float]:
+    """Shaped rewards of one group: reward + every switched-on term. Weights of 0 leave the rewards untouched."""
+    terms = shaping_terms(rewards, lengths, correct, length_penalty_weight, format_weight, format_ok)
+    return [float(r) + sum(t[i] for t in terms.values()) for i, r in enumerate(rewards)]
+
+
+def shape_batch(rewards, lengths: list[int], group_size: int, length_penalty_weight: float = 0.0,
+                format_weight: float = 0.0) -> list[tuple[float, dict]]:
+    """(shaped reward, breakdown) per response of a rollout batch whose consecutive `group_size` responses answer
+    one task. `rewards` are `rewards.Reward`s (score, info["format_ok"]); `lengths` are response token counts.
+    The breakdown is {"raw": score, <term>: value, ...} with the terms switched on."""
+    if len(rewards) != len(lengths) or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards, {len(lengths)} lengths: not whole groups of {group_size}")
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start: start + group_size]
+        raw = [float(r.score) for r in group]
+        terms = shaping_terms(raw, lengths[start: start + group_size], length_penalty_weight=length_penalty_weight,
+                              format_weight=format_weight, format_ok=[bool(r.info.get("format_ok")) for r in group])
+        for i, score in enumerate(raw):
+            parts = {name: values[i] for name, values in terms.items()}
+            out.append((score + sum(parts.values()), {"raw": score, **parts}))
+    return out
