@@ -47,7 +47,8 @@ class Critic:
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
-        """V at rollout time for every position ([B, T-1]; 0 where the response mask is 0)."""
+        """V before this step's update at every position ([B, T-1]; 0 where the response mask is 0): the baseline of
+        GAE and the anchor of value clipping."""
         mbs = self.args.micro_batch_size
         parts = [self.model(batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs])
                  for i in range(0, len(batch), mbs)]
@@ -87,7 +88,7 @@ class Critic:
 
         folder = os.path.join(checkpoint_dir, "critic")
         if not os.path.exists(os.path.join(folder, "model.safetensors")):
-            raise SystemExit(f"error: --resume {checkpoint_dir}: no critic/ in the checkpoint (was it an --algo ppo run?)")
+            raise SystemExit(f"error: --resume {checkpoint_dir}: no critic/ in the checkpoint (not an --algo ppo run?)")
         device = next(self.model.parameters()).device
         try:
             self.model.load_state_dict(load_file(os.path.join(folder, "model.safetensors"), device=str(device)))

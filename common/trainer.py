@@ -1,5 +1,6 @@
 """The trainer side shared by every schedule: policy + reference model (+ the critic of --algo ppo, common/critic.py),
-experience filters, one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide *when* it trains and syncs; this decides *how*.
+experience filters, one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
+*when* it trains and syncs; this decides *how*.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class Trainer:
         if args.kl_coef > 0:
             self.ref_model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed).eval()
             self.ref_model.requires_grad_(False)
-        self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size) if args.algo == "ppo" else None
+        self.critic = None
+        if args.algo == "ppo":
+            self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.step = 0        # trainer steps done
         self.version = 0     # version of the weights in self.model (one per optimizer-updating step)
@@ -77,7 +80,7 @@ class Trainer:
             rewards = kl_penalized_rewards(batch.rewards, kl, batch.response_mask, args.kl_coef)
             stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
             ref_logprobs = None  # no KL loss term
-        if self.critic is not None:  # ppo: per-token GAE advantages from the critic's values at rollout time
+        if self.critic is not None:  # ppo: per-token GAE advantages from the critic's values before this update
             old_values = self.critic.values(batch)
             advantages, returns = gae_advantages(rewards, old_values, batch.response_mask, args.gamma, args.lam)
             if args.normalize_std:
@@ -95,7 +98,8 @@ class Trainer:
         # the proximal ones and the extra forward pass is skipped.
         correcting = args.off_policy_correction != "none"
         single_update = args.ppo_epochs == 1 and len(trained) <= args.minibatch_size
-        prox_logprobs = self._logprobs(self.model, batch) if correcting and not single_update else None
+        prox_logprobs = (self._logprobs(self.model, batch)
+                         if correcting and not single_update and update_actor else None)
         for _ in range(args.ppo_epochs if len(trained) else 0):
             order = trained[torch.randperm(len(trained))]
             for start in range(0, len(order), args.minibatch_size):
