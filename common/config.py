@@ -128,7 +128,7 @@ class CommonArgs:
     critic_lr: float = 1e-5
     """--algo ppo: AdamW learning rate of the critic."""
     value_clip_eps: float = 0.2
-    """--algo ppo: value clipping range around the critic's values at rollout time (0: no clipping)."""
+    """--algo ppo: value clipping range around the critic's values before the step's update (0: no clipping)."""
     gamma: float = 1.0
     """--algo ppo: discount of GAE (1.0: the outcome reward reaches every token undiscounted)."""
     lam: float = 0.95

@@ -17,9 +17,9 @@ class ValueModel(torch.nn.Module):
     """V(s_t) for every prefix: body(input_ids) -> Linear(hidden, 1), aligned with `sequence_logprobs`' [B, T-1]
     (position t holds the value of the state that predicts token t+1)."""
 
-    def __init__(self, name: str, device, dtype: torch.dtype, seed: int):
+    def __init__(self, name: str, device, dtype: torch.dtype, seed: int, flag: str = "--model"):
         super().__init__()
-        lm = load_model(name, device, dtype, seed=seed)
+        lm = load_model(name, device, dtype, seed=seed, flag=flag)
         self.vocab_size = lm.config.vocab_size
         self.body = lm.base_model  # the LM head is dropped: only hidden states are needed
         self.body.config.use_cache = False
@@ -39,7 +39,8 @@ class Critic:
     def __init__(self, args, device, dtype: torch.dtype, policy_vocab_size: int):
         self.args = args
         name = args.critic_model or args.model
-        self.model = ValueModel(name, device, dtype, args.seed).train()
+        self.model = ValueModel(name, device, dtype, args.seed, "--critic-model" if args.critic_model else "--model")
+        self.model.train()
         if self.model.vocab_size != policy_vocab_size:
             raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
                              f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")

@@ -20,6 +20,8 @@ def prepare_run(args, schedule: str) -> None:
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     resolve_model(args.model)
+    if getattr(args, "critic_model", None):
+        resolve_model(args.critic_model, "--critic-model")
     build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed)  # bad rows fail here
     if args.resume and latest_checkpoint(args.out_dir) is None:
         raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")

@@ -144,3 +144,23 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
     state = torch.load(out / "checkpoints" / "step_3" / "critic" / "optimizer.pt", weights_only=False)
     assert {s["step"].item() for s in state["state"].values()} == {3.0}  # the critic's Adam went on from step 2
+
+
+def test_missing_critic_model_is_one_line_error(tmp_path):
+    proc = run_script("train_sync.py", *TINY, "--algo", "ppo", "--critic-model", str(tmp_path / "nope"),
+                      "--out-dir", str(tmp_path / "r"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --critic-model {tmp_path / 'nope'}: no such")
+
+
+def test_critic_model_is_loaded_from_its_own_folder(tmp_path):
+    from common.model import build_tiny_model, build_tiny_tokenizer
+
+    folder = tmp_path / "critic-init"
+    build_tiny_model(build_tiny_tokenizer(), seed=123).save_pretrained(folder)
+    trainer = Trainer(_args(tmp_path, "--algo", "ppo", "--critic-model", str(folder)), torch.device("cpu"))
+    embed = trainer.critic.model.body.embed_tokens.weight
+    assert not torch.equal(embed, trainer.model.model.embed_tokens.weight)  # not a copy of the policy (seed 0)
+    from transformers import AutoModelForCausalLM
+
+    assert torch.equal(embed, AutoModelForCausalLM.from_pretrained(folder).model.embed_tokens.weight)
