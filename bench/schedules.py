@@ -32,6 +32,14 @@ SCHEDULES = [
 ]
 
 
+def run_entry(script: str, flags: list[str], out: str) -> None:
+    """Run an entry script to the end in a fresh process (outputs in `out`); stop with its stderr if it fails."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags, "--out-dir", out],
+                          cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: {script} failed:\n{proc.stderr[-3000:]}")
+
+
 def phase_time(events, process_prefix, phases):
     return sum(e["end"] - e["start"] for e in events if e["process"].startswith(process_prefix) and e["phase"] in phases)
 
@@ -52,10 +60,7 @@ def main():
         out = os.path.join(opts.out, script.replace(".py", "") + ("2" if "--num-explorers" in flags else ""))
         print(f"--- {label}: {script} {' '.join(flags)}", flush=True)
         start = time.time()
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *common, *flags, "--out-dir", out],
-                              cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"error: {script} failed:\n{proc.stderr[-3000:]}")
+        run_entry(script, [*common, *flags], out)
         events, rows = read_timeline(out), read_metrics(out)
         trains = [e for e in events if e["process"] == "trainer0" and e["phase"] == "train"]
         # Wall-clock of the training itself: first rollout starts .. last train step ends (start-up, the initial

@@ -101,7 +101,8 @@ class CommonArgs:
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
     algo: str = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
-    normalisation) or opmd (Kimi k1.5 mirror descent, tolerates off-policy samples); see common/losses.py."""
+    normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
+    GAE advantages from a learned critic, see the PPO / critic fields); see common/losses.py."""
     opmd_tau: float = 0.1
     """tau of the opmd loss: weight of the squared log-ratio that keeps the update close to the sampling policy."""
     lr: float = 1e-5
@@ -117,7 +118,8 @@ class CommonArgs:
     clip_eps: float = 0.2
     """PPO ratio clip range."""
     kl_coef: float = 0.0
-    """Weight of the KL-to-reference loss term (0 skips the reference model entirely)."""
+    """Weight of the KL to the reference model, as a loss term or a reward penalty (--kl-mode); 0 skips the
+    reference model entirely."""
     kl_estimator: str = "k3"
     """k1, k2 or k3 (see common/losses.kl_estimate)."""
     entropy_coef: float = 0.0
@@ -126,14 +128,45 @@ class CommonArgs:
     """Gradient clipping norm."""
     drop_zero_signal_groups: bool = True
     """Leave groups whose rewards are all equal (advantage 0, no policy gradient) out of the update, as DAPO's
-    dynamic sampling does (without refilling); a batch with no signal at all costs no backward pass."""
+    dynamic sampling does (without refilling); a batch with no signal at all costs no backward pass. Not for ppo:
+    its critic gives such samples an advantage (and learns from them)."""
     normalize_std: bool = True
-    """Divide group-centred rewards by the group std (grpo only; dr_grpo and opmd never do)."""
+    """grpo: divide group-centred rewards by the group std (dr_grpo and opmd never do); ppo: whiten the GAE
+    advantages over the batch (mean 0, std 1)."""
 
     off_policy_correction: str = "none"
     """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO); see README."""
     correction_cap: float = 2.0
     """Cap C on the importance weight pi_prox/mu: tis truncates to C, decoupled masks tokens above C."""
+
+    # --- ALGO LOGIC: PPO / critic, reference model, experience filters -------------------------------------------
+    critic_model: str | None = None
+    """--algo ppo: model the critic is built from (same choices as --model; must share its tokenizer). Default: a
+    copy of the policy's initial weights. The critic is that model's body with a Linear value head on the last
+    hidden state, trained alongside the policy and saved in checkpoints (critic/)."""
+    critic_lr: float = 1e-5
+    """--algo ppo: AdamW learning rate of the critic."""
+    value_clip_eps: float = 0.2
+    """--algo ppo: value clipping range around the critic's values before the step's update (0: no clipping)."""
+    gamma: float = 1.0
+    """--algo ppo: discount of GAE (1.0: the outcome reward reaches every token undiscounted)."""
+    lam: float = 0.95
+    """--algo ppo: GAE lambda (1.0: Monte Carlo returns; 0.0: one-step TD)."""
+    critic_warmup_steps: int = 0
+    """--algo ppo: the first N steps train only the critic (the policy does not change), so the actor starts from
+    a critic that already predicts something."""
+    kl_mode: str = "loss"
+    """Where the KL to the reference goes: loss (a loss term, as in GRPO) or reward (subtracted from the reward per
+    token, as in PPO-RLHF: with ppo it enters GAE per token, otherwise the sequence reward minus the summed KL)."""
+    ref_reset_every: int = 0
+    """Copy the policy's weights into the reference model every N steps (Kimi k1.5 / ProRL "reference reset");
+    0: the reference stays the initial model. Needs --kl-coef > 0."""
+    mask_truncated: bool = False
+    """Give responses cut at --max-new-tokens (finish reason 'length') loss mask 0, as DAPO's overlong filtering
+    (their reward still counts in the group mean). Counted as filter/truncated_masked."""
+    drop_failed_rewards: bool = True
+    """Drop samples whose verifier failed (reward_info['failed']: error, timeout, crash) instead of training on
+    their 0. Non-finite rewards are always dropped. Both counted as filter/invalid_dropped."""
 
     # --- weight sync -----------------------------------------------------------------------------------------
     sync_method: str = "broadcast"
@@ -178,7 +211,7 @@ class CommonArgs:
         """Impossible combinations, each a one-line error naming the field."""
         positive = ["steps", "tasks_per_step", "samples_per_task", "max_new_tokens", "ppo_epochs", "minibatch_size",
                     "micro_batch_size", "eval_size", "sync_bucket_mb"]
-        if self.samples_per_task < 2:
+        if self.samples_per_task < 2 and self.algo != "ppo":
             raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
         for name in positive:
             if getattr(self, name) < 1:
@@ -200,9 +233,9 @@ class CommonArgs:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"--kl-estimator must be k1, k2 or k3 (got {self.kl_estimator!r})")
-        if self.algo not in ("grpo", "dr_grpo", "opmd"):
-            raise ConfigError(f"--algo must be grpo, dr_grpo or opmd (got {self.algo!r}; ppo with a critic is not "
-                              "implemented yet)")
+        if self.algo not in ("grpo", "dr_grpo", "opmd", "ppo"):
+            raise ConfigError(f"--algo must be grpo, dr_grpo, opmd or ppo (got {self.algo!r})")
+        self._validate_algo_extras()
         if self.off_policy_correction not in ("none", "tis", "decoupled"):
             raise ConfigError(f"--off-policy-correction must be none, tis or decoupled (got {self.off_policy_correction!r})")
         if self.sync_method not in ("broadcast", "checkpoint"):
@@ -234,6 +267,31 @@ class CommonArgs:
                               "arith never repeats a task")
         if self.curriculum and self.taskset == "arith" and self.difficulty < 2:
             raise ConfigError("--curriculum with --taskset arith needs --difficulty >= 2 (levels 1..difficulty)")
+
+    def _validate_algo_extras(self) -> None:
+        """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""
+        if self.algo != "ppo":
+            if self.critic_model is not None:
+                raise ConfigError("--critic-model is only used by --algo ppo")
+            if self.critic_warmup_steps:
+                raise ConfigError("--critic-warmup-steps is only used by --algo ppo")
+        if self.critic_lr <= 0:
+            raise ConfigError(f"--critic-lr must be > 0 (got {self.critic_lr})")
+        if self.value_clip_eps < 0:
+            raise ConfigError(f"--value-clip-eps must be >= 0 (got {self.value_clip_eps})")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name} must be in [0, 1] (got {getattr(self, name)})")
+        if self.critic_warmup_steps < 0:
+            raise ConfigError(f"--critic-warmup-steps must be >= 0 (got {self.critic_warmup_steps})")
+        if self.kl_mode not in ("loss", "reward"):
+            raise ConfigError(f"--kl-mode must be loss or reward (got {self.kl_mode!r})")
+        if self.kl_mode == "reward" and self.kl_coef <= 0:
+            raise ConfigError("--kl-mode reward needs --kl-coef > 0 (there is no KL to subtract otherwise)")
+        if self.ref_reset_every < 0:
+            raise ConfigError(f"--ref-reset-every must be >= 0 (got {self.ref_reset_every})")
+        if self.ref_reset_every and self.kl_coef <= 0:
+            raise ConfigError("--ref-reset-every needs --kl-coef > 0 (there is no reference model otherwise)")
 
 
 def check_placement(explorers: list[str], trainers: list[str]) -> None:

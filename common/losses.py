@@ -119,3 +119,65 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax distribution at every position: [..., V] -> [...]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+# ---------------------------------------------------------------- ALGO LOGIC: PPO with a critic, KL in the reward
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Outcome rewards [B] placed on each row's last trained token: [B, T] (rows with no trained token get none)."""
+    has_token = mask.sum(-1) > 0
+    last = mask.shape[-1] - 1 - mask.flip(-1).float().argmax(-1)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out[has_token, last[has_token]] = rewards[has_token].float()
+    return out
+
+
+def kl_penalized_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """PPO-RLHF reward shaping (Ziegler et al. arXiv:1909.08593): -kl_coef * KL on every trained token plus the outcome
+    reward on the last one: [B, T]. Summed over tokens it is the sequence reward r - kl_coef * sum_t KL_t."""
+    return last_token_rewards(rewards, mask) - kl_coef * kl.detach() * mask
+
+
+@torch.no_grad()
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (arXiv:1506.02438) over the trained tokens of each row.
+
+    `rewards` is [B] (outcome reward, placed on the last trained token) or [B, T] per-token rewards; `values` [B, T]
+    are the critic's V(s_t) at the same positions. Untrained positions (mask 0: prompt, padding, env tokens) are
+    skipped: the recursion runs over the trained tokens only, the value after the last one is 0 (terminal).
+    Returns (advantages, returns = advantages + values), both 0 where mask is 0.
+    """
+    if rewards.dim() == 1:
+        rewards = last_token_rewards(rewards, mask)
+    mask = mask.float()
+    values = values.float() * mask
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = m * (delta + gamma * lam * running) + (1 - m) * running
+        next_value = m * values[:, t] + (1 - m) * next_value
+        advantages[:, t] = running * m
+    return advantages, (advantages + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """x minus its mean over masked positions, divided by their std (PPO's advantage normalisation); 0 elsewhere."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) / (var.sqrt() + eps) * mask
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip_eps: float = 0.2):
+    """PPO value loss with value clipping (arXiv:1707.06347; as in OpenAI baselines ppo2): 0.5 * max((V - R)^2,
+    (V_clip - R)^2) with V_clip = V_old + clamp(V - V_old, -eps, eps), token mean. clip_eps 0: no clipping.
+    Returns (loss, fraction of tokens where the clipped term was the larger one)."""
+    unclipped = (values - returns) ** 2
+    if clip_eps <= 0:
+        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), device=values.device)
+    clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), masked_mean((clipped > unclipped).float(), mask)

@@ -87,18 +87,19 @@ def build_tiny_model(tokenizer, seed: int = 0):
     return LlamaForCausalLM(config)
 
 
-def resolve_model(name: str) -> str:
-    """Map `--model` to something `from_pretrained` takes, or 'tiny'. Fails in one line if it cannot exist."""
+def resolve_model(name: str, flag: str = "--model") -> str:
+    """Map `--model` (or `flag`, e.g. --critic-model) to something `from_pretrained` takes, or 'tiny'. Fails in one
+    line naming `flag` if it cannot exist."""
     if name == "tiny":
         return name
     if name == "default":
         return str(default_model_dir())
     if os.path.isdir(name):
         if not os.path.exists(os.path.join(name, "config.json")):
-            raise SystemExit(f"error: --model {name}: folder has no config.json (not an HF model folder)")
+            raise SystemExit(f"error: {flag} {name}: folder has no config.json (not an HF model folder)")
         return name
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise SystemExit(f"error: --model {name}: no such folder (use default, tiny, a local HF folder or a hub id)")
+        raise SystemExit(f"error: {flag} {name}: no such folder (use default, tiny, a local HF folder or a hub id)")
     return name  # a hub id: from_pretrained resolves it (needs the hub or its local cache)
 
 
@@ -113,18 +114,19 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+               flag: str = "--model"):
     """The policy as a causal LM in train-ready form (same weights in every process for `tiny`: seeded)."""
     if name == "tiny":
         model = build_tiny_model(build_tiny_tokenizer(), seed=seed).to(dtype)
     else:
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model(name)
+        path = resolve_model(name, flag)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except OSError as e:
-            raise SystemExit(f"error: --model {name}: cannot load ({str(e).splitlines()[0]})") from None
+            raise SystemExit(f"error: {flag} {name}: cannot load ({str(e).splitlines()[0]})") from None
     model.config.use_cache = True
     return model.to(device)
 

@@ -20,6 +20,8 @@ def prepare_run(args, schedule: str) -> None:
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     resolve_model(args.model)
+    if getattr(args, "critic_model", None):
+        resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum)  # bad rows fail here
     if not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):

@@ -1,11 +1,14 @@
-"""The trainer side shared by every schedule: policy + reference model, one train step over a rollout batch,
-checkpoints (atomic) and resume. Entry scripts decide *when* it trains and syncs; this decides *how*.
+"""The trainer side shared by every schedule: policy + reference model (+ the critic of --algo ppo, common/critic.py),
+experience filters, one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
+*when* it trains and syncs; this decides *how*.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import math
 import os
 import random
 import shutil
@@ -14,16 +17,34 @@ import time
 import numpy as np
 import torch
 
+from common.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
-from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, group_advantages, kl_estimate,
-                           masked_mean, opmd_loss)
+from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, gae_advantages, group_advantages,
+                           kl_estimate, kl_penalized_rewards, masked_mean, masked_whiten, opmd_loss)
 from common.model import load_model, load_tokenizer, sequence_logprobs
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
 from common.weight_sync import weights_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def filter_experiences(experiences: list[Experience], mask_truncated: bool,
+                       drop_failed: bool) -> tuple[list[Experience], dict]:
+    """ALGO LOGIC: experience filters before collate, each counted in the step's metrics. Non-finite rewards are
+    always dropped, failed verifiers (reward_info["failed"]) when `drop_failed`; truncated responses (finish reason
+    'length') keep their place in the group but get loss mask 0 when `mask_truncated`."""
+    kept, invalid, truncated = [], 0, 0
+    for e in experiences:
+        if not math.isfinite(e.reward) or (drop_failed and e.reward_info.get("failed")):
+            invalid += 1
+            continue
+        if mask_truncated and e.finish_reason == "length":
+            e = dataclasses.replace(e, loss_mask=[0] * len(e.loss_mask))
+            truncated += 1
+        kept.append(e)
+    return kept, {"filter/invalid_dropped": invalid, "filter/truncated_masked": truncated}
 
 
 class Trainer:
@@ -39,6 +60,9 @@ class Trainer:
         if args.kl_coef > 0:
             self.ref_model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed).eval()
             self.ref_model.requires_grad_(False)
+        self.critic = None
+        if args.algo == "ppo":
+            self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.step = 0        # trainer steps done
         self.version = 0     # version of the weights in self.model (one per optimizer-updating step)
@@ -46,33 +70,64 @@ class Trainer:
     # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
     def train_step(self, experiences: list[Experience]) -> dict:
         args = self.args
+        experiences, filtered = filter_experiences(experiences, args.mask_truncated, args.drop_failed_rewards)
+        if not experiences:  # every sample was invalid: nothing to learn from, the step still counts
+            self.step += 1
+            self.version += 1
+            return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
-        advantages = group_advantages(batch.rewards, batch.group_ids,
-                                      normalize_std=args.normalize_std and args.algo == "grpo")
         ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
         stats: dict[str, list[float]] = {}
+        rewards = batch.rewards  # [B], or [B, T] per token once the KL is subtracted from the reward
+        if ref_logprobs is not None and args.kl_mode == "reward":
+            kl = kl_estimate(batch.old_logprobs, ref_logprobs, args.kl_estimator) * batch.response_mask
+            rewards = kl_penalized_rewards(batch.rewards, kl, batch.response_mask, args.kl_coef)
+            stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
+            ref_logprobs = None  # no KL loss term
+        if self.critic is not None:  # ppo: per-token GAE advantages from the critic's values before this update
+            old_values = self.critic.values(batch)
+            advantages, returns = gae_advantages(rewards, old_values, batch.response_mask, args.gamma, args.lam)
+            if args.normalize_std:
+                advantages = masked_whiten(advantages, batch.response_mask)
+        else:
+            advantages = group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
+                                          normalize_std=args.normalize_std and args.algo == "grpo")
         n = len(batch)
         trained = torch.arange(n)
-        if args.drop_zero_signal_groups:
+        if args.drop_zero_signal_groups and self.critic is None:
             trained = trained[(advantages != 0).cpu()]
+        update_actor = self.critic is None or self.step >= args.critic_warmup_steps
         # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
         # the proximal ones and the extra forward pass is skipped.
         correcting = args.off_policy_correction != "none"
         single_update = args.ppo_epochs == 1 and len(trained) <= args.minibatch_size
-        prox_logprobs = self._logprobs(self.model, batch) if correcting and not single_update else None
+        prox_logprobs = (self._logprobs(self.model, batch)
+                         if correcting and not single_update and update_actor else None)
         # Seeded by step: every data-parallel trainer walks the same order, and a resumed run the same as before.
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + self.step)
         for _ in range(args.ppo_epochs if len(trained) else 0):
             order = trained[torch.randperm(len(trained), generator=shuffle)]
             for start in range(0, len(order), args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
-                self._minibatch_update(batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
+                if update_actor:
+                    self._minibatch_update(batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
+                if self.critic is not None:
+                    self.critic.update(batch, idx, old_values, returns, stats)
         self.step += 1
         self.version += 1
+        if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
+            self.ref_model.load_state_dict(self.model.state_dict())
+            stats["ref_reset"] = [1.0]
         tokens = batch.response_mask.sum().item()
-        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0}  # what a step without an update reports
+        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}  # what a step without an update reports
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
+        if self.critic is not None:
+            mask = batch.response_mask
+            residual_var = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
+            returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+            out.update({"returns/mean": masked_mean(returns, mask).item(), "actor_frozen": float(not update_actor),
+                        "value/explained_var": (1 - residual_var / returns_var).item() if returns_var > 0 else 0.0})
         out.update({
             "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std(unbiased=False).item(),
             "response/tokens_mean": tokens / n, "filter/zero_signal_frac": 1 - len(trained) / n,
@@ -96,7 +151,7 @@ class Trainer:
     def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats):
         args = self.args
         # grpo averages over tokens; dr_grpo and opmd over sequences: micro-batches are weighted by their share.
-        per_token = args.algo == "grpo"
+        per_token = args.algo in ("grpo", "ppo")
         total_units = batch.response_mask[idx].sum().clamp(min=1) if per_token else len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
@@ -111,7 +166,7 @@ class Trainer:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
-            if args.algo == "grpo":
+            if args.algo in ("grpo", "ppo"):  # ppo: advantages are per token ([B, T], GAE)
                 pg_loss, clip_frac = clipped_surrogate_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
                                                             args.clip_eps, token_weights=weights)
             elif args.algo == "dr_grpo":
@@ -158,6 +213,10 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
+        if self.critic is not None:
+            self.critic.save(tmp)
+        if self.args.ref_reset_every:  # the reference is no longer the initial model: keep it
+            self.ref_model.save_pretrained(os.path.join(tmp, "reference"))
         torch.save({
             "step": self.step, "version": self.version, "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -173,15 +232,11 @@ class Trainer:
         path = latest_checkpoint(out_dir)
         if path is None:
             return {}
-        from safetensors.torch import load_file
-
-        weights = {}
-        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            weights.update(load_file(f, device=str(self.device)))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
+        self._load_weights(self.model, path)
+        if self.critic is not None:
+            self.critic.load(path)
+        if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
+            self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = state["step"], state["version"]
@@ -189,6 +244,17 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return state
+
+    def _load_weights(self, model, path: str):
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            weights.update(load_file(f, device=str(self.device)))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
 
 
 def latest_checkpoint(out_dir: str) -> str | None:

@@ -51,13 +51,17 @@ def test_two_trainers_stay_identical_and_match_one_trainer(run, tmp_path):
     assert differ < moved / 100, (differ, moved)
 
 
-def test_data_parallel_async_with_checkpoint_sync(run, tmp_path):
+def test_data_parallel_ppo_with_checkpoint_sync(run, tmp_path):
+    """Actor and critic both train data-parallel (--kl-mode reward gives the critic something to fit once the policy
+    has moved away from the reference, i.e. from step 2 on)."""
     out = tmp_path / "run"
-    r = run("train_async.py", *TINY, "--steps", "3", "--trainer-devices", "cpu,cpu", "--sync-method", "checkpoint",
+    r = run("train_sync.py", *TINY, "--steps", "3", "--trainer-devices", "cpu,cpu", "--sync-method", "checkpoint",
+            "--algo", "ppo", "--kl-coef", "0.1", "--kl-mode", "reward",
             "--verify-sync", "--out-dir", str(out), timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["step"] for row in rows] == [1, 2, 3]  # one metrics row per step: only trainer 0 logs
+    assert rows[-1]["value_loss"] > 0
     for step, by_trainer in _train_hashes(out).items():
         assert by_trainer["trainer0"] == by_trainer["trainer1"], f"replicas diverged at step {step}"
 

@@ -118,3 +118,111 @@ def test_opmd_value_and_gradient_sign():
     at_target = torch.tensor([[0.5 / 0.1 / 2, 0.5 / 0.1 / 2, 0.0]], requires_grad=True)
     opmd_loss(at_target, torch.zeros(1, 3), torch.tensor([0.5]), torch.tensor([[1, 1, 0]]), 0.1).backward()
     assert at_target.grad.abs().max().item() < 1e-6
+
+
+# ---------------------------------------------------------------- PPO with a critic, KL in the reward
+def _close(tensor, expected):
+    torch.testing.assert_close(tensor, torch.tensor(expected, dtype=tensor.dtype), atol=1e-6, rtol=1e-5)
+
+
+def _gae_by_definition(rewards, values, mask, gamma, lam):
+    """Per row, over the trained positions in order: A_t = sum_l (gamma lam)^l delta_{t+l},
+    delta_t = r_t + gamma V_{t+1} - V_t, V after the last trained token = 0 (the paper's eq. 16, literally)."""
+    adv = torch.zeros_like(values)
+    for b in range(values.shape[0]):
+        pos = [t for t in range(values.shape[1]) if mask[b, t]]
+        v = [values[b, t].item() for t in pos] + [0.0]
+        deltas = [rewards[b, t].item() + gamma * v[i + 1] - v[i] for i, t in enumerate(pos)]
+        for i, t in enumerate(pos):
+            adv[b, t] = sum((gamma * lam) ** l * d for l, d in enumerate(deltas[i:]))
+    return adv
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.0), (0.99, 0.5)])
+def test_gae_matches_the_definition_on_random_tensors(gamma, lam):
+    from common.losses import gae_advantages
+
+    g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
+    rewards, values = torch.randn(5, 9, generator=g), torch.randn(5, 9, generator=g)
+    mask = (torch.rand(5, 9, generator=g) > 0.3).float()
+    mask[0, :3] = 0  # a prompt before the response, and rows with holes (env tokens) and no trained token at all
+    mask[4] = 0
+    adv, returns = gae_advantages(rewards, values, mask, gamma, lam)
+    expected = _gae_by_definition(rewards, values, mask, gamma, lam)
+    assert torch.allclose(adv, expected, atol=1e-5)
+    assert torch.allclose(returns, (expected + values) * mask, atol=1e-5)
+    assert adv[mask == 0].abs().max() == 0
+
+
+def test_gae_places_the_outcome_reward_on_the_last_response_token():
+    from common.losses import gae_advantages
+
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]])
+    values = torch.tensor([[9.0, 0.5, 0.25, 0.5, 9.0], [9.0, 9.0, 0.5, 9.0, 9.0]])  # 9s are masked: never count
+    adv, returns = gae_advantages(torch.tensor([1.0, -1.0]), values, mask, gamma=1.0, lam=1.0)
+    # gamma = lam = 1: A_t = R - V_t, returns = R at every trained token
+    _close(adv, [[0, 0.5, 0.75, 0.5, 0], [0, 0, -1.5, 0, 0]])
+    _close(returns, [[0, 1, 1, 1, 0], [0, 0, -1, 0, 0]])
+    # gamma 0.5, lam 0: one-step TD, A_t = r_t + 0.5 V_{t+1} - V_t
+    adv, _ = gae_advantages(torch.tensor([1.0, -1.0]), values, mask, gamma=0.5, lam=0.0)
+    assert adv[0].tolist() == pytest.approx([0, 0.5 * 0.25 - 0.5, 0.5 * 0.5 - 0.25, 1 - 0.5, 0])
+
+
+def test_clipped_value_loss_by_hand():
+    from common.losses import clipped_value_loss
+
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.5, -0.1, 3.0]], requires_grad=True)
+    returns = torch.tensor([[1.0, 1.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0]])  # the last position is padding
+    loss, clip_frac = clipped_value_loss(values, old, returns, mask, clip_eps=0.2)
+    # token 0: unclipped (0.5-1)^2 = 0.25, clipped V = 0.2 -> 0.64: max 0.64 (clipped); token 1: 1.21 both ways
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.21) / 2)
+    assert clip_frac.item() == pytest.approx(0.5)
+    loss.backward()
+    # token 0 is clipped: no gradient (the clipped term does not depend on V there); token 1 pulls V up to R
+    assert values.grad[0, 0] == 0 and values.grad[0, 1] < 0 and values.grad[0, 2] == 0
+    no_clip, _ = clipped_value_loss(values, old, returns, mask, clip_eps=0.0)
+    assert no_clip.item() == pytest.approx(0.5 * (0.25 + 1.21) / 2)
+
+
+def test_clipped_value_loss_gradient_moves_values_towards_returns():
+    from common.losses import clipped_value_loss
+
+    values = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    loss, _ = clipped_value_loss(values, values.detach(), torch.tensor([[2.0, -3.0]]), torch.ones(1, 2), 0.2)
+    loss.backward()
+    assert values.grad[0, 0] < 0 < values.grad[0, 1]  # descending: V up towards 2, down towards -3
+    _close(values.grad, [[-1.0, 1.5]])  # d/dV 0.5 (V-R)^2 / 2 tokens
+
+
+def test_ppo_actor_loss_with_per_token_advantages():
+    logp = torch.zeros(1, 3, requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, _ = clipped_surrogate_loss(logp, torch.zeros(1, 3), adv, mask)
+    assert loss.item() == pytest.approx(-(1.0 - 2.0) / 2)
+    loss.backward()
+    # each token is pushed by its own advantage: up for A > 0, down for A < 0, padding untouched
+    assert logp.grad[0, 0] < 0 < logp.grad[0, 1] and logp.grad[0, 2] == 0
+
+
+def test_kl_in_the_reward_by_hand():
+    from common.losses import gae_advantages, kl_penalized_rewards
+
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
+    kl = torch.tensor([[5.0, 0.2, 0.4, 5.0], [0.1, 0.1, 0.1, 0.1]])
+    shaped = kl_penalized_rewards(torch.tensor([1.0, 0.0]), kl, mask, kl_coef=0.5)
+    _close(shaped, [[0, -0.1, 1 - 0.2, 0], [-0.05, -0.05, -0.05, -0.05]])
+    assert shaped.sum(-1).tolist() == pytest.approx([1 - 0.5 * 0.6, -0.5 * 0.4])  # r - coef * sum KL
+    # gamma = lam = 1 and V = 0: the advantage of a token is the shaped reward still to come
+    adv, _ = gae_advantages(shaped, torch.zeros(2, 4), mask, 1.0, 1.0)
+    assert adv[0].tolist() == pytest.approx([0, 0.7, 0.8, 0])
+
+
+def test_masked_whiten():
+    from common.losses import masked_whiten
+
+    x = torch.tensor([[1.0, 3.0, 100.0]])
+    w = masked_whiten(x, torch.tensor([[1, 1, 0]]))
+    _close(w, [[-1.0, 1.0, 0.0]])

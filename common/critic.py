@@ -1,0 +1,103 @@
+"""The critic of `--algo ppo`: a causal LM's body with a Linear value head on the last hidden state, its own
+optimizer, its update, and its part of a checkpoint (the critic/ subfolder).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.experience import Batch
+from common.losses import clipped_value_loss, masked_mean
+from common.model import load_model
+from common.parallel import DataParallel
+
+
+class ValueModel(torch.nn.Module):
+    """V(s_t) for every prefix: body(input_ids) -> Linear(hidden, 1), aligned with `sequence_logprobs`' [B, T-1]
+    (position t holds the value of the state that predicts token t+1)."""
+
+    def __init__(self, name: str, device, dtype: torch.dtype, seed: int, flag: str = "--model"):
+        super().__init__()
+        lm = load_model(name, device, dtype, seed=seed, flag=flag)
+        self.vocab_size = lm.config.vocab_size
+        self.body = lm.base_model  # the LM head is dropped: only hidden states are needed
+        self.body.config.use_cache = False
+        # Zero init: every value starts at 0, so the first advantages are the plain (shaped) rewards.
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, device=device, dtype=dtype)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as sequence_logprobs: padding-proof
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state[:, :-1]
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+class Critic:
+    def __init__(self, args, device, dtype: torch.dtype, policy_vocab_size: int, dp: DataParallel | None = None):
+        self.args = args
+        self.dp = dp or DataParallel()  # data-parallel trainers: each updates on its slice, gradients summed
+        name = args.critic_model or args.model
+        self.model = ValueModel(name, device, dtype, args.seed, "--critic-model" if args.critic_model else "--model")
+        self.model.train()
+        if self.model.vocab_size != policy_vocab_size:
+            raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
+                             f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """V before this step's update at every position ([B, T-1]; 0 where the response mask is 0): the baseline of
+        GAE and the anchor of value clipping."""
+        mbs = self.args.micro_batch_size
+        parts = [self.model(batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs])
+                 for i in range(0, len(batch), mbs)]
+        return torch.cat(parts) * batch.response_mask
+
+    # ALGO LOGIC: one critic optimizer step on a minibatch, micro-batched like the actor's (token-mean weighting).
+    def update(self, batch: Batch, idx: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, stats: dict):
+        args = self.args
+        total_tokens = batch.response_mask[idx].sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        local = self.dp.local_slice(idx)
+        for start in range(0, len(local), args.micro_batch_size):
+            mb_idx = local[start: start + args.micro_batch_size]
+            mask = batch.response_mask[mb_idx]
+            values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx])
+            loss, clip_frac = clipped_value_loss(values, old_values[mb_idx], returns[mb_idx], mask,
+                                                 args.value_clip_eps)
+            (loss * mask.sum() / total_tokens).backward()
+            stats.setdefault("value_loss", []).append(loss.item())
+            stats.setdefault("value_clip_frac", []).append(clip_frac.item())
+            stats.setdefault("value/mean", []).append(masked_mean(values.detach(), mask).item())
+        self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        stats.setdefault("value_grad_norm", []).append(grad_norm.item())
+        self.optimizer.step()
+
+    # ---------------------------------------------------------------- checkpoint part: <checkpoint>/critic/
+    def save(self, checkpoint_dir: str):
+        from safetensors.torch import save_file
+
+        folder = os.path.join(checkpoint_dir, "critic")
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
+                  os.path.join(folder, "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+
+    def load(self, checkpoint_dir: str):
+        from safetensors.torch import load_file
+
+        folder = os.path.join(checkpoint_dir, "critic")
+        if not os.path.exists(os.path.join(folder, "model.safetensors")):
+            raise SystemExit(f"error: --resume {checkpoint_dir}: no critic/ in the checkpoint (not an --algo ppo run?)")
+        device = next(self.model.parameters()).device
+        try:
+            self.model.load_state_dict(load_file(os.path.join(folder, "model.safetensors"), device=str(device)))
+        except RuntimeError as e:
+            raise SystemExit(f"error: --resume {folder}: critic weights do not match the critic model "
+                             f"({str(e).splitlines()[0]})") from None
+        self.optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu"))

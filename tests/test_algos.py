@@ -1,0 +1,166 @@
+"""--algo ppo (critic, warm-up, checkpoints), the reference model (KL in the reward, reference reset) and the
+experience filters: in-process on the tiny model with hand-made experiences, and end to end in every entry script."""
+
+import hashlib
+
+import pytest
+import torch
+
+from common.config import ConfigError, parse_args
+from common.experience import Experience, collate
+from common.metrics import read_metrics
+from common.trainer import Trainer, filter_experiences
+from tests.conftest import TINY, run_script
+
+
+def _args(tmp_path, *flags):
+    from train_sync import Args
+
+    return parse_args(Args, [*TINY, "--out-dir", str(tmp_path / "run"), *flags])
+
+
+def _experiences(trainer, rewards, finish_reasons=None, infos=None):
+    """Random prompts/responses (pairs share a group) whose behaviour log-probs are the trainer's own."""
+    g = torch.Generator().manual_seed(0)
+    exps = []
+    for i, r in enumerate(rewards):
+        prompt = torch.randint(0, 250, (5,), generator=g).tolist()
+        response = torch.randint(0, 250, (3 + i % 3,), generator=g).tolist()
+        exps.append(Experience(prompt, response, [0.0] * len(response), [1] * len(response), r, group_id=i // 2,
+                               task_id=str(i // 2), policy_version=trainer.version,
+                               reward_info=(infos or {}).get(i, {}),
+                               finish_reason=(finish_reasons or {}).get(i, "stop")))
+    logprobs = trainer._logprobs(trainer.model, collate(exps, trainer.tokenizer.pad_token_id))
+    for i, e in enumerate(exps):
+        p = len(e.prompt_ids)
+        e.logprobs = logprobs[i, p - 1: p - 1 + len(e.response_ids)].tolist()
+    return exps
+
+
+def _hash(module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_filter_experiences_by_hand():
+    def exp(reward, finish="stop", info=None):
+        return Experience([1], [2, 3], [0.0, 0.0], [1, 1], reward, 0, "t", 0, info or {}, finish)
+
+    batch = [exp(1.0), exp(float("nan")), exp(float("inf")), exp(0.0, info={"failed": True}), exp(1.0, "length")]
+    kept, counts = filter_experiences(batch, mask_truncated=True, drop_failed=True)
+    assert counts == {"filter/invalid_dropped": 3, "filter/truncated_masked": 1}
+    assert [e.reward for e in kept] == [1.0, 1.0] and [e.loss_mask for e in kept] == [[1, 1], [0, 0]]
+    assert batch[4].loss_mask == [1, 1]  # the input is not modified
+    kept, counts = filter_experiences(batch, mask_truncated=False, drop_failed=False)
+    assert counts == {"filter/invalid_dropped": 2, "filter/truncated_masked": 0}  # non-finite: always dropped
+    assert [e.loss_mask for e in kept][-1] == [1, 1]
+
+
+def test_filters_are_counted_in_the_train_step(tmp_path):
+    trainer = Trainer(_args(tmp_path, "--mask-truncated"), torch.device("cpu"))
+    exps = _experiences(trainer, [1.0, 0.0, float("nan"), 0.0, 1.0, 0.5], finish_reasons={4: "length"},
+                        infos={5: {"failed": True, "reason": "timeout"}})
+    metrics = trainer.train_step(exps)
+    assert metrics["filter/invalid_dropped"] == 2 and metrics["filter/truncated_masked"] == 1
+    # Tokens counted are those still trained: samples 0, 1, 3 (3 + 4 + 3 tokens); sample 4 is masked.
+    assert metrics["response/tokens_mean"] == pytest.approx((3 + 4 + 3 + 0) / 4)
+    assert metrics["reward/mean"] == pytest.approx(0.5)  # over the 4 kept samples
+
+
+def test_ppo_critic_trains_and_its_checkpoint_restores(tmp_path):
+    args = _args(tmp_path, "--algo", "ppo", "--critic-lr", "1e-3")
+    trainer = Trainer(args, torch.device("cpu"))
+    fresh = _hash(trainer.critic.model)
+    for _ in range(2):
+        metrics = trainer.train_step(_experiences(trainer, [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]))
+    assert metrics["value_loss"] > 0 and metrics["value/mean"] != 0
+    trained = _hash(trainer.critic.model)
+    assert trained != fresh
+    trainer.save_checkpoint(args.out_dir)
+    restored = Trainer(args, torch.device("cpu"))
+    assert _hash(restored.critic.model) == fresh
+    restored.resume(args.out_dir)
+    assert restored.step == 2 and _hash(restored.critic.model) == trained
+    steps = {s["step"].item() for s in restored.critic.optimizer.state_dict()["state"].values()}
+    assert steps == {2.0}  # the critic's Adam state came back too
+
+
+def test_critic_warmup_keeps_the_policy_fixed(tmp_path):
+    trainer = Trainer(_args(tmp_path, "--algo", "ppo", "--critic-warmup-steps", "1"), torch.device("cpu"))
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    policy, critic = _hash(trainer.model), _hash(trainer.critic.model)
+    metrics = trainer.train_step(_experiences(trainer, rewards))
+    assert metrics["actor_frozen"] == 1.0 and _hash(trainer.model) == policy and _hash(trainer.critic.model) != critic
+    metrics = trainer.train_step(_experiences(trainer, rewards))
+    assert metrics["actor_frozen"] == 0.0 and _hash(trainer.model) != policy
+
+
+def test_kl_in_the_reward_and_reference_reset(tmp_path):
+    args = _args(tmp_path, "--kl-coef", "0.1", "--kl-mode", "reward", "--ref-reset-every", "2")
+    trainer = Trainer(args, torch.device("cpu"))
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    trainer.train_step(_experiences(trainer, rewards))
+    assert _hash(trainer.ref_model) != _hash(trainer.model)  # step 1: the reference is still the initial model
+    metrics = trainer.train_step(_experiences(trainer, rewards))
+    assert metrics["kl"] > 0  # the behaviour policy (after step 1) differs from the reference
+    assert metrics["ref_reset"] == 1.0 and _hash(trainer.ref_model) == _hash(trainer.model)
+    trainer.save_checkpoint(args.out_dir)
+    restored = Trainer(args, torch.device("cpu"))
+    restored.resume(args.out_dir)
+    assert _hash(restored.ref_model) == _hash(trainer.ref_model)
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--algo", "ppo2"], "--algo"), (["--kl-mode", "reward"], "--kl-mode"), (["--ref-reset-every", "2"],
+                                                                              "--ref-reset-every"),
+    (["--critic-model", "tiny"], "--critic-model"), (["--algo", "ppo", "--lam", "1.5"], "--lam"),
+    (["--algo", "ppo", "--value-clip-eps", "-1"], "--value-clip-eps"),
+])
+def test_bad_algo_fields_name_the_field(tmp_path, flags, field):
+    with pytest.raises(ConfigError, match=f"^error: {field}"):
+        _args(tmp_path, *flags)
+
+
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+def test_ppo_runs_in_every_schedule(tmp_path, script):
+    out = tmp_path / "run"
+    # KL in the reward gives the critic something to learn even though the random tiny model earns reward 0.
+    flags = [*TINY, "--algo", "ppo", "--kl-coef", "0.05", "--kl-mode", "reward", "--samples-per-task", "1",
+             "--tasks-per-step", "8", "--critic-lr", "1e-3", "--checkpoint-every", "1", "--out-dir", str(out)]
+    proc = run_script(script, *flags, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("value_loss" in r and "value/explained_var" in r for r in rows)
+    assert (out / "final" / "critic" / "model.safetensors").exists()
+    if script != "train_sync.py":
+        return
+    assert rows[1]["kl"] > 0 and rows[1]["value_loss"] > 0  # batch 2 comes from the updated policy: KL-shaped returns
+    second = run_script(script, *flags, "--steps", "3", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
+    state = torch.load(out / "checkpoints" / "step_3" / "critic" / "optimizer.pt", weights_only=False)
+    assert {s["step"].item() for s in state["state"].values()} == {3.0}  # the critic's Adam went on from step 2
+
+
+def test_missing_critic_model_is_one_line_error(tmp_path):
+    proc = run_script("train_sync.py", *TINY, "--algo", "ppo", "--critic-model", str(tmp_path / "nope"),
+                      "--out-dir", str(tmp_path / "r"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --critic-model {tmp_path / 'nope'}: no such")
+
+
+def test_critic_model_is_loaded_from_its_own_folder(tmp_path):
+    from common.model import build_tiny_model, build_tiny_tokenizer
+
+    folder = tmp_path / "critic-init"
+    build_tiny_model(build_tiny_tokenizer(), seed=123).save_pretrained(folder)
+    trainer = Trainer(_args(tmp_path, "--algo", "ppo", "--critic-model", str(folder)), torch.device("cpu"))
+    embed = trainer.critic.model.body.embed_tokens.weight
+    assert not torch.equal(embed, trainer.model.model.embed_tokens.weight)  # not a copy of the policy (seed 0)
+    from transformers import AutoModelForCausalLM
+
+    assert torch.equal(embed, AutoModelForCausalLM.from_pretrained(folder).model.embed_tokens.weight)
