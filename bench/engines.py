@@ -1,7 +1,7 @@
 """HF `generate` vs vLLM rollout engine, side by side in one run, plus the cost of a weight update into vLLM.
 
-    .venv-vllm/bin/python bench/engines.py                      # default model, 8 prompts x n=4, 128 new tokens
-    .venv-vllm/bin/python bench/engines.py --model tiny-vllm --max-new-tokens 32   # quick smoke run
+    python bench/engines.py                      # default model, 8 prompts x n=4, 128 new tokens
+    python bench/engines.py --model tiny-vllm --max-new-tokens 32   # quick smoke run
 
 Prints generated tokens/s of each engine at batch prompts x n (best of --repeats timed calls after one warm-up
 call), and for vLLM the time of one weight update through weight_buffers()/commit_weights() (the explorer's

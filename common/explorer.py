@@ -23,10 +23,28 @@ from rewards.shaping import shape_batch
 
 
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
-    """The rollout engine for `--engine` (HF generate for now) and its tokenizer."""
+    """The rollout engine for `--engine` (hf: transformers generate, vllm: common/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model)
+    if args.engine == "vllm":
+        return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
     return HFEngine(model, tokenizer), tokenizer
+
+
+def build_vllm_engine(args, device, tokenizer):
+    """VLLMEngine on this explorer's device; `--model tiny` is saved to a temporary folder in out_dir first (vLLM
+    loads folders). The initial weight sync replaces whatever the folder holds."""
+    import tempfile
+
+    from common.engine_vllm import VLLMEngine, save_servable_tiny
+    from common.model import resolve_model
+
+    tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
+    path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
+    engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb)
+    engine.model_dir = tiny_dir  # removed when the engine goes
+    return engine
 
 
 class Explorer:
@@ -116,3 +134,4 @@ class Explorer:
 
     def close(self):
         self.rewards.close()
+        self.engine.close()

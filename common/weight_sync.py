@@ -193,7 +193,8 @@ class WeightReceiver:
                                                   self.ctx.comm_device, self.args.sync_bucket_mb)
         self.engine.commit_weights(buffers)
         self.timeline.record("wait", start, arrived, step=step)
-        check = {"hash": weights_hash(buffers)} if self.args.verify_sync else {}
+        # read back from the engine (vLLM: from its worker), so a load that went wrong shows as a mismatch
+        check = {"hash": self.engine.weights_checksum()} if self.args.verify_sync else {}
         self.timeline.record("sync", arrived, time.time(), step=step, version=self.version, **check)
         return self.version
 
@@ -203,11 +204,10 @@ class WeightReceiver:
             latest = latest_sync_version(self.sync_dir)
             if latest <= self.version:
                 return False
-            start, buffers = time.time(), self.engine.weight_buffers()
-            load_sync_checkpoint(self.sync_dir, latest, buffers)
-            self.engine.commit_weights(buffers)
+            start = time.time()
+            self.engine.load_sync_checkpoint(self.sync_dir, latest)
             self.version = latest
-            check = {"hash": weights_hash(buffers)} if self.args.verify_sync else {}
+            check = {"hash": self.engine.weights_checksum()} if self.args.verify_sync else {}
             self.timeline.record("sync-checkpoint", start, time.time(), step=step, version=latest, **check)
             return True
         if self.announced.value <= self.version:

