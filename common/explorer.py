@@ -8,6 +8,7 @@ step it started; with a budget, unfinished responses are continued in later step
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +19,7 @@ from common.model import chat_prompt_ids, load_model, load_tokenizer
 from common.replay import PartialRollouts
 from common.tasks import build_tasksets
 from common.trainer import DTYPES
-from rewards import RewardPool
+from rewards import RewardFuture, RewardPool
 from rewards.shaping import shape_batch
 
 
@@ -47,6 +48,17 @@ def build_vllm_engine(args, device, tokenizer):
     return engine
 
 
+@dataclass
+class _Round:
+    """One generation round whose rewards are being scored in the RewardPool."""
+    step: int
+    groups: list
+    flat: list                 # (group, response) per sample, in the order submitted for scoring
+    future: RewardFuture
+    generated: dict            # PartialRollouts.generate's counts
+    generated_s: float         # seconds of generation
+
+
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
         self.args, self.timeline, self.index = args, timeline, index
@@ -62,6 +74,7 @@ class Explorer:
         self.version = 0
         self.next_group = 0
         self.first_step = 1
+        self.scoring: _Round | None = None  # --score-behind: the round whose rewards are being computed
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
@@ -71,7 +84,18 @@ class Explorer:
     def rollout(self, step: int) -> tuple[list[Experience], dict]:
         """One generation round with the current weights over tasks_per_step new tasks x samples_per_task responses
         and every response still unfinished from earlier steps; returns the experiences of the groups that ended
-        (every group, when partial rollouts are off; possibly none while long responses are still in flight)."""
+        (every group, when partial rollouts are off; possibly none while long responses are still in flight).
+
+        With `--score-behind` (train_async.py) the round's scoring runs in the RewardPool while the *next* round
+        generates, and this returns the previous round's experiences (none on the first call)."""
+        round_ = self._generate_and_submit(step)
+        if getattr(self.args, "score_behind", False):
+            round_, self.scoring = self.scoring, round_
+            if round_ is None:
+                return [], {"time/rollout": self.scoring.generated_s}
+        return self._finish(round_)
+
+    def _generate_and_submit(self, step: int) -> "_Round":
         args = self.args
         for task in self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps):
             self.in_flight.start(task, self.next_group, chat_prompt_ids(self.tokenizer, task), args.samples_per_task)
@@ -79,13 +103,19 @@ class Explorer:
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
             generated = self.in_flight.generate(self.engine, self.sampling, self.version)
-        t1 = time.time()
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
-        with self.timeline.phase("reward", step=step):
-            texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in flat]
-            scores = self.rewards.score_batch(texts, [g.task for g, _ in flat])
+        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in flat]
+        future = self.rewards.submit(texts, [g.task for g, _ in flat])  # scored in the pool's worker processes
+        return _Round(step, groups, flat, future, generated, time.time() - t0)
+
+    def _finish(self, round_: "_Round") -> tuple[list[Experience], dict]:
+        args, groups, flat = self.args, round_.groups, round_.flat
+        t1 = time.time()
+        with self.timeline.phase("reward", step=round_.step):
+            scores = round_.future.result(timeout=args.timeout_s)
         t2 = time.time()
+        self.timeline.record("reward-in-flight", round_.future.submitted_at, round_.future.done_at, step=round_.step)
         # ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward); reward_info keeps the parts
         shaped = shape_batch(scores, [len(r.response_ids) for _, r in flat], args.samples_per_task,
                              args.length_penalty, args.format_reward)
@@ -93,15 +123,16 @@ class Explorer:
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
             group_id=g.group_id, task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
-            finish_reason=r.finish_reason, timings={"rollout": t1 - t0, "reward": t2 - t1},
+            finish_reason=r.finish_reason, timings={"rollout": round_.generated_s, "reward": t2 - t1},
             segment_versions=r.versions,
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         n = args.samples_per_task
         for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
             self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[k * n:(k + 1) * n]])
+        generated = round_.generated
         metrics = {
-            "time/rollout": t1 - t0, "time/reward": t2 - t1,
-            "rollout/tokens_per_s": generated["tokens"] / max(t1 - t0, 1e-9),
+            "time/rollout": round_.generated_s, "time/reward": t2 - t1,
+            "rollout/tokens_per_s": generated["tokens"] / max(round_.generated_s, 1e-9),
             "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
         }

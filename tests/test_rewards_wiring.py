@@ -140,3 +140,42 @@ def test_rm_tasks_without_a_reward_model_are_a_one_line_error(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and "--rm-model" in lines[-1], proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- train_async.py --score-behind
+@pytest.mark.timeout(120)
+def test_score_behind_scores_a_round_while_the_next_generates(tmp_path):
+    """Round 1's rewards are submitted before round 2 generates and come back with round 2's call, keeping the
+    version that generated them."""
+    from common.explorer import Explorer
+    from common.metrics import Timeline, read_timeline
+    from train_async import Args
+
+    tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]
+    data = _write_jsonl(tmp_path / "tasks.jsonl", tasks)
+    args = parse_args(Args, ["--model", "tiny", "--taskset", data, "--eval-taskset", data, "--eval-size", "2",
+                             "--tasks-per-step", "4", "--samples-per-task", "2", "--max-new-tokens", "12",
+                             "--minibatch-size", "4", "--micro-batch-size", "4", "--score-behind"])
+    explorer = Explorer(args, "cpu", Timeline(str(tmp_path), "explorer0"))
+    try:
+        first, _ = explorer.rollout(step=1)
+        explorer.version = 1  # new weights arrive between rounds
+        second, metrics = explorer.rollout(step=2)
+    finally:
+        explorer.close()
+    assert first == []
+    assert len(second) == 8 and {e.group_id for e in second} == {0, 1, 2, 3}  # round 1's groups
+    assert {e.policy_version for e in second} == {0}
+    assert metrics["reward/failed"] == 0
+    events = read_timeline(str(tmp_path))
+    (scoring,) = [e for e in events if e["phase"] == "reward-in-flight"]
+    round2 = next(e for e in events if e["phase"] == "rollout" and e["step"] == 2)
+    assert scoring["step"] == 1 and scoring["start"] <= round2["start"]
+
+
+@pytest.mark.timeout(240)
+def test_train_async_with_score_behind(tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("train_async.py", *TINY, "--steps", "3", "--score-behind", "--out-dir", str(out), timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]

@@ -20,8 +20,10 @@ def _synced(events, process):
 
 
 @pytest.mark.skipif(not ok, reason=why)
-@pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
-@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+# Every script and both sync methods (async, which takes weights in flight or by polling, with both); each run
+# starts vLLM (~25 s on 2 cores), so the full 3 x 2 matrix is not repeated.
+@pytest.mark.parametrize("script,method", [("train_sync.py", "broadcast"), ("train_offpolicy.py", "checkpoint"),
+                                           ("train_async.py", "broadcast"), ("train_async.py", "checkpoint")])
 def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, method):
     out = tmp_path / "run"
     proc = run_script(script, *TINY, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
