@@ -51,12 +51,12 @@ class DataParallel:
         """Sum every parameter's gradient over the trainers (a missing gradient counts as zero)."""
         if not self.enabled:
             return
-        from common.weight_sync import _buckets
+        from common.weight_sync import tensor_buckets
 
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in params], bucket_mb << 20):
+        for bucket in tensor_buckets([p.grad for p in params], bucket_mb << 20):
             flat = torch.cat([g.reshape(-1) for g in bucket]).to(self.device)
             dist.all_reduce(flat, group=self.group)
             offset = 0

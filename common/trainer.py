@@ -72,9 +72,7 @@ class Trainer:
         args = self.args
         experiences, filtered = filter_experiences(experiences, args.mask_truncated, args.drop_failed_rewards)
         if not experiences:  # every sample was invalid: nothing to learn from, the step still counts
-            self.step += 1
-            self.version += 1
-            return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}
+            return {**self.skip_step(), **filtered}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
         ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
         stats: dict[str, list[float]] = {}
@@ -137,8 +135,8 @@ class Trainer:
         return out
 
     def skip_step(self) -> dict:
-        """A step with nothing to train (partial rollouts: no group has finished yet). It still counts, as a step and
-        a version, so every schedule keeps one version per trainer step."""
+        """A step with nothing to train (partial rollouts: no group has finished yet; every sample filtered out). It
+        still counts, as a step and a version, so every schedule keeps one version per trainer step."""
         self.step += 1
         self.version += 1
         return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0}

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 
-def _buckets(tensors: list[torch.Tensor], bucket_bytes: int):
+def tensor_buckets(tensors: list[torch.Tensor], bucket_bytes: int):
+    """Consecutive runs of same-dtype tensors of at most `bucket_bytes` together (one flat collective each)."""
     bucket, size = [], 0
     for t in tensors:
         if bucket and (size + t.numel() * t.element_size() > bucket_bytes or t.dtype != bucket[0].dtype):
@@ -47,7 +48,7 @@ def broadcast_weights(named_tensors: list[tuple[str, torch.Tensor]], version: in
     if head[1].item() != len(named_tensors):
         raise RuntimeError(f"weight sync: sender has {head[1].item()} tensors, this rank {len(named_tensors)}")
     tensors = [t.detach() for _, t in named_tensors]
-    for bucket in _buckets(tensors, bucket_mb << 20):
+    for bucket in tensor_buckets(tensors, bucket_mb << 20):
         flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
         if dist.get_rank() == src:
             torch.cat([t.reshape(-1).to(device) for t in bucket], out=flat)
