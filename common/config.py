@@ -66,9 +66,10 @@ class CommonArgs:
 
     # --- tasks ---------------------------------------------------------------------------------------------
     taskset: str = "arith"
-    """'arith' (built-in procedural word problems), a .jsonl file, or an HF datasets folder/file."""
+    """'arith' (built-in procedural word problems), 'parity' (built-in smoke task: characters of a given code-point
+    parity; the random tiny model gets mixed rewards), a .jsonl file, or an HF datasets folder/file."""
     difficulty: int = 1
-    """Difficulty level of the 'arith' taskset (1 easiest .. 4)."""
+    """Difficulty level of the 'arith' taskset (1 easiest .. 4); 'parity': longer requests per level."""
     eval_taskset: str | None = None
     """Held-out tasks; default: the taskset's own held-out split."""
     eval_size: int = 48
@@ -93,6 +94,10 @@ class CommonArgs:
     """Verifier processes of the explorer's RewardPool (math, code, k12, vision; a learned RM has its own process)."""
     reward_timeout_s: float = 10.0
     """Wall-clock limit per scored response; a verifier that hangs past it scores 0 and counts in reward/failed."""
+    reward_fn: str | None = None
+    """Score every task (training and held-out) with your own function instead of the verifier the task names:
+    `module:function` or `path/to/file.py:function`, called as fn(response: str, task: dict) -> float or
+    rewards.Reward, in the reward worker processes (see README "Your own reward")."""
     rm_model: str | None = None
     """Learned reward model (an AutoModelForSequenceClassification folder or hub id) for tasks with reward 'rm'
     that name no rm_model of their own; it runs in its own process on CPU."""
@@ -112,6 +117,12 @@ class CommonArgs:
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
     normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
     GAE advantages from a learned critic, see the PPO / critic fields); see common/losses.py."""
+    loss_fn: str | None = None
+    """Replace --algo's loss with your own function, `module:function` or `path/to/file.py:function`, with the
+    signature of common/losses.py's losses: (MicroBatch, args) -> (loss, stats dict); --algo's advantages stay."""
+    processors: tuple[str, ...] = ()
+    """Experience processors of your own (module:function or file.py:function), run after the built-in ones in
+    common/processors.py; each gets (experiences, args) and returns (experiences, counts for the metrics)."""
     opmd_tau: float = 0.1
     """tau of the opmd loss: weight of the squared log-ratio that keeps the update close to the sampling policy."""
     lr: float = 1e-5
@@ -271,6 +282,7 @@ class CommonArgs:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
                               f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size})")
         self._validate_kimi()
+        self._validate_plugins()
         check_placement(self.explorer_device_list, self.trainer_device_list)
 
     def _validate_kimi(self) -> None:
@@ -285,11 +297,23 @@ class CommonArgs:
             raise ConfigError(f"--replay-groups must be >= 0 (got {self.replay_groups})")
         if self.task_sampling not in ("uniform", "prioritized"):
             raise ConfigError(f"--task-sampling must be uniform or prioritized (got {self.task_sampling!r})")
-        if self.task_sampling == "prioritized" and self.taskset == "arith":
+        if self.task_sampling == "prioritized" and self.taskset in ("arith", "parity"):
             raise ConfigError("--task-sampling prioritized needs a finite --taskset (.jsonl or dataset): "
                               "arith never repeats a task")
-        if self.curriculum and self.taskset == "arith" and self.difficulty < 2:
-            raise ConfigError("--curriculum with --taskset arith needs --difficulty >= 2 (levels 1..difficulty)")
+        if self.curriculum and self.taskset in ("arith", "parity") and self.difficulty < 2:
+            raise ConfigError(f"--curriculum with --taskset {self.taskset} needs --difficulty >= 2 "
+                              "(levels 1..difficulty)")
+
+    def _validate_plugins(self) -> None:
+        """--loss-fn, --reward-fn, --processors: import them now, so a bad reference is a one-line error before any
+        process starts (each worker imports them again itself)."""
+        from common.plugins import load_object
+
+        for flag, specs in (("--loss-fn", [self.loss_fn]), ("--reward-fn", [self.reward_fn]),
+                            ("--processors", list(self.processors))):
+            for spec in specs:
+                if spec:
+                    load_object(spec, flag)
 
     def _validate_algo_extras(self) -> None:
         """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""

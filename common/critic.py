@@ -78,6 +78,15 @@ class Critic:
         stats.setdefault("value_grad_norm", []).append(grad_norm.item())
         self.optimizer.step()
 
+    @torch.no_grad()
+    def metrics(self, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor, actor_updated: bool) -> dict:
+        """The step's critic figures: mean return, explained variance of the returns by the values before the
+        update (1: perfect, 0: no better than a constant), and whether the actor was frozen (warm-up)."""
+        residual_var = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
+        returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        return {"returns/mean": masked_mean(returns, mask).item(), "actor_frozen": float(not actor_updated),
+                "value/explained_var": (1 - residual_var / returns_var).item() if returns_var > 0 else 0.0}
+
     # ---------------------------------------------------------------- checkpoint part: <checkpoint>/critic/
     def save(self, checkpoint_dir: str):
         from safetensors.torch import save_file

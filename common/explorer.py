@@ -15,11 +15,10 @@ import torch
 from common.engine import HFEngine, RolloutEngine, SamplingConfig
 from common.experience import Experience
 from common.metrics import Timeline
-from common.model import chat_prompt_ids, load_model, load_tokenizer
+from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer
 from common.replay import PartialRollouts
 from common.tasks import build_tasksets
-from common.trainer import DTYPES
-from rewards import RewardFuture, RewardPool
+from rewards import RewardFuture, RewardPool, UserReward, score
 from rewards.shaping import shape_batch
 
 
@@ -66,9 +65,11 @@ class Explorer:
         self.engine, self.tokenizer = build_engine(args, device)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index,
-                                                           args.task_sampling, args.curriculum)
+                                                           args.task_sampling, args.curriculum,
+                                                           check_reward=not args.reward_fn)
         self.in_flight = PartialRollouts(args.rollout_token_budget, args.max_new_tokens)
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
+                                  score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
                                   rm_model=args.rm_model, judge_model=args.judge_model)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0

@@ -12,7 +12,6 @@ pools and sandboxes they started go too) and exit non-zero. Ctrl-C asks the trai
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -27,6 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from common.procs import die_with_parent, kill_group
 
 
 @dataclass
@@ -86,18 +87,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent():
-    """Linux: deliver SIGKILL to this process when the launcher dies, so no worker outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, timeout_s, error_queue):
     spec = specs[rank]
     os.setsid()  # own process group: the launcher can kill the worker together with its children
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches trainers from the launcher (checkpoint first); explorers are stopped by the launcher.
     signal.signal(signal.SIGINT, signal.default_int_handler if spec.role == "trainer" else signal.SIG_IGN)
     torch.set_num_threads(num_threads)
@@ -132,10 +125,7 @@ def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, time
 
 
 def _kill_group(proc, sig=signal.SIGKILL):
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_group(proc.pid, sig)
 
 
 def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900.0) -> None:

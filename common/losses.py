@@ -1,10 +1,18 @@
-"""Losses and advantages as small pure functions over tensors (hand-checkable; see tests/test_losses.py).
+"""Losses and advantages as small pure functions over tensors (hand-checkable; see tests/test_losses.py), and the
+registry of algorithms, `ALGOS` (at the end): each `--algo` is one loss function plus one advantage estimator.
 
 Shapes: per-token tensors are [B, T] with a 0/1 `mask` of the same shape; padding and prompt tokens have mask 0
 and never count.
+
+Adding an algorithm = one loss function with the signature `loss(mb: MicroBatch, args) -> (loss, stats)` + one
+line in `ALGOS` (and its name in config.py's `--algo` Literal). A loss from outside the package: `--loss-fn
+module:function` or `--loss-fn path/to/file.py:function` (same signature; the advantages stay --algo's).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -33,55 +41,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_s
             centred = centred / (r.std(unbiased=False) + eps) if r.numel() > 1 else centred * 0
         adv[idx] = centred
     return adv
-
-
-def clipped_surrogate_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                           mask: torch.Tensor, clip_eps: float = 0.2, clip_eps_high: float | None = None,
-                           token_weights: torch.Tensor | None = None):
-    """Token-level PPO clipped surrogate (arXiv:1707.06347), averaged over all response tokens of the batch.
-
-    `old_logprobs` are the log-probs the ratio is taken against (the behaviour policy's, or the proximal policy's
-    under an off-policy correction); `advantages` are [B] or [B, T]; `token_weights` (no gradient) multiply each
-    token's objective (importance weights, see `behaviour_weights`). Returns (loss, clip_fraction).
-    """
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
-    ratio = torch.exp(logprobs - old_logprobs)
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + high) * advantages
-    objective = torch.minimum(unclipped, clipped)
-    if token_weights is not None:
-        objective = objective * token_weights.detach()
-    loss = -masked_mean(objective, mask)
-    clip_frac = masked_mean((clipped < unclipped).float(), mask)
-    return loss, clip_frac
-
-
-def dr_grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 max_tokens: int, clip_eps: float = 0.2, token_weights: torch.Tensor | None = None):
-    """Dr. GRPO (arXiv:2503.20783): the clipped surrogate summed over tokens and divided by a constant
-    (max_tokens per sequence) instead of each response's length, so long wrong answers are not favoured.
-    Returns (loss as a mean over sequences, clip_fraction); use with unnormalised group advantages."""
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    objective = torch.minimum(unclipped, clipped)
-    if token_weights is not None:
-        objective = objective * token_weights.detach()
-    loss = -(objective * mask).sum(-1).mean() / max_tokens
-    return loss, masked_mean((clipped < unclipped).float(), mask)
-
-
-def opmd_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, centred_rewards: torch.Tensor, mask: torch.Tensor,
-              tau: float = 0.1) -> torch.Tensor:
-    """Kimi k1.5 online mirror descent surrogate (arXiv:2501.12599, eq. 3): per sequence
-    (r - mean_r - tau * log pi/pi_old)^2 with the group's mean reward standing in for tau log Z, halved and
-    averaged over sequences. The squared log-ratio term keeps the update near pi_old, so off-policy samples are
-    tolerated. `centred_rewards` is r - mean_r per sequence ([B])."""
-    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1)
-    return 0.5 * ((centred_rewards - tau * seq_log_ratio) ** 2).mean()
 
 
 def behaviour_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mode: str,
@@ -181,3 +140,107 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     clipped = (clipped_values - returns) ** 2
     return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), masked_mean((clipped > unclipped).float(), mask)
+
+
+# ====================================================================================== ALGO LOGIC: the algorithms
+@dataclass
+class MicroBatch:
+    """What an algorithm's loss sees: one micro-batch of the minibatch being optimised (b sequences, T positions).
+    The loss returns its share of the minibatch loss (normalised by `minibatch_tokens` or `minibatch_seqs`), so the
+    trainer can sum micro-batches and data-parallel trainers without knowing which algorithm runs."""
+    logprobs: torch.Tensor              # [b, T] log-probs of the policy being trained (with gradient)
+    old_logprobs: torch.Tensor          # [b, T] the ratio's denominator: behaviour log-probs, or the proximal
+                                        #        policy's under --off-policy-correction
+    advantages: torch.Tensor            # [b] one per sequence (group estimators) or [b, T] per token (GAE)
+    mask: torch.Tensor                  # [b, T] 1 on trained response tokens
+    token_weights: torch.Tensor | None  # [b, T] importance weights pi_prox / mu (no gradient), or None
+    minibatch_tokens: torch.Tensor      # trained tokens in the whole minibatch (all data-parallel trainers)
+    minibatch_seqs: int                 # sequences in the whole minibatch
+
+
+def clipped_objective(mb: MicroBatch, clip_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped objective min(r A, clip(r, 1-eps, 1+eps) A) (arXiv:1707.06347), times the importance
+    weights when given: ([b, T] objective, [b, T] 1.0 where the clipped term won)."""
+    advantages = mb.advantages[:, None].expand_as(mb.logprobs) if mb.advantages.dim() == 1 else mb.advantages
+    ratio = torch.exp(mb.logprobs - mb.old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    objective = torch.minimum(unclipped, clipped)
+    if mb.token_weights is not None:
+        objective = objective * mb.token_weights.detach()
+    return objective, (clipped < unclipped).float()
+
+
+def ppo_clip_loss(mb: MicroBatch, args) -> tuple[torch.Tensor, dict]:
+    """grpo and ppo: the clipped surrogate averaged over every trained token of the minibatch (GRPO,
+    arXiv:2402.03300, with group advantages; PPO with GAE advantages from the critic)."""
+    objective, clipped = clipped_objective(mb, args.clip_eps)
+    loss = -(objective * mb.mask).sum() / mb.minibatch_tokens
+    return loss, {"clip_frac": masked_mean(clipped, mb.mask).item()}
+
+
+def dr_grpo_loss(mb: MicroBatch, args) -> tuple[torch.Tensor, dict]:
+    """Dr. GRPO (arXiv:2503.20783): the clipped surrogate summed over tokens and divided by a constant
+    (--max-new-tokens per sequence) instead of each response's length, so long wrong answers are not favoured;
+    a mean over the minibatch's sequences. Used with unnormalised group advantages."""
+    objective, clipped = clipped_objective(mb, args.clip_eps)
+    loss = -(objective * mb.mask).sum() / (args.max_new_tokens * mb.minibatch_seqs)
+    return loss, {"clip_frac": masked_mean(clipped, mb.mask).item()}
+
+
+def opmd_loss(mb: MicroBatch, args) -> tuple[torch.Tensor, dict]:
+    """Kimi k1.5 online mirror descent surrogate (arXiv:2501.12599, eq. 3): per sequence
+    (r - mean_r - tau * log pi/pi_old)^2 with the group's mean reward standing in for tau log Z, halved and
+    averaged over the minibatch's sequences. The squared log-ratio keeps the update near pi_old, so off-policy
+    samples are tolerated. The advantages are the centred rewards r - mean_r ([b])."""
+    seq_log_ratio = ((mb.logprobs - mb.old_logprobs) * mb.mask).sum(-1)  # [b]
+    loss = 0.5 * ((mb.advantages - args.opmd_tau * seq_log_ratio) ** 2).sum() / mb.minibatch_seqs
+    return loss, {"clip_frac": 0.0}
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor               # [B] per sequence or [B, T] per token
+    returns: torch.Tensor | None = None    # [B, T] the critic's targets (GAE)
+    values: torch.Tensor | None = None     # [B, T] the critic's values before this step's update (GAE)
+
+
+def group_normalised(batch, rewards: torch.Tensor, args, critic=None) -> Advantages:
+    """GRPO: reward minus the group mean, divided by the group std when --normalize-std. `rewards` [B] or, with
+    --kl-mode reward, [B, T] per token (summed per sequence here)."""
+    return Advantages(group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
+                                       normalize_std=args.normalize_std))
+
+
+def group_centred(batch, rewards: torch.Tensor, args, critic=None) -> Advantages:
+    """dr_grpo and opmd: reward minus the group mean, never divided by the std."""
+    return Advantages(group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
+                                       normalize_std=False))
+
+
+def gae(batch, rewards: torch.Tensor, args, critic) -> Advantages:
+    """ppo: per-token GAE advantages from the critic's values before this update, whitened over the batch when
+    --normalize-std; the returns are the critic's targets."""
+    values = critic.values(batch)
+    advantages, returns = gae_advantages(rewards, values, batch.response_mask, args.gamma, args.lam)
+    if args.normalize_std:
+        advantages = masked_whiten(advantages, batch.response_mask)
+    return Advantages(advantages, returns, values)
+
+
+LossFn = Callable[[MicroBatch, Any], "tuple[torch.Tensor, dict]"]
+
+
+@dataclass(frozen=True)
+class Algo:
+    loss: LossFn                 # (MicroBatch, args) -> (loss share of the minibatch, stats)
+    advantages: Callable         # (batch, rewards, args, critic) -> Advantages; chosen once per run
+    critic: bool = False         # needs a learned value model (common/critic.py)
+
+
+ALGOS: dict[str, Algo] = {
+    "grpo": Algo(ppo_clip_loss, group_normalised),
+    "dr_grpo": Algo(dr_grpo_loss, group_centred),
+    "opmd": Algo(opmd_loss, group_centred),
+    "ppo": Algo(ppo_clip_loss, gae, critic=True),
+}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -46,6 +46,14 @@ class DataParallel:
         dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
 
+    def sum_scalar(self, value: float) -> float:
+        """`value` summed over the trainers (for metrics such as the minibatch loss)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return t.item()
+
     @torch.no_grad()
     def all_reduce_gradients(self, params: list[torch.nn.Parameter], bucket_mb: int = 256) -> None:
         """Sum every parameter's gradient over the trainers (a missing gradient counts as zero)."""

@@ -6,15 +6,15 @@ A bad row fails in one line naming the file, the line (or row) and the missing f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
 
+from rewards.base import KINDS, missing_fields
+
 # A worked line in the instruction: the 135M default model follows a shown format far more often than a described
 # one (greedy accuracy at level 1: 0.00 with the description alone, 0.31 with the example; see README).
 ANSWER_FORMAT = "Reply with one short line of working, then 'Answer: <number>'. Example: 3 + 4 = 7. Answer: 7"
-REQUIRED_FIELDS = {"math": ["answer"], "code": [], "k12": ["answer"], "vision": ["image", "answer"], "rm": []}
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Nia", "Omar"]
 ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells", "stamps", "cookies"]
 
@@ -65,25 +65,41 @@ def arithmetic_split(seed: int, difficulty: int, eval_size: int,
     return TaskStream(generator=generate, seed=seed, levels=levels, curriculum=curriculum), eval_tasks
 
 
-def validate_task(task: dict, where: str) -> dict:
+def parity_split(seed: int, difficulty: int, eval_size: int,
+                 curriculum: bool = False) -> tuple["TaskStream", list[dict]]:
+    """The smoke-test taskset (`--taskset parity`, reward rewards/parity.py): write characters whose code points
+    are even (or odd). Its reward is a property of the sampled tokens, so a random model already gets mixed
+    rewards and every end-to-end test computes a real policy gradient. Level d asks for 4d..8d characters."""
+    def task(rng: random.Random, index: int, level: int, prefix: str = "parity") -> dict:
+        parity = rng.choice(["even", "odd"])
+        n = rng.randint(4 * level, 8 * level)
+        return {"id": f"{prefix}-{index}", "reward": "parity", "parity": parity, "difficulty": level,
+                "prompt": f"Write {n} characters, each with an {parity} Unicode code point (for example "
+                          f"{'b, d, f' if parity == 'even' else 'a, c, e'})."}
+
+    rng = random.Random(f"parity-eval-{seed}")
+    levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
+    held_out = [task(rng, i, difficulty, prefix="parity-eval") for i in range(eval_size)]
+    return TaskStream(generator=task, seed=seed, levels=levels, curriculum=curriculum), held_out
+
+
+def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     if not isinstance(task, dict):
         raise SystemExit(f"error: {where}: a task must be a JSON object, got {type(task).__name__}")
     if "prompt" not in task and "messages" not in task:
         raise SystemExit(f"error: {where}: missing field 'prompt' (or 'messages')")
     kind = task.setdefault("reward", "math")
-    if kind not in REQUIRED_FIELDS:
-        raise SystemExit(f"error: {where}: unknown reward {kind!r} (one of {', '.join(REQUIRED_FIELDS)})")
-    if importlib.util.find_spec(f"rewards.{kind}") is None:
-        raise SystemExit(f"error: {where}: reward {kind!r} has no verifier in rewards/ yet")
-    for name in REQUIRED_FIELDS[kind]:
-        if name not in task:
-            raise SystemExit(f"error: {where}: missing field {name!r} (needed by reward {kind!r})")
-    if kind == "code" and not ("tests" in task or "test" in task):
-        raise SystemExit(f"error: {where}: missing field 'tests' (or 'test') (needed by reward 'code')")
+    if not check_reward:  # --reward-fn scores every task: the kind's fields do not matter
+        return task
+    if kind not in KINDS:  # the one registry of verifiers: rewards/base.py
+        raise SystemExit(f"error: {where}: unknown reward {kind!r} (one of {', '.join(KINDS)})")
+    missing = missing_fields(task, kind)
+    if missing:
+        raise SystemExit(f"error: {where}: missing field {missing[0]} (needed by reward {kind!r})")
     return task
 
 
-def load_jsonl(path: str) -> list[dict]:
+def load_jsonl(path: str, check_reward: bool = True) -> list[dict]:
     tasks = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -93,7 +109,7 @@ def load_jsonl(path: str) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
-            task = validate_task(row, f"{path}:{lineno}")
+            task = validate_task(row, f"{path}:{lineno}", check_reward)
             task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
             task["id"] = str(task["id"])
             tasks.append(task)
@@ -102,7 +118,7 @@ def load_jsonl(path: str) -> list[dict]:
     return tasks
 
 
-def load_hf_dataset(path: str, split: str = "train") -> list[dict]:
+def load_hf_dataset(path: str, split: str = "train", check_reward: bool = True) -> list[dict]:
     """An HF `datasets` folder (save_to_disk) or data file (.parquet/.json/.csv) read offline."""
     import datasets
 
@@ -117,16 +133,16 @@ def load_hf_dataset(path: str, split: str = "train") -> list[dict]:
         ds = datasets.load_dataset(kind, data_files=path, split="train")
     tasks = []
     for i, row in enumerate(ds):
-        task = validate_task(dict(row), f"{path}: row {i}")
+        task = validate_task(dict(row), f"{path}: row {i}", check_reward)
         task["id"] = str(task.get("id", f"{os.path.basename(path)}:{i}"))
         tasks.append(task)
     return tasks
 
 
-def load_tasks(path: str) -> list[dict]:
+def load_tasks(path: str, check_reward: bool = True) -> list[dict]:
     if not os.path.exists(path):
         raise SystemExit(f"error: --taskset {path}: no such file or folder")
-    return load_jsonl(path) if path.endswith(".jsonl") else load_hf_dataset(path)
+    return load_jsonl(path, check_reward) if path.endswith(".jsonl") else load_hf_dataset(path, "train", check_reward)
 
 
 class TaskStream:
@@ -205,12 +221,15 @@ class TaskStream:
 
 
 def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int,
-                   sampling: str = "uniform", curriculum: bool = False):
-    """(training TaskStream, held-out list) from the config fields of the same names."""
+                   sampling: str = "uniform", curriculum: bool = False, check_reward: bool = True):
+    """(training TaskStream, held-out list) from the config fields of the same names (`check_reward` False: with
+    --reward-fn, whose function scores every task, a task's verifier fields are not checked)."""
     if taskset == "arith":
         train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
+    elif taskset == "parity":
+        train, held_out = parity_split(seed, difficulty, eval_size, curriculum)
     else:
-        tasks = load_tasks(taskset)
+        tasks = load_tasks(taskset, check_reward)
         if eval_taskset is None:  # hold out a seeded sample of the file itself
             if len(tasks) <= eval_size:
                 raise SystemExit(f"error: --taskset {taskset}: {len(tasks)} tasks, too few to hold out "
@@ -225,5 +244,5 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                     raise SystemExit(f"error: --curriculum: task {t['id']} in {taskset} has no numeric 'difficulty'")
         train = TaskStream(tasks=tasks, seed=seed, sampling=sampling, curriculum=curriculum)
     if eval_taskset is not None:
-        held_out = load_tasks(eval_taskset)[:eval_size]
+        held_out = load_tasks(eval_taskset, check_reward)[:eval_size]
     return train, held_out

@@ -1,6 +1,7 @@
-"""The trainer side shared by every schedule: policy + reference model (+ the critic of --algo ppo, common/critic.py),
-experience filters, one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
-*when* it trains and syncs; this decides *how*.
+"""The trainer side shared by every schedule: policy + reference model (+ the critic of algorithms that have one,
+common/critic.py), one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
+*when* it trains and syncs; this decides *how*. *What* is optimised is --algo's entry in common/losses.ALGOS (a
+loss function and an advantage estimator); the experience filters are common/processors.py.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import math
 import os
 import random
 import shutil
@@ -20,32 +20,12 @@ import torch
 from common.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
-from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, gae_advantages, group_advantages,
-                           kl_estimate, kl_penalized_rewards, masked_mean, masked_whiten, opmd_loss)
-from common.model import load_model, load_tokenizer, sequence_logprobs
+from common.losses import ALGOS, MicroBatch, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
+from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
+from common.processors import build_processors, process
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
 from common.weight_sync import weights_hash
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def filter_experiences(experiences: list[Experience], mask_truncated: bool,
-                       drop_failed: bool) -> tuple[list[Experience], dict]:
-    """ALGO LOGIC: experience filters before collate, each counted in the step's metrics. Non-finite rewards are
-    always dropped, failed verifiers (reward_info["failed"]) when `drop_failed`; truncated responses (finish reason
-    'length') keep their place in the group but get loss mask 0 when `mask_truncated`."""
-    kept, invalid, truncated = [], 0, 0
-    for e in experiences:
-        if not math.isfinite(e.reward) or (drop_failed and e.reward_info.get("failed")):
-            invalid += 1
-            continue
-        if mask_truncated and e.finish_reason == "length":
-            e = dataclasses.replace(e, loss_mask=[0] * len(e.loss_mask))
-            truncated += 1
-        kept.append(e)
-    return kept, {"filter/invalid_dropped": invalid, "filter/truncated_masked": truncated}
-
 
 class Trainer:
     def __init__(self, args, device: torch.device, dp: DataParallel | None = None):
@@ -60,8 +40,10 @@ class Trainer:
         if args.kl_coef > 0:
             self.ref_model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed).eval()
             self.ref_model.requires_grad_(False)
+        self.algo = resolve_algo(args)  # ALGO LOGIC: the loss and the advantage estimator, chosen once
+        self.processors = build_processors(args.processors)
         self.critic = None
-        if args.algo == "ppo":
+        if self.algo.critic:
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.step = 0        # trainer steps done
@@ -70,8 +52,11 @@ class Trainer:
     # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
     def train_step(self, experiences: list[Experience]) -> dict:
         args = self.args
-        experiences, filtered = filter_experiences(experiences, args.mask_truncated, args.drop_failed_rewards)
-        if not experiences:  # every sample was invalid: nothing to learn from, the step still counts
+        rewards_in = [e.reward for e in experiences if np.isfinite(e.reward)]
+        experiences, filtered = process(experiences, args, self.processors)  # common/processors.py
+        if rewards_in:
+            filtered.update({"reward/mean": float(np.mean(rewards_in)), "reward/std": float(np.std(rewards_in))})
+        if not experiences:  # every sample was filtered out: nothing to learn from, the step still counts
             return {**self.skip_step(), **filtered}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
         ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
@@ -82,53 +67,37 @@ class Trainer:
             rewards = kl_penalized_rewards(batch.rewards, kl, batch.response_mask, args.kl_coef)
             stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
             ref_logprobs = None  # no KL loss term
-        if self.critic is not None:  # ppo: per-token GAE advantages from the critic's values before this update
-            old_values = self.critic.values(batch)
-            advantages, returns = gae_advantages(rewards, old_values, batch.response_mask, args.gamma, args.lam)
-            if args.normalize_std:
-                advantages = masked_whiten(advantages, batch.response_mask)
-        else:
-            advantages = group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
-                                          normalize_std=args.normalize_std and args.algo == "grpo")
-        n = len(batch)
-        trained = torch.arange(n)
-        if args.drop_zero_signal_groups and self.critic is None:
-            trained = trained[(advantages != 0).cpu()]
-        update_actor = self.critic is None or self.step >= args.critic_warmup_steps
+        adv = self.algo.advantages(batch, rewards, args, self.critic)  # group-normalised, or GAE with the critic
+        update_actor = self.step >= args.critic_warmup_steps  # critic warm-up: the policy waits
         # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
         # the proximal ones and the extra forward pass is skipped.
+        n = len(batch)
         correcting = args.off_policy_correction != "none"
-        single_update = args.ppo_epochs == 1 and len(trained) <= args.minibatch_size
+        single_update = args.ppo_epochs == 1 and n <= args.minibatch_size
         prox_logprobs = (self._logprobs(self.model, batch)
                          if correcting and not single_update and update_actor else None)
         # Seeded by step: every data-parallel trainer walks the same order, and a resumed run the same as before.
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + self.step)
-        for _ in range(args.ppo_epochs if len(trained) else 0):
-            order = trained[torch.randperm(len(trained), generator=shuffle)]
-            for start in range(0, len(order), args.minibatch_size):
+        for _ in range(args.ppo_epochs):
+            order = torch.randperm(n, generator=shuffle)
+            for start in range(0, n, args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
                 if update_actor:
-                    self._minibatch_update(batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
+                    self._minibatch_update(batch, adv.advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
                 if self.critic is not None:
-                    self.critic.update(batch, idx, old_values, returns, stats)
+                    self.critic.update(batch, idx, adv.values, adv.returns, stats)
         self.step += 1
         self.version += 1
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
             self.ref_model.load_state_dict(self.model.state_dict())
             stats["ref_reset"] = [1.0]
-        tokens = batch.response_mask.sum().item()
         out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}  # what a step without an update reports
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         if self.critic is not None:
-            mask = batch.response_mask
-            residual_var = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
-            returns_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-            out.update({"returns/mean": masked_mean(returns, mask).item(), "actor_frozen": float(not update_actor),
-                        "value/explained_var": (1 - residual_var / returns_var).item() if returns_var > 0 else 0.0})
+            out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
         out.update({
-            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std(unbiased=False).item(),
-            "response/tokens_mean": tokens / n, "filter/zero_signal_frac": 1 - len(trained) / n,
+            "response/tokens_mean": batch.response_mask.sum().item() / n,
             "staleness/mean": (self.version - 1 - batch.versions.float()).mean().item(),
             "staleness/max": (self.version - 1 - batch.versions).max().item(),
         })
@@ -147,12 +116,13 @@ class Trainer:
         return kept, len(experiences) - len(kept)
 
     def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats):
+        """One optimizer step on minibatch `idx`: the algorithm's loss per micro-batch (each returns its share of the
+        minibatch loss, so the summed gradients are the minibatch's), plus the entropy bonus and the KL term."""
         args = self.args
-        # grpo averages over tokens; dr_grpo and opmd over sequences: micro-batches are weighted by their share.
-        per_token = args.algo in ("grpo", "ppo")
-        total_units = batch.response_mask[idx].sum().clamp(min=1) if per_token else len(idx)
+        minibatch_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
+        total = 0.0
         for start in range(0, len(local), args.micro_batch_size):
             mb_idx = local[start: start + args.micro_batch_size]
             mb = batch.select(mb_idx)
@@ -164,27 +134,23 @@ class Trainer:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
-            if args.algo in ("grpo", "ppo"):  # ppo: advantages are per token ([B, T], GAE)
-                pg_loss, clip_frac = clipped_surrogate_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
-                                                            args.clip_eps, token_weights=weights)
-            elif args.algo == "dr_grpo":
-                pg_loss, clip_frac = dr_grpo_loss(logprobs, old, advantages[mb_idx], mb.response_mask,
-                                                  args.max_new_tokens, args.clip_eps, token_weights=weights)
-            else:  # opmd: advantages are the centred rewards r - mean_r (no std normalisation)
-                pg_loss, clip_frac = opmd_loss(logprobs, old, advantages[mb_idx], mb.response_mask, args.opmd_tau), 0.0
-            loss = pg_loss - args.entropy_coef * masked_mean(entropy, mb.response_mask)
+            loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, advantages[mb_idx], mb.response_mask, weights,
+                                                         minibatch_tokens, len(idx)), args)
+            token_share = lambda x: (x * mb.response_mask).sum() / minibatch_tokens  # noqa: E731
+            loss = loss - args.entropy_coef * token_share(entropy)
             if ref_logprobs is not None:
-                kl = masked_mean(kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator), mb.response_mask)
-                loss = loss + args.kl_coef * kl
-                stats.setdefault("kl", []).append(kl.item())
-            # Weight each micro-batch by its share of tokens: the sum equals a token mean over the minibatch.
-            (loss * (mb.response_mask.sum() if per_token else len(mb_idx)) / total_units).backward()
+                kl = kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator)
+                loss = loss + args.kl_coef * token_share(kl)
+                stats.setdefault("kl", []).append(masked_mean(kl, mb.response_mask).item())
+            loss.backward()
+            total += loss.item()
             with torch.no_grad():
-                stats.setdefault("loss", []).append(loss.item())
-                stats.setdefault("clip_frac", []).append(float(clip_frac))
+                for k, v in algo_stats.items():
+                    stats.setdefault(k, []).append(float(v))
                 stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask).item())
                 ratio = torch.exp(logprobs - mb.old_logprobs)
                 stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask).item())
+        stats.setdefault("loss", []).append(self.dp.sum_scalar(total))  # the minibatch's loss, all trainers
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
         stats.setdefault("grad_norm", []).append(grad_norm.item())
@@ -253,6 +219,16 @@ class Trainer:
         missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
+
+
+def resolve_algo(args):
+    """--algo's entry in common/losses.ALGOS; --loss-fn module:function replaces its loss (same signature)."""
+    algo = ALGOS[args.algo]
+    if args.loss_fn:
+        from common.plugins import load_object
+
+        algo = dataclasses.replace(algo, loss=load_object(args.loss_fn, "--loss-fn"))
+    return algo
 
 
 def latest_checkpoint(out_dir: str) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import time
 
+from rewards.base import Reward
 from rewards.sandbox import Limits, run
 
 FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -55,8 +56,6 @@ def _limits(task: dict) -> Limits:
 
 
 def score(response: str, task: dict):
-    from rewards import Reward
-
     code = extract_code(response)
     if not code.strip():
         return Reward(0.0, {"reason": "no code", "format_ok": False, "pass_frac": 0.0})

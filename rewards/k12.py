@@ -21,6 +21,7 @@ import re
 import string
 import unicodedata
 
+from rewards.base import Reward
 from rewards.math import extract_answer
 
 LETTERS = string.ascii_uppercase
@@ -239,8 +240,6 @@ def check(pred: str, task: dict) -> tuple[bool, str]:
 
 
 def score(response: str, task: dict):
-    from rewards import Reward
-
     if "answer" not in task:
         raise ValueError(f"task {task.get('id')}: a k12 task needs `answer`")
     pred, format_ok = response_answer(response)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+from rewards.base import Reward
+
 PLAIN_NUMBER = re.compile(r"^[-+]?\d+(?:\.\d+)?$")
 ANSWER_LINE = re.compile(r"answer\s*[:：]\s*(.+)", re.IGNORECASE)
 
@@ -64,8 +66,6 @@ def is_equivalent(pred: str, gold: str) -> bool:
 
 
 def score(response: str, task: dict):
-    from rewards import Reward
-
     pred = extract_answer(response)
     if pred is None:
         return Reward(0.0, {"reason": "no answer", "format_ok": False})

@@ -18,6 +18,8 @@ import signal
 import time
 from collections import deque
 
+from rewards.base import Reward, failed
+
 MAX_REQUEST = 256  # items per request to the server; it splits them into batches of `batch_size`
 
 
@@ -68,8 +70,6 @@ def _cached(model_path: str, device: str):
 
 
 def score(response: str, task: dict):
-    from rewards import Reward
-
     model_path = task.get("rm_model")
     if not model_path:
         raise ValueError(f"task {task.get('id')}: reward 'rm' needs task['rm_model'] (or a RewardPool rm_model)")
@@ -80,7 +80,7 @@ def score(response: str, task: dict):
 
 def _serve(conn, model_path: str, device: str, batch_size: int, parent_pid: int):
     """RM server process: load once, say ready, then answer [(task, response), ...] with ("scores", [...])."""
-    from rewards import die_with_parent
+    from common.procs import die_with_parent
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -165,15 +165,11 @@ class RMClient:
         self.conn.send([(task, response) for _, _, response, task in batch])
 
     def _fail(self, items, reason: str, finish):
-        from rewards import failed
-
         for future, index, *_ in items:
             finish(future, index, failed(reason))
 
     def receive(self, finish):
         """Handle one message from the server (called when its pipe is readable)."""
-        from rewards import Reward
-
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):

@@ -40,6 +40,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from common.procs import kill_group
+
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_launch.py")
 UID_BASE = 1_500_000_000  # sandbox uids: far above any real account, one per run
 SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGKILL: "killed", signal.SIGXFSZ: "file size limit",
@@ -285,7 +287,4 @@ def _exited_unreaped(pid: int, timeout_s: float) -> bool:
 
 
 def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is the group id
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_group(proc.pid)  # the session leader's pid is the group id

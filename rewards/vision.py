@@ -21,6 +21,7 @@ import os
 import re
 
 from rewards import k12
+from rewards.base import Reward
 
 IMAGE_FILE = re.compile(r"\.(?:png|jpe?g|gif|bmp|webp|tiff?)$", re.IGNORECASE)
 COUNT_WORD = re.compile(r"-?\d+(?:\.\d+)?|\b(?:" + "|".join(k12.NUMBER_WORDS) + r")\b", re.IGNORECASE)
@@ -91,8 +92,6 @@ def count_in(text: str) -> int | None:
 
 
 def score(response: str, task: dict):
-    from rewards import Reward
-
     width, height, fmt = image_info(task)
     if "answer" not in task:
         raise ValueError(f"task {task.get('id')}: a vision task needs `answer`")

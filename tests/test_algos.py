@@ -2,6 +2,7 @@
 experience filters: in-process on the tiny model with hand-made experiences, and end to end in every entry script."""
 
 import hashlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +10,9 @@ import torch
 from common.config import ConfigError, parse_args
 from common.experience import Experience, collate
 from common.metrics import read_metrics
-from common.trainer import Trainer, filter_experiences
-from tests.conftest import TINY, run_script
+from common.processors import PROCESSORS, build_processors, process
+from common.trainer import Trainer
+from tests.conftest import TINY, assert_trained, run_script
 
 
 def _args(tmp_path, *flags):
@@ -45,29 +47,39 @@ def _hash(module) -> str:
     return h.hexdigest()
 
 
-def test_filter_experiences_by_hand():
-    def exp(reward, finish="stop", info=None):
-        return Experience([1], [2, 3], [0.0, 0.0], [1, 1], reward, 0, "t", 0, info or {}, finish)
+def test_experience_processors_by_hand():
+    def exp(reward, finish="stop", info=None, group=0):
+        return Experience([1], [2, 3], [0.0, 0.0], [1, 1], reward, group, "t", 0, info or {}, finish)
 
-    batch = [exp(1.0), exp(float("nan")), exp(float("inf")), exp(0.0, info={"failed": True}), exp(1.0, "length")]
-    kept, counts = filter_experiences(batch, mask_truncated=True, drop_failed=True)
-    assert counts == {"filter/invalid_dropped": 3, "filter/truncated_masked": 1}
-    assert [e.reward for e in kept] == [1.0, 1.0] and [e.loss_mask for e in kept] == [[1, 1], [0, 0]]
+    def args(**kw):
+        base = dict(mask_truncated=True, drop_failed_rewards=True, drop_zero_signal_groups=True, algo="grpo")
+        return SimpleNamespace(**{**base, **kw})
+
+    batch = [exp(1.0), exp(float("nan")), exp(float("inf")), exp(0.0, info={"failed": True}), exp(0.0, "length"),
+             exp(0.5, group=1), exp(0.5, group=1)]
+    kept, counts = process(batch, args(), build_processors())
+    assert counts == {"filter/invalid_dropped": 3, "filter/truncated_masked": 1, "filter/zero_signal_frac": 0.5}
+    assert [e.reward for e in kept] == [1.0, 0.0] and [e.loss_mask for e in kept] == [[1, 1], [0, 0]]
     assert batch[4].loss_mask == [1, 1]  # the input is not modified
-    kept, counts = filter_experiences(batch, mask_truncated=False, drop_failed=False)
-    assert counts == {"filter/invalid_dropped": 2, "filter/truncated_masked": 0}  # non-finite: always dropped
-    assert [e.loss_mask for e in kept][-1] == [1, 1]
+    kept, counts = process(batch, args(mask_truncated=False, drop_failed_rewards=False,
+                                       drop_zero_signal_groups=False), build_processors())
+    assert counts["filter/invalid_dropped"] == 2 and counts["filter/zero_signal_frac"] == 0  # non-finite: always
+    assert [e.loss_mask for e in kept][-3] == [1, 1]
+    kept, _ = process(batch, args(algo="ppo"), build_processors())  # a critic learns from uniform groups
+    assert len(kept) == 4
+    assert list(PROCESSORS) == ["invalid_rewards", "truncated", "zero_signal"]
 
 
 def test_filters_are_counted_in_the_train_step(tmp_path):
-    trainer = Trainer(_args(tmp_path, "--mask-truncated"), torch.device("cpu"))
+    trainer = Trainer(_args(tmp_path, "--mask-truncated", "--no-drop-zero-signal-groups"), torch.device("cpu"))
     exps = _experiences(trainer, [1.0, 0.0, float("nan"), 0.0, 1.0, 0.5], finish_reasons={4: "length"},
                         infos={5: {"failed": True, "reason": "timeout"}})
     metrics = trainer.train_step(exps)
     assert metrics["filter/invalid_dropped"] == 2 and metrics["filter/truncated_masked"] == 1
     # Tokens counted are those still trained: samples 0, 1, 3 (3 + 4 + 3 tokens); sample 4 is masked.
     assert metrics["response/tokens_mean"] == pytest.approx((3 + 4 + 3 + 0) / 4)
-    assert metrics["reward/mean"] == pytest.approx(0.5)  # over the 4 kept samples
+    assert metrics["reward/mean"] == pytest.approx(0.5)  # over the finite rewards the explorer sent
+    assert metrics["loss"] != 0 and metrics["grad_norm"] > 0
 
 
 def test_ppo_critic_trains_and_its_checkpoint_restores(tmp_path):
@@ -85,7 +97,7 @@ def test_ppo_critic_trains_and_its_checkpoint_restores(tmp_path):
     restored.resume(args.out_dir)
     assert restored.step == 2 and _hash(restored.critic.model) == trained
     steps = {s["step"].item() for s in restored.critic.optimizer.state_dict()["state"].values()}
-    assert steps == {2.0}  # the critic's Adam state came back too
+    assert steps == {4.0}  # the critic's Adam state came back too (2 steps x --ppo-epochs 2 in TINY)
 
 
 def test_critic_warmup_keeps_the_policy_fixed(tmp_path):
@@ -127,13 +139,12 @@ def test_bad_algo_fields_name_the_field(tmp_path, flags, field):
 @pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
 def test_ppo_runs_in_every_schedule(tmp_path, script):
     out = tmp_path / "run"
-    # KL in the reward gives the critic something to learn even though the random tiny model earns reward 0.
+    # Parity rewards plus a KL in the reward: per-token returns for the critic to fit.
     flags = [*TINY, "--algo", "ppo", "--kl-coef", "0.05", "--kl-mode", "reward", "--samples-per-task", "1",
              "--tasks-per-step", "8", "--critic-lr", "1e-3", "--checkpoint-every", "1", "--out-dir", str(out)]
     proc = run_script(script, *flags, "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = assert_trained(out, steps=2)
     assert all("value_loss" in r and "value/explained_var" in r for r in rows)
     assert (out / "final" / "critic" / "model.safetensors").exists()
     if script != "train_sync.py":
@@ -141,9 +152,9 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     assert rows[1]["kl"] > 0 and rows[1]["value_loss"] > 0  # batch 2 comes from the updated policy: KL-shaped returns
     second = run_script(script, *flags, "--steps", "3", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
+    assert_trained(out, steps=3)
     state = torch.load(out / "checkpoints" / "step_3" / "critic" / "optimizer.pt", weights_only=False)
-    assert {s["step"].item() for s in state["state"].values()} == {3.0}  # the critic's Adam went on from step 2
+    assert {s["step"].item() for s in state["state"].values()} == {6.0}  # the critic's Adam went on from step 2
 
 
 def test_missing_critic_model_is_one_line_error(tmp_path):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from common.config import ConfigError, check_placement
 from common.launcher import choose_backend
 from common.model import load_model
-from conftest import TINY
+from conftest import TINY, assert_trained
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,6 +35,8 @@ def test_two_trainers_stay_identical_and_match_one_trainer(run, tmp_path):
     assert dp.returncode == 0, dp.stderr[-2000:]
     single = run("train_sync.py", *common, "--out-dir", str(tmp_path / "one"), timeout=240)
     assert single.returncode == 0, single.stderr[-2000:]
+    assert_trained(tmp_path / "dp", steps=3)
+    assert_trained(tmp_path / "one", steps=3)
 
     hashes = _train_hashes(tmp_path / "dp")
     assert sorted(hashes) == [1, 2, 3]
@@ -59,8 +61,7 @@ def test_data_parallel_ppo_with_checkpoint_sync(run, tmp_path):
             "--algo", "ppo", "--kl-coef", "0.1", "--kl-mode", "reward",
             "--verify-sync", "--out-dir", str(out), timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [row["step"] for row in rows] == [1, 2, 3]  # one metrics row per step: only trainer 0 logs
+    rows = assert_trained(out, steps=3)  # one metrics row per step: only trainer 0 logs
     assert rows[-1]["value_loss"] > 0
     for step, by_trainer in _train_hashes(out).items():
         assert by_trainer["trainer0"] == by_trainer["trainer1"], f"replicas diverged at step {step}"
@@ -106,6 +107,7 @@ def test_colocated_on_one_gpu(run, tmp_path):
     r = run("train_sync.py", *TINY, "--steps", "2", "--explorer-devices", "cuda:0", "--trainer-devices", "cuda:0",
             "--verify-sync", "--out-dir", str(out), timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert_trained(out, steps=2)
     events = [json.loads(line) for name in os.listdir(out / "timeline") for line in open(out / "timeline" / name)]
     sent = {e["version"]: e["hash"] for e in events if e["process"] == "trainer0" and e["phase"] == "sync"}
     got = {e["version"]: e["hash"] for e in events if e["process"] == "explorer0" and e["phase"] == "sync"}

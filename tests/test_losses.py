@@ -5,8 +5,40 @@ import math
 import pytest
 import torch
 
-from common.losses import (behaviour_weights, clipped_surrogate_loss, entropy_from_logits, group_advantages,
-                           kl_estimate, masked_mean)
+from types import SimpleNamespace
+
+from common.losses import (ALGOS, MicroBatch, behaviour_weights, dr_grpo_loss, entropy_from_logits, group_advantages,
+                           kl_estimate, masked_mean, opmd_loss, ppo_clip_loss)
+
+
+def _loss(fn, logp, old, adv, mask, token_weights=None, clip_eps=0.2, max_tokens=4, tau=0.1):
+    """An algorithm's loss on one micro-batch that is the whole minibatch."""
+    mb = MicroBatch(logp, old, adv, mask, token_weights, mask.sum().clamp(min=1), len(logp))
+    return fn(mb, SimpleNamespace(clip_eps=clip_eps, max_new_tokens=max_tokens, opmd_tau=tau))
+
+
+def clipped_surrogate_loss(logp, old, adv, mask, clip_eps=0.2, token_weights=None):
+    loss, stats = _loss(ppo_clip_loss, logp, old, adv, mask, token_weights, clip_eps)
+    return loss, torch.tensor(stats["clip_frac"])
+
+
+def test_every_algorithm_is_one_registered_loss():
+    assert set(ALGOS) == {"grpo", "dr_grpo", "opmd", "ppo"}
+    assert ALGOS["grpo"].loss is ALGOS["ppo"].loss is ppo_clip_loss  # GRPO = PPO's surrogate, group advantages
+    assert [name for name, a in ALGOS.items() if a.critic] == ["ppo"]
+
+
+def test_micro_batches_sum_to_the_minibatch_loss():
+    """Each loss returns its share of the minibatch: split into micro-batches, the shares add up to the whole."""
+    g = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+    adv, mask = torch.randn(4, generator=g), (torch.rand(4, 5, generator=g) > 0.3).float()
+    args = SimpleNamespace(clip_eps=0.2, max_new_tokens=5, opmd_tau=0.1)
+    for algo in ALGOS.values():
+        whole = algo.loss(MicroBatch(logp, old, adv, mask, None, mask.sum(), 4), args)[0]
+        parts = sum(algo.loss(MicroBatch(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], None,
+                                         mask.sum(), 4), args)[0] for i in (0, 2))
+        assert parts.item() == pytest.approx(whole.item(), rel=1e-5)
 
 
 def test_masked_mean_ignores_padding():
@@ -90,12 +122,10 @@ def test_token_weights_scale_the_objective():
 
 
 def test_dr_grpo_uses_a_constant_normaliser():
-    from common.losses import dr_grpo_loss
-
     logp = torch.zeros(2, 4)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     adv = torch.tensor([1.0, 1.0])
-    loss, _ = dr_grpo_loss(logp, logp, adv, mask, max_tokens=4)
+    loss, _ = _loss(dr_grpo_loss, logp, logp, adv, mask, max_tokens=4)
     # sums 2 and 4 over tokens, each / 4, mean over sequences -> -(0.5 + 1.0) / 2; a token mean would give -1
     assert loss.item() == pytest.approx(-0.75)
     tm, _ = clipped_surrogate_loss(logp, logp, adv, mask)
@@ -103,20 +133,18 @@ def test_dr_grpo_uses_a_constant_normaliser():
 
 
 def test_opmd_value_and_gradient_sign():
-    from common.losses import opmd_loss
-
     logp = torch.zeros(2, 3, requires_grad=True)
     old = torch.zeros(2, 3)
     centred = torch.tensor([0.5, -0.5])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    loss = opmd_loss(logp, old, centred, mask, tau=0.1)
+    loss, _ = _loss(opmd_loss, logp, old, centred, mask, tau=0.1)
     assert loss.item() == pytest.approx(0.5 * (0.25 + 0.25) / 2)
     loss.backward()
     assert (logp.grad[0, :2] < 0).all() and (logp.grad[1] > 0).all()  # up for better-than-mean, down for worse
     assert (logp.grad[0, 2] == 0)  # padding gets no gradient
     # At log-ratio r/tau the sample is where mirror descent wants it: no gradient.
     at_target = torch.tensor([[0.5 / 0.1 / 2, 0.5 / 0.1 / 2, 0.0]], requires_grad=True)
-    opmd_loss(at_target, torch.zeros(1, 3), torch.tensor([0.5]), torch.tensor([[1, 1, 0]]), 0.1).backward()
+    _loss(opmd_loss, at_target, torch.zeros(1, 3), torch.tensor([0.5]), torch.tensor([[1, 1, 0]]))[0].backward()
     assert at_target.grad.abs().max().item() < 1e-6
 
 

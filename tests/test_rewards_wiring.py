@@ -12,7 +12,7 @@ from common.metrics import read_metrics
 from rewards import Reward
 from rewards.shaping import shape_batch
 from rewards.testing import build_tiny_rm
-from tests.conftest import TINY, run_script
+from tests.conftest import TINY, assert_trained, run_script
 
 
 def _png_b64() -> str:
@@ -121,8 +121,7 @@ def test_train_sync_on_a_taskset_mixing_every_reward_kind(tmp_path):
                       "--eval-taskset", data, "--tasks-per-step", "6", "--rm-model", rm,
                       "--length-penalty", "1", "--format-reward", "0.1", timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows = assert_trained(out, steps=3)
     for r in rows:
         assert r["reward/failed"] == 0, r
         for key in ("reward/raw_mean", "reward/length_penalty_mean", "reward/format_mean", "time/reward"):
@@ -178,4 +177,4 @@ def test_train_async_with_score_behind(tmp_path):
     out = tmp_path / "run"
     proc = run_script("train_async.py", *TINY, "--steps", "3", "--score-behind", "--out-dir", str(out), timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
+    assert_trained(out, steps=3)

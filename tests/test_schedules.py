@@ -12,7 +12,7 @@ import torch
 
 from common.metrics import read_metrics, read_timeline
 from common.weight_sync import latest_sync_version, load_sync_checkpoint, weights_hash, write_sync_checkpoint
-from tests.conftest import ROOT, TINY, run_script
+from tests.conftest import ROOT, TINY, assert_trained, run_script
 
 
 def _syncs(events, process, phases=("sync",)):
@@ -23,7 +23,7 @@ def test_offpolicy_trains_every_batch_one_version_behind(tmp_path):
     out = tmp_path / "run"
     proc = run_script("train_offpolicy.py", *TINY, "--steps", "4", "--out-dir", str(out), "--verify-sync")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
+    rows = assert_trained(out, steps=4)
     assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]  # the first batch has nothing older to be
     assert [r["staleness/mean"] for r in rows] == [0, 1, 1, 1]
     events = read_timeline(str(out))
@@ -41,7 +41,7 @@ def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method)
     proc = run_script("train_async.py", *TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync",
                       "--num-explorers", str(explorers), "--sync-method", method, "--max-staleness", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
+    rows = assert_trained(out, steps=6)
     assert len(rows) == 6 and all(r["staleness/max"] <= 1 for r in rows)
     assert all("dropped_stale" in r for r in rows)
     events = read_timeline(str(out))
@@ -144,5 +144,5 @@ def test_torchrun_launch_with_tracking(tmp_path):
                            "--track"], cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
                           env={**env, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(str(out))] == [1, 2]
+    assert_trained(out, steps=2)
     assert list((out / "wandb").glob("offline-run-*"))

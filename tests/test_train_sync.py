@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.metrics import read_metrics, read_timeline
-from tests.conftest import TINY, run_script
+from tests.conftest import TINY, assert_trained, run_script
 
 
 def test_default_tiny_command_outputs(tmp_path):
@@ -33,6 +33,8 @@ def test_sync_schedule_hashes_and_no_overlap(tmp_path):
     out = tmp_path / "run"
     proc = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = assert_trained(out, steps=3)
+    assert all(r["filter/zero_signal_frac"] < 1 for r in rows)  # the smoke task gives groups a signal
     events = read_timeline(str(out))
     syncs = {p: [e for e in events if e["process"] == p and e["phase"] == "sync"] for p in ("trainer0", "explorer0")}
     assert len(syncs["trainer0"]) == len(syncs["explorer0"]) == 4  # initial + one per step
@@ -55,13 +57,13 @@ def test_resume_continues_step_count_and_optimizer(tmp_path):
     state2 = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
     second = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(str(out))] == [1, 2, 3]
+    assert_trained(out, steps=3)
     state3 = torch.load(out / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
     assert state3["step"] == 3 and state3["version"] == 3
-    # Adam's per-parameter step count carried on: one optimizer step per trainer step here.
+    # Adam's per-parameter step count carried on: two optimizer steps (--ppo-epochs 2) per trainer step here.
     steps2 = {s["step"].item() for s in state2["optimizer"]["state"].values()}
     steps3 = {s["step"].item() for s in state3["optimizer"]["state"].values()}
-    assert steps2 == {2.0} and steps3 == {3.0}
+    assert steps2 == {4.0} and steps3 == {6.0}
 
 
 def _one_line_error(proc, *fragments):
@@ -112,5 +114,6 @@ def test_other_algorithms_train(tmp_path, algo):
     out = tmp_path / "run"
     proc = run_script("train_sync.py", *TINY, "--steps", "2", "--out-dir", str(out), "--verify-sync", "--algo", algo)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_trained(out, steps=2)
     hashes = [e["hash"] for e in read_timeline(str(out)) if e["process"] == "trainer0" and e["phase"] == "sync"]
     assert len(set(hashes)) == 3  # the weights changed at every step

@@ -9,7 +9,7 @@ import pytest
 
 from common.engine_vllm import vllm_available
 from common.metrics import read_metrics, read_timeline
-from tests.conftest import TINY, run_script
+from tests.conftest import TINY, assert_trained, run_script
 
 ok, why = vllm_available()
 SYNC_PHASES = ("sync", "sync-checkpoint")
@@ -29,7 +29,7 @@ def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, met
     proc = run_script(script, *TINY, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
                       "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(read_metrics(str(out))) == 2
+    assert_trained(out, steps=2)
     events = read_timeline(str(out))
     sent = {e["version"]: e["hash"] for e in _synced(events, "trainer0")}
     received = _synced(events, "explorer0")

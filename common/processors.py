@@ -1,0 +1,81 @@
+"""Experience processors: small functions applied, in order, to every rollout batch between the explorer and the
+trainer's update (the trainer runs them first thing in `train_step`, before collate). Each one takes the batch's
+experiences and the run's args and returns (experiences, counts); the counts go into the step's metrics row.
+
+ALGO LOGIC: a processor of your own is one function + one line in `PROCESSORS` (or, from outside the package,
+`--processors my_module:my_fn`, appended after the built-in ones):
+
+    def drop_short(experiences, args):                       # e.g. in common/processors.py
+        kept = [e for e in experiences if len(e.response_ids) >= 4]
+        return kept, {"filter/short_dropped": len(experiences) - len(kept)}
+
+    PROCESSORS["short"] = drop_short
+
+A processor must not modify an Experience in place (replay may train it again): use dataclasses.replace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from common.experience import Experience
+
+Processor = Callable[[list[Experience], object], "tuple[list[Experience], dict]"]
+
+
+def drop_invalid_rewards(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
+    """Non-finite rewards are always dropped; failed verifiers (reward_info["failed"]: error, timeout, crash) too
+    when --drop-failed-rewards (instead of training on their 0)."""
+    kept = [e for e in experiences
+            if math.isfinite(e.reward) and not (args.drop_failed_rewards and e.reward_info.get("failed"))]
+    return kept, {"filter/invalid_dropped": len(experiences) - len(kept)}
+
+
+def mask_truncated(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
+    """--mask-truncated (DAPO's overlong filtering): responses cut at --max-new-tokens keep their place in the group
+    (their reward counts in the group mean) but get loss mask 0."""
+    if not args.mask_truncated:
+        return experiences, {"filter/truncated_masked": 0}
+    out = [dataclasses.replace(e, loss_mask=[0] * len(e.loss_mask)) if e.finish_reason == "length" else e
+           for e in experiences]
+    return out, {"filter/truncated_masked": sum(e.finish_reason == "length" for e in experiences)}
+
+
+def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
+    """--drop-zero-signal-groups (DAPO's dynamic sampling, without refilling): a group whose rewards are all equal
+    has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
+    costs no backward pass). Never for algorithms with a critic: it gives such samples an advantage."""
+    from common.losses import ALGOS
+
+    if not args.drop_zero_signal_groups or ALGOS[args.algo].critic or not experiences:
+        return experiences, {"filter/zero_signal_frac": 0.0}
+    rewards: dict[int, set] = {}
+    for e in experiences:
+        rewards.setdefault(e.group_id, set()).add(e.reward)
+    kept = [e for e in experiences if len(rewards[e.group_id]) > 1]
+    return kept, {"filter/zero_signal_frac": 1 - len(kept) / len(experiences)}
+
+
+PROCESSORS: dict[str, Processor] = {
+    "invalid_rewards": drop_invalid_rewards,
+    "truncated": mask_truncated,
+    "zero_signal": drop_zero_signal_groups,
+}
+
+
+def build_processors(extra: tuple[str, ...] | list[str] = ()) -> list[Processor]:
+    """The built-in processors in registry order, then the --processors references (module:function)."""
+    from common.plugins import load_object
+
+    return list(PROCESSORS.values()) + [load_object(spec, "--processors") for spec in extra]
+
+
+def process(experiences: list[Experience], args, processors: list[Processor]) -> tuple[list[Experience], dict]:
+    """Run `processors` in order; returns the experiences that remain and every processor's counts."""
+    counts: dict = {}
+    for fn in processors:
+        experiences, c = fn(experiences, args)
+        counts.update(c)
+    return experiences, counts

@@ -1,0 +1,385 @@
+"""`RewardPool`: verifiers in child processes, each item under a wall-clock limit, while the caller keeps generating.
+
+A verifier that hangs, crashes or raises gives score 0 with the reason, is counted, and never stalls or kills the
+caller. What a verifier is and which kinds exist: rewards/base.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.reduction import ForkingPickler
+
+from common.procs import die_with_parent
+from rewards.base import Reward, check_kind, failed, score
+
+MAX_CHUNK = 16  # items sent to a worker at once (each still has its own deadline)
+JUDGE_TIMEOUT_S = 120.0  # per item for tasks with a judge_model (model loading happens inside the first item)
+
+
+def _safe_score(score_fn, response: str, task: dict) -> Reward:
+    try:
+        result = score_fn(response, task)
+    except Exception as e:  # noqa: BLE001  (a verifier bug must not take the run down: score 0, say why)
+        return failed(f"error: {type(e).__name__}: {e}", traceback=traceback.format_exc(limit=3))
+    if not isinstance(result, Reward):
+        return failed(f"error: verifier returned {type(result).__name__}, not Reward")
+    return result
+
+
+def _serve(conn, score_fn, parent_pid: int):
+    """Verifier worker: warm the imports, say ready, then score (response, task) pairs until the pipe closes."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's business; it closes the pool
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: the pool enforces it
+    try:
+        import rewards.math  # noqa: F401  (first-call latency out of the timed path)
+    except ImportError:
+        pass
+    conn.send("ready")
+    while True:
+        try:
+            chunk = conn.recv()  # a list of (response, task); one result goes back per item, in order
+        except (EOFError, OSError):
+            return
+        for response, task in chunk:
+            conn.send(_safe_score(score_fn, response, task))
+
+
+class RewardFuture:
+    """The result of `RewardPool.submit`: `result(timeout)` -> list[Reward] in the order submitted."""
+
+    def __init__(self, n: int):
+        self._future: Future = Future()
+        self.results: list[Reward | None] = [None] * n
+        self.remaining = n
+        self.submitted_at = time.time()
+        self.done_at: float | None = None  # when the last item was scored
+        if n == 0:
+            self.done_at = self.submitted_at
+            self._future.set_result([])
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[Reward]:
+        """Wait (at most `timeout` seconds when given). Every item has its own deadline in the pool, so an
+        untimed wait still ends; it raises if the pool was closed or its dispatcher died meanwhile."""
+        try:
+            return self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"rewards not ready after {timeout}s") from None
+
+    def _set(self, i: int, reward: Reward):
+        if self.results[i] is None:
+            self.results[i] = reward
+            self.remaining -= 1
+            if self.remaining == 0 and not self._future.done():
+                self.done_at = time.time()
+                self._future.set_result(list(self.results))
+
+
+@dataclass
+class _Worker:
+    proc: object
+    conn: object
+    ready: bool = False
+    items: deque = field(default_factory=deque)  # in flight, in order: (future, index, response, task, limit_s)
+    deadline: float = 0.0  # for the item at the head of `items` (the one the worker is running)
+    started: float = field(default_factory=time.time)
+
+
+class RewardPool:
+    """Verifiers in `num_workers` child processes (spawn, non-daemon), each item under a wall-clock limit.
+
+    - `timeout_s`: per item (a task may ask for more with `task["reward_timeout_s"]`, e.g. long code tests;
+      tasks with a `judge_model` get at least JUDGE_TIMEOUT_S since the first one loads the judge).
+    - `score_fn`: a module-level function (default `rewards.score`): how a custom verifier is plugged in.
+    - `rm_model`, `rm_device`, `rm_batch_size`: the learned reward model for `reward: rm` tasks (a task may
+      name its own with `task["rm_model"]`). It is served by one process per model on its own device
+      (`rewards.rm.RMServer`), batched, started on first use.
+    - `judge_model`: the K-12 / vision judge (`--judge-model`) for tasks that do not name their own; it runs
+      inside the verifier workers (loaded once per worker, on CPU unless the task says `judge_device`).
+    - `stats`: scored / failed / timeouts / crashes / errors, cumulative.
+
+    Scoring runs on a dispatcher thread, so `submit` returns at once and generation goes on meanwhile.
+    Safe to create inside a (non-daemon) `torch.multiprocessing` spawn child such as the explorer.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score, rm_model: str | None = None,
+                 rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0,
+                 judge_model: str | None = None):
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.num_workers, self.timeout_s, self.score_fn = max(1, num_workers), timeout_s, score_fn
+        self.routes_kinds = getattr(score_fn, "routes_kinds", True)  # False: score_fn scores every task itself
+        self.rm_model, self.rm_device, self.rm_batch_size, self.rm_timeout_s = (
+            rm_model, rm_device, rm_batch_size, rm_timeout_s)
+        self.judge_model = judge_model
+        self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0}
+        self._jobs: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
+        self._closing = threading.Event()
+        self._procs: set = set()  # every child alive, for the exit-time finalizer
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._rm: dict[str, object] = {}  # model path -> RMClient
+        self._error: BaseException | None = None
+        # Kill the children at interpreter exit even if close() was never called; multiprocessing runs this before
+        # it joins non-daemon children, so exit never waits on a busy verifier.
+        from multiprocessing import util
+        self._finalizer = util.Finalize(self, RewardPool._kill_all, args=(self._procs, self._lock), exitpriority=100)
+        self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+    def submit(self, responses: list[str], tasks: list[dict]) -> RewardFuture:
+        """Queue a batch for scoring and return at once. Unknown reward kinds fail here (a config error)."""
+        if len(responses) != len(tasks):
+            raise ValueError(f"{len(responses)} responses for {len(tasks)} tasks")
+        for task in tasks if self.routes_kinds else ():
+            check_kind(task)
+        if self._closing.is_set():
+            raise RuntimeError("RewardPool is closed")
+        future = RewardFuture(len(responses))
+        if responses:
+            self._jobs.put((future, list(responses), list(tasks)))
+            self._wake()
+        return future
+
+    def score_batch(self, responses: list[str], tasks: list[dict]) -> list[Reward]:
+        return self.submit(responses, tasks).result()
+
+    def close(self):
+        """Stop the dispatcher, kill every child, fail pending futures. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._wake()
+        self._thread.join(timeout=30)
+        RewardPool._kill_all(self._procs, self._lock)
+        for conn in (self._wake_r, self._wake_w):
+            conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110  (interpreter teardown: the finalizer killed the children)
+            pass
+
+    # ---------------------------------------------------------------- processes
+    @staticmethod
+    def _kill_all(procs: set, lock: threading.Lock):
+        with lock:
+            victims = list(procs)
+            procs.clear()
+        for proc in victims:
+            if proc.is_alive():
+                proc.kill()
+        for proc in victims:
+            proc.join(timeout=5)
+
+    def _wake(self):
+        try:
+            self._wake_w.send_bytes(b"")
+        except OSError:  # closed: the dispatcher is gone anyway
+            pass
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_serve, args=(child, self.score_fn, os.getpid()),
+                                name="reward-worker", daemon=False)
+        proc.start()
+        child.close()
+        with self._lock:
+            self._procs.add(proc)
+        return _Worker(proc, parent)
+
+    def _stop(self, proc, conn=None):
+        proc.kill()
+        proc.join(timeout=5)
+        with self._lock:
+            self._procs.discard(proc)
+        if conn is not None:
+            conn.close()
+
+    def _rm_client(self, model: str):
+        if model not in self._rm:
+            from rewards.rm import RMClient
+            self._rm[model] = RMClient(self.ctx, model, self.rm_device, self.rm_batch_size, self.rm_timeout_s,
+                                       on_start=self._track, on_stop=self._untrack)
+        return self._rm[model]
+
+    def _track(self, proc):
+        with self._lock:
+            self._procs.add(proc)
+
+    def _untrack(self, proc):
+        with self._lock:
+            self._procs.discard(proc)
+
+    # ---------------------------------------------------------------- dispatcher thread
+    def _finish(self, future: RewardFuture, i: int, reward: Reward):
+        self.stats["scored"] += 1
+        if reward.info.get("failed"):
+            self.stats["failed"] += 1
+            if str(reward.info.get("reason", "")).startswith("error"):
+                self.stats["errors"] += 1
+        future._set(i, reward)
+
+    def _item_timeout(self, task: dict) -> float:
+        if "reward_timeout_s" in task:
+            return float(task["reward_timeout_s"])
+        if task.get("judge_model"):  # a worker's first judge call loads the LM (seconds); later calls are fast
+            return max(self.timeout_s, JUDGE_TIMEOUT_S)
+        return self.timeout_s
+
+    def _dispatch(self):
+        pending: deque = deque()  # (future, index, response, task)
+        try:
+            self._workers = [self._start_worker() for _ in range(self.num_workers)]
+            while not self._closing.is_set():
+                while True:  # new jobs: rm items go to their model's server, the rest to the verifier workers
+                    try:
+                        future, responses, tasks = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    for i, (response, task) in enumerate(zip(responses, tasks)):
+                        if self.routes_kinds and task.get("reward") == "rm":
+                            model = task.get("rm_model") or self.rm_model
+                            if not model:
+                                self._finish(future, i, failed(f"error: task {task.get('id')}: no rm_model given"))
+                            else:
+                                self._rm_client(model).add(future, i, response, task, self._finish)
+                        else:
+                            if self.judge_model and task.get("reward") in ("k12", "vision") and \
+                                    "judge_model" not in task:
+                                task = {**task, "judge_model": self.judge_model}
+                            pending.append((future, i, response, task))
+                self._step(pending)
+        except BaseException as e:  # the dispatcher itself broke: fail every waiter loudly rather than hang them
+            self._error = e
+            logging.getLogger(__name__).exception("reward dispatcher died")
+        finally:
+            self._shutdown(pending)
+
+    def _step(self, pending: deque):
+        while pending:  # hand out work in chunks: one round trip per chunk, not per item (cheap verifiers)
+            w = next((w for w in self._workers if w.ready and not w.items), None)
+            if w is None:
+                break
+            size = max(1, min(MAX_CHUNK, len(pending) // (2 * len(self._workers))))
+            chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+            w.items.extend((f, i, r, t, self._item_timeout(t)) for f, i, r, t in chunk)
+            w.deadline = time.time() + w.items[0][4]
+            try:
+                w.conn.send([(r, t) for _, _, r, t in chunk])
+            except OSError:  # the worker is gone: the chunk never started, so it goes back to the queue
+                pending.extendleft(reversed(chunk))
+                w.items.clear()
+                self._replace(w)
+            except (TypeError, AttributeError, pickle.PicklingError):  # pickling fails before anything is sent
+                w.items.clear()
+                for item in reversed(chunk):  # fail only the items that cannot be pickled, requeue the others
+                    try:
+                        ForkingPickler.dumps(item[2:])
+                        pending.appendleft(item)
+                    except (TypeError, AttributeError, pickle.PicklingError) as e:
+                        self._finish(item[0], item[1], failed(f"error: task cannot be sent to a verifier: {e}"))
+        waits = [w.deadline for w in self._workers if w.items] + [c.deadline for c in self._rm.values() if c.busy]
+        waits += [w.started + 120 for w in self._workers if not w.ready]  # a worker that never starts
+        timeout = max(0.0, min(waits) - time.time()) if waits else None
+        conns = {w.conn: w for w in self._workers}
+        rm_conns = {c.conn: c for c in self._rm.values() if c.conn is not None}
+        ready = wait_for_any([self._wake_r, *conns, *rm_conns], timeout=timeout)
+        for conn in ready:
+            if conn is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            elif conn in conns:
+                self._receive(conns[conn], pending)
+            else:
+                rm_conns[conn].receive(self._finish)
+        now = time.time()
+        for w in self._workers:
+            if w.items and now >= w.deadline:
+                self.stats["timeouts"] += 1
+                self._fail_worker(w, failed(f"timeout after {w.items[0][4]:g}s"), pending)
+            elif not w.ready and now >= w.started + 120:
+                self._replace(w)
+        for client in self._rm.values():
+            client.poll(self._finish)
+
+    def _receive(self, w: _Worker, pending: deque):
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):  # the worker died mid-item (segfault, os._exit, OOM kill)
+            code = w.proc.exitcode
+            w.proc.join(timeout=1)
+            code = w.proc.exitcode if code is None else code
+            self.stats["crashes"] += 1
+            self._fail_worker(w, failed(f"verifier crashed (exit code {code})"), pending)
+            return
+        if msg == "ready":
+            w.ready = True
+        elif w.items:
+            future, i, *_ = w.items.popleft()
+            self._finish(future, i, msg)
+            if w.items:  # the worker moves straight on to the next item of its chunk
+                w.deadline = time.time() + w.items[0][4]
+
+    def _fail_worker(self, w: _Worker, reward: Reward, pending: deque):
+        """Give the item the worker was running `reward`, put the rest of its chunk back at the front of the
+        queue (they never started), and replace the worker (it may be stuck or dead)."""
+        if w.items:
+            future, i, *_ = w.items.popleft()
+            self._finish(future, i, reward)
+            for f, i, r, t, _ in reversed(w.items):
+                pending.appendleft((f, i, r, t))
+            w.items.clear()
+        self._replace(w)
+
+    def _replace(self, w: _Worker):
+        self._stop(w.proc, w.conn)
+        fresh = self._start_worker()
+        w.proc, w.conn, w.ready, w.items, w.started = fresh.proc, fresh.conn, False, deque(), fresh.started
+
+    def _shutdown(self, pending: deque):
+        for w in self._workers:
+            self._stop(w.proc, w.conn)
+        for client in self._rm.values():
+            client.close()
+        reason = RuntimeError("RewardPool closed" if self._error is None else f"reward dispatcher died: {self._error}")
+        futures = {id(f): f for f, *_ in pending}
+        futures.update({id(item[0]): item[0] for w in self._workers for item in w.items})
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            futures[id(future)] = future
+        for client in self._rm.values():
+            futures.update({id(f): f for f in client.futures()})
+        for future in futures.values():
+            if not future.done():
+                future._future.set_exception(reason)
+        self._closing.set()
+
