@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from common.config import CommonArgs, ConfigError, parse_args
+from common.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer import Explorer
 from common.launcher import WorkerContext, WorkerSpec, launch
@@ -62,7 +63,8 @@ class Args(CommonArgs):
             raise ConfigError(f"--max-staleness must be >= 0 (got {self.max_staleness})")
 
 
-def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announced, final_version, stop):
+def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, announced,
+                  final_version, stop):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
     weights = WeightReceiver(ctx, args, explorer.engine, timeline, announced)
@@ -74,20 +76,20 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announ
     while not stop.is_set():
         if weights.poll(batch, args.sync_method):  # newer weights are taken between generation batches only
             explorer.version = weights.version
-        metrics = {}
         if evaluates and args.eval_every and explorer.version >= next_eval:
-            metrics = explorer.evaluate(batch)
+            control.send("eval", explorer.evaluate(batch), ctx.index)
             next_eval = (explorer.version // args.eval_every + 1) * args.eval_every
         batch += 1
-        experiences, rollout_metrics = explorer.rollout(batch)
+        experiences, metrics = explorer.rollout(batch)
         with timeline.phase("wait", put=f"{ctx.index}-{batch}"):  # blocks only while the queue is full
-            item = RolloutBatch(batch, experiences, {**metrics, **rollout_metrics}, ctx.index)
+            item = RolloutBatch(batch, experiences, metrics, ctx.index)
             _put_unless_stopped(queue, item, stop, args.timeout_s, lambda b=batch: weights.poll(b, args.sync_method))
         explorer.version = weights.version
+    queue.abandon()  # batches made after the trainer's last step are never read: do not wait for them at exit
     while weights.version < final_version.value:  # join every send still owed, up to the final weights
         explorer.version = weights.pull(batch, args.sync_method)
     if evaluates:
-        queue.put(RolloutBatch(batch, [], explorer.evaluate(batch + 1), ctx.index, final=True), args.timeout_s)
+        control.send("final", explorer.evaluate(batch + 1), ctx.index)
     explorer.close()
 
 
@@ -107,21 +109,18 @@ def _put_unless_stopped(queue: ExperienceQueue, item, stop, timeout_s: float, ta
     raise TimeoutError(f"explorer: experience queue stayed full for {timeout_s:.0f}s (trainer stalled?)")
 
 
-def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announced, final_version, stop):
-    with TrainerRun(ctx, args) as run:
+def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, announced,
+                 final_version, stop):
+    with TrainerRun(ctx, args, control) as run:
         weights = WeightSender(ctx, args, run.timeline, announced)
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
-        sent, carried = run.trainer.version, {}
+        sent = run.trainer.version
         while run.step < args.steps:
             batch = run.get(queue)
-            batch.metrics, carried = {**carried, **batch.metrics}, {}
-            if batch.final:
-                raise RuntimeError("explorer 0 stopped before the trainer finished")
             # ALGO LOGIC: staleness control — drop what is too old, count it, train on the rest.
             batch.experiences, dropped = run.trainer.drop_stale(batch.experiences, args.max_staleness)
             run.summary["dropped_stale"] += dropped
             if not batch.experiences:
-                carried = batch.metrics  # an evaluation that rode on a dropped batch goes into the next row
                 continue
             metrics = run.train(batch, run.step + 1)
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up
@@ -135,19 +134,15 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announc
         weights.wait()
         if sent != run.trainer.version:
             weights.push(run.trainer.named_weights(), run.trainer.version, run.step, args.sync_method)
-        final = run.get(queue)
-        while not final.final:  # batches generated before the stop: never trained
-            final = run.get(queue)
-        run.finish(final.metrics)
+        run.finish()  # waits for explorer 0's final evaluation on the control channel
 
 
 def main():
     args = parse_args(Args)
     prepare_run(args, schedule="async" if args.num_explorers == 1 else f"async{args.num_explorers}")
     ctx = mp.get_context("spawn")
-    queue = ExperienceQueue(ctx, maxsize=args.queue_size)
     announced, final_version, stop = ctx.Value("l", -1), ctx.Value("l", -1), ctx.Event()
-    shared = (args, queue, announced, final_version, stop)
+    shared = (args, ExperienceQueue(ctx, maxsize=args.queue_size), ControlChannel(ctx), announced, final_version, stop)
     specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, shared)
              for i, d in enumerate(args.trainer_device_list)]
     specs += [WorkerSpec(f"explorer{i}", "explorer", d, explorer_main, shared)

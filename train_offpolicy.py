@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from common.config import CommonArgs, ConfigError, parse_args
+from common.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer import Explorer
 from common.launcher import WorkerContext, WorkerSpec, launch
@@ -36,32 +37,34 @@ class Args(CommonArgs):
             raise ConfigError("--explorer-devices: the one-step off-policy schedule runs exactly one explorer")
 
 
-def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
+def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
     weights = WeightReceiver(ctx, args, explorer.engine, timeline)
     explorer.version = weights.pull(step=0)
     explorer.skip_to(explorer.version)
     for step in range(explorer.version + 1, args.steps + 1):
-        metrics = explorer.evaluate(step) if explorer.eval_due(step) else {}
-        experiences, rollout_metrics = explorer.rollout(step)  # overlaps the trainer's step on batch step-1
+        if explorer.eval_due(step):
+            control.send("eval", explorer.evaluate(step))
+        experiences, metrics = explorer.rollout(step)  # overlaps the trainer's step on batch step-1
         with timeline.phase("wait", put=f"0-{step}"):
-            queue.put(RolloutBatch(step, experiences, {**metrics, **rollout_metrics}), args.timeout_s)
+            queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
         if step > explorer.first_step:
             # SYNC: the weights trained on batch step-1; batch step+1 will be one version behind the trainer.
             explorer.version = weights.pull(step, args.sync_method)
     explorer.version = weights.pull(args.steps, args.sync_method)  # the weights trained on the last batch
-    queue.put(RolloutBatch(args.steps, [], explorer.evaluate(args.steps + 1), final=True), args.timeout_s)
+    control.send("final", explorer.evaluate(args.steps + 1))
     explorer.close()
 
 
 def main():
     args = parse_args(Args)
     prepare_run(args, schedule="offpolicy")
-    queue = ExperienceQueue(mp.get_context("spawn"), maxsize=1)
-    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, (args, queue))
+    ctx = mp.get_context("spawn")
+    shared = (args, ExperienceQueue(ctx, maxsize=1), ControlChannel(ctx))
+    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, shared)
              for i, d in enumerate(args.trainer_device_list)]
-    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, (args, queue))]
+    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, shared)]
     launch(specs, num_threads=threads_per_worker(args, len(specs)), timeout_s=args.timeout_s)
     finish_run(args, title="train_offpolicy.py: schedule (b), one-step off-policy")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from common.config import CommonArgs, ConfigError, parse_args
+from common.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer import Explorer
 from common.launcher import WorkerContext, WorkerSpec, launch
@@ -40,26 +41,25 @@ class Args(CommonArgs):
             raise ConfigError("--explorer-devices: the synchronous schedule runs exactly one explorer")
 
 
-def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
+def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
     weights = WeightReceiver(ctx, args, explorer.engine, timeline)
     explorer.version = weights.pull(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
     explorer.skip_to(explorer.version)  # one version per step: the version says how many steps are done
     for step in range(explorer.version + 1, args.steps + 1):
-        metrics = {}
         if explorer.eval_due(step):
-            metrics.update(explorer.evaluate(step))
-        experiences, rollout_metrics = explorer.rollout(step)
+            control.send("eval", explorer.evaluate(step))
+        experiences, metrics = explorer.rollout(step)
         with timeline.phase("wait", put=f"0-{step}"):
-            queue.put(RolloutBatch(step, experiences, {**metrics, **rollout_metrics}), args.timeout_s)
+            queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
         explorer.version = weights.pull(step, args.sync_method)  # SYNC: no generation until the new weights are here
-    queue.put(RolloutBatch(args.steps, [], explorer.evaluate(args.steps + 1), final=True), args.timeout_s)
+    control.send("final", explorer.evaluate(args.steps + 1))
     explorer.close()
 
 
-def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
-    with TrainerRun(ctx, args) as run:
+def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
+    with TrainerRun(ctx, args, control) as run:
         weights = WeightSender(ctx, args, run.timeline)
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)  # initial: always broadcast
         while run.step < args.steps:
@@ -68,16 +68,17 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
             metrics = run.train(batch, step)
             weights.push(run.trainer.named_weights(), run.trainer.version, step, args.sync_method)
             run.log(batch, metrics)
-        run.finish(run.get(queue).metrics)
+        run.finish()  # waits for the final evaluation on the control channel
 
 
 def main():
     args = parse_args(Args)
     prepare_run(args, schedule="sync")
-    queue = ExperienceQueue(mp.get_context("spawn"), maxsize=1)
-    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, (args, queue))
+    ctx = mp.get_context("spawn")
+    shared = (args, ExperienceQueue(ctx, maxsize=1), ControlChannel(ctx))
+    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, shared)
              for i, d in enumerate(args.trainer_device_list)]
-    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, (args, queue))]
+    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, shared)]
     # Explorer and trainer take turns here, so each may use every core (data-parallel trainers share them).
     launch(specs, num_threads=threads_per_worker(args, len(args.trainer_device_list)), timeout_s=args.timeout_s)
     finish_run(args, title="train_sync.py: schedule (a), synchronous")

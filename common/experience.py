@@ -75,12 +75,13 @@ def collate(experiences: list[Experience], pad_id: int) -> Batch:
 
 @dataclass
 class RolloutBatch:
-    """What an explorer puts on the queue: one batch of experiences plus the explorer's own metrics."""
+    """What an explorer puts on the queue: one batch of experiences plus the metrics of the rollout that made them
+    (times, tokens/s, failed verifiers). Evaluations and the end of the run go on the control channel
+    (common/control.py), never here."""
     step: int
     experiences: list[Experience]
     metrics: dict
     explorer: int = 0
-    final: bool = False            # last message: carries only the final evaluation
 
 
 class ExperienceQueue:
@@ -105,6 +106,11 @@ class ExperienceQueue:
             return self._q.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"{who}: no experiences arrived for {timeout:.0f}s (explorer stalled?)") from None
+
+    def abandon(self):
+        """Shutdown, explorer side: batches still in this process's send buffer will never be read; do not wait
+        for them at exit."""
+        self._q.cancel_join_thread()
 
     def get_nowait(self):
         try:

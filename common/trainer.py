@@ -52,10 +52,9 @@ class Trainer:
     # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
     def train_step(self, experiences: list[Experience]) -> dict:
         args = self.args
-        rewards_in = [e.reward for e in experiences if np.isfinite(e.reward)]
-        experiences, filtered = process(experiences, args, self.processors)  # common/processors.py
-        if rewards_in:
-            filtered.update({"reward/mean": float(np.mean(rewards_in)), "reward/std": float(np.std(rewards_in))})
+        filtered = self._incoming_metrics(experiences)  # what the explorers sent, before any filter
+        experiences, counts = process(experiences, args, self.processors)  # common/processors.py
+        filtered.update(counts)
         if not experiences:  # every sample was filtered out: nothing to learn from, the step still counts
             return {**self.skip_step(), **filtered}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
@@ -98,9 +97,16 @@ class Trainer:
             out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
         out.update({
             "response/tokens_mean": batch.response_mask.sum().item() / n,
-            "staleness/mean": (self.version - 1 - batch.versions.float()).mean().item(),
-            "staleness/max": (self.version - 1 - batch.versions).max().item(),
         })
+        return out
+
+    def _incoming_metrics(self, experiences: list[Experience]) -> dict:
+        """Reward (finite ones) and staleness (versions behind the weights being updated) of a rollout batch."""
+        rewards = [e.reward for e in experiences if np.isfinite(e.reward)]
+        stale = [self.version - e.policy_version for e in experiences]
+        out = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))} if rewards else {}
+        if stale:
+            out.update({"staleness/mean": float(np.mean(stale)), "staleness/max": max(stale)})
         return out
 
     def skip_step(self) -> dict:
@@ -243,8 +249,9 @@ class TrainerRun:
     """The trainer process's bookkeeping around `Trainer`, the same in every schedule: resume, the metrics row per
     step, periodic checkpoints, Ctrl-C -> checkpoint, and final/ + summary.json at the end."""
 
-    def __init__(self, ctx, args):
+    def __init__(self, ctx, args, control=None):
         self.ctx, self.args = ctx, args
+        self.control = control  # ControlChannel (common/control.py): evaluations and the end of the run
         self.timeline = Timeline(args.out_dir, ctx.name)
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
@@ -267,8 +274,7 @@ class TrainerRun:
     def get(self, queue):
         start = time.time()
         batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s) if self.is_main else None)
-        key = f"{batch.explorer}-{'final' if batch.final else batch.step}"  # the final message carries only the eval
-        self.timeline.record("wait", start, time.time(), get=key)
+        self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
         return batch
 
     def train(self, batch, step: int) -> dict:
@@ -283,11 +289,12 @@ class TrainerRun:
 
     def log(self, batch, metrics: dict, **extra):
         step = self.trainer.step
-        if self.summary["eval_before"] is None and "eval/accuracy" in batch.metrics:
-            self.summary["eval_before"] = batch.metrics["eval/accuracy"]
+        evals = self._evaluations()
+        if self.summary["eval_before"] is None and "eval/accuracy" in evals:
+            self.summary["eval_before"] = evals["eval/accuracy"]
         times = {f"time/{k}": v for k, v in self.timeline.take_totals().items()}
         if self.logger:
-            self.logger.log({"step": step, **metrics, **batch.metrics, **times, **extra,
+            self.logger.log({"step": step, **metrics, **batch.metrics, **evals, **times, **extra,
                              "time/elapsed": time.time() - self.start_time,
                              "samples": step * self.args.rollout_batch_size})
         if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
@@ -300,9 +307,20 @@ class TrainerRun:
             return self.trainer.save_checkpoint(self.args.out_dir, name, {**self.summary,
                                                                           "elapsed": time.time() - self.start_time})
 
-    def finish(self, final_eval: dict):
+    def _evaluations(self) -> dict:
+        """The evaluation results that arrived on the control channel since the last row (the newest wins)."""
+        if not (self.is_main and self.control):
+            return {}
+        out = {}
+        for msg in self.control.poll():
+            out.update(msg.metrics)
+        return out
+
+    def finish(self):
+        """Wait for the final evaluation on the control channel, then final/, the last checkpoint, summary.json."""
         if not self.is_main:
             return
+        final_eval, _ = self.control.wait_final(self.args.timeout_s)
         self.checkpoint()
         self.checkpoint("final")
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,

@@ -35,7 +35,11 @@ def test_sync_schedule_hashes_and_no_overlap(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=3)
     assert all(r["filter/zero_signal_frac"] < 1 for r in rows)  # the smoke task gives groups a signal
+    assert "eval/accuracy" in rows[0]  # the evaluation before step 1 came on the control channel
+    assert json.loads((out / "summary.json").read_text())["eval_after"] is not None  # so did the final one
     events = read_timeline(str(out))
+    # The experience queue carried rollout batches only: one get per step, nothing else.
+    assert sorted(e["get"] for e in events if e["phase"] == "wait" and "get" in e) == ["0-1", "0-2", "0-3"]
     syncs = {p: [e for e in events if e["process"] == p and e["phase"] == "sync"] for p in ("trainer0", "explorer0")}
     assert len(syncs["trainer0"]) == len(syncs["explorer0"]) == 4  # initial + one per step
     for t, e in zip(syncs["trainer0"], syncs["explorer0"]):

@@ -1,0 +1,49 @@
+"""The control channel: what explorers tell the trainer besides experiences (held-out evaluation results, and the
+final evaluation that closes a run), on a queue of its own. The experience queue (common/experience.py) carries
+rollout batches only, so the trainer never has to carry or drain control messages between them.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Control:
+    kind: str          # "eval": a held-out evaluation during the run; "final": the last one, after training
+    explorer: int
+    metrics: dict      # eval/accuracy, eval/version
+
+
+class ControlChannel:
+    """Unbounded queue of `Control` messages from explorers to trainer rank 0 (few and small: never blocks)."""
+
+    def __init__(self, ctx):
+        self._q = ctx.Queue()
+
+    def send(self, kind: str, metrics: dict, explorer: int = 0) -> None:
+        self._q.put(Control(kind, explorer, metrics))
+
+    def poll(self) -> list[Control]:
+        """Every message that has arrived, without waiting."""
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_final(self, timeout: float, who: str = "trainer") -> tuple[dict, list[Control]]:
+        """Block until the final evaluation arrives: (its metrics, the other messages that came meanwhile)."""
+        deadline, others = time.time() + timeout, []
+        while True:
+            try:
+                msg = self._q.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                raise TimeoutError(f"{who}: no final evaluation from the explorer for {timeout:.0f}s "
+                                   "(explorer stalled?)") from None
+            if msg.kind == "final":
+                return msg.metrics, others
+            others.append(msg)

@@ -1,0 +1,65 @@
+"""The command line: typed choices (listed in --help, a wrong one is a one-line error), --help grouped by concern,
+flat `args.<field>` access, and config files that hold only what differs from the defaults."""
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from common.cli import choices, field_groups
+from common.config import CommonArgs, parse_args
+from tests.conftest import ROOT, run_script
+
+CHOICE_FIELDS = {"dtype", "engine", "algo", "kl_estimator", "off_policy_correction", "kl_mode", "sync_method",
+                 "partial_loss", "task_sampling"}
+
+
+def test_every_choice_field_is_a_literal():
+    assert CHOICE_FIELDS <= set(choices(CommonArgs))
+
+
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+def test_help_lists_every_choice_and_is_grouped(script):
+    proc = run_script(script, "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, allowed in choices(CommonArgs).items():
+        assert "{" + ",".join(allowed) + "}" in proc.stdout, name
+    for group in ("run options", "model-engine options", "data options", "rewards options", "algorithm options",
+                  "schedule options", "kimi-extras options"):
+        assert group in proc.stdout, group
+    assert "--lr FLOAT" in proc.stdout and "--sync-method" in proc.stdout  # flags stay short: no group prefix
+
+
+def test_wrong_choice_is_a_one_line_error(tmp_path):
+    proc = run_script("train_sync.py", "--algo", "ppo2", "--out-dir", str(tmp_path / "r"), timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == ["error: --algo 'ppo2': not one of grpo, dr_grpo, opmd, ppo"]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kl_mode: sideways\n")
+    proc = run_script("train_sync.py", "--config", str(cfg), "--out-dir", str(tmp_path / "r"), timeout=60)
+    assert proc.stderr.strip().splitlines() == [f"error: --config {cfg}: --kl-mode 'sideways': not one of loss, reward"]
+
+
+def test_every_field_is_in_one_group():
+    from train_async import Args
+
+    groups = field_groups(Args)
+    assert set(groups) == set(Args.__dataclass_fields__)
+    assert groups["lr"][0] == "algorithm" and groups["num_explorers"][0] == "schedule"
+    assert groups["rollout_token_budget"][0] == "Kimi extras" and groups["model"][0] == "model / engine"
+
+
+def test_parsed_args_are_flat(tmp_path):
+    from train_sync import Args
+
+    args = parse_args(Args, ["--model", "tiny", "--lr", "0.5", "--algo", "opmd", "--kl-estimator", "k1"])
+    assert type(args) is Args and (args.lr, args.algo, args.kl_estimator, args.steps) == (0.5, "opmd", "k1", 40)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_config_files_hold_only_what_differs_from_the_defaults(path):
+    values = yaml.safe_load(open(path)) or {}
+    defaults = CommonArgs()
+    same = [k for k, v in values.items() if getattr(defaults, k.replace("-", "_"), object()) == v]
+    assert not same, f"{path} repeats defaults: {same}"
