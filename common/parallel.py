@@ -59,15 +59,12 @@ class DataParallel:
         """Sum every parameter's gradient over the trainers (a missing gradient counts as zero)."""
         if not self.enabled:
             return
-        from common.weight_sync import tensor_buckets
+        from common.weight_sync import pack, tensor_buckets, unpack  # the weight sync's bucket packing, reused
 
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for bucket in tensor_buckets([p.grad for p in params], bucket_mb << 20):
-            flat = torch.cat([g.reshape(-1) for g in bucket]).to(self.device)
+            flat = pack(bucket, self.device)
             dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
+            unpack(flat, bucket)

@@ -31,6 +31,19 @@ def tensor_buckets(tensors: list[torch.Tensor], bucket_bytes: int):
         yield bucket
 
 
+def pack(bucket: list[torch.Tensor], device) -> torch.Tensor:
+    """One bucket's tensors as one flat buffer on `device` (for one collective)."""
+    return torch.cat([t.reshape(-1).to(device) for t in bucket])
+
+
+def unpack(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    """Copy a flat buffer back into the bucket's tensors, in order (the inverse of `pack`)."""
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 @torch.no_grad()
 def broadcast_weights(named_tensors: list[tuple[str, torch.Tensor]], version: int, src: int, group=None,
                       device: str | torch.device = "cpu", bucket_mb: int = 256) -> tuple[int, float]:
@@ -49,15 +62,12 @@ def broadcast_weights(named_tensors: list[tuple[str, torch.Tensor]], version: in
         raise RuntimeError(f"weight sync: sender has {head[1].item()} tensors, this rank {len(named_tensors)}")
     tensors = [t.detach() for _, t in named_tensors]
     for bucket in tensor_buckets(tensors, bucket_mb << 20):
-        flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device)
-        if dist.get_rank() == src:
-            torch.cat([t.reshape(-1).to(device) for t in bucket], out=flat)
+        sender = dist.get_rank() == src
+        flat = pack(bucket, device) if sender else torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype,
+                                                                device=device)
         dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank() != src:
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+        if not sender:
+            unpack(flat, bucket)
     return int(head[0].item()), header_time
 
 

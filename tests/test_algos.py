@@ -142,7 +142,7 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     # Parity rewards plus a KL in the reward: per-token returns for the critic to fit.
     flags = [*TINY, "--algo", "ppo", "--kl-coef", "0.05", "--kl-mode", "reward", "--samples-per-task", "1",
              "--tasks-per-step", "8", "--critic-lr", "1e-3", "--checkpoint-every", "1", "--out-dir", str(out)]
-    proc = run_script(script, *flags, "--steps", "2")
+    proc = run_script(script, *flags, "--steps", "2", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert all("value_loss" in r and "value/explained_var" in r for r in rows)
@@ -150,7 +150,7 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     if script != "train_sync.py":
         return
     assert rows[1]["kl"] > 0 and rows[1]["value_loss"] > 0  # batch 2 comes from the updated policy: KL-shaped returns
-    second = run_script(script, *flags, "--steps", "3", "--resume")
+    second = run_script(script, *flags, "--steps", "3", "--resume", timeout=240)
     assert second.returncode == 0, second.stderr[-3000:]
     assert_trained(out, steps=3)
     state = torch.load(out / "checkpoints" / "step_3" / "critic" / "optimizer.pt", weights_only=False)
