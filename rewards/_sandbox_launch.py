@@ -166,6 +166,12 @@ def python_dirs():
     return sorted(p for p in dirs if not any(p != q and p.startswith(q + "/") for q in dirs))
 
 
+def open_to_others(path: str) -> bool:
+    """Every folder on the way to `path` can be entered by any uid."""
+    parts = os.path.realpath(path).split("/")[1:]
+    return all(os.stat("/" + "/".join(parts[:k])).st_mode & 0o001 for k in range(1, len(parts) + 1))
+
+
 def build_root(cfg, mode):
     """A new root holding only the Python installation, a few devices, /proc and the working tmpfs."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount here propagates back to the host
@@ -283,6 +289,9 @@ def child(cfg, mode):
         build_root(cfg, mode)
     else:
         os.chdir(cfg["workdir"])
+        if cfg["uid"] is not None and not all(open_to_others(p) for p in python_dirs()):
+            cfg["uid"] = cfg["judge_uid"] = None  # e.g. Python in /root: unreadable after the uid drop
+            mode.append("no-uid-drop")
     set_limits(cfg)
     if cfg["uid"] is not None:
         mode.append("own-uid")
