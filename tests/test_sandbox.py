@@ -14,7 +14,8 @@ import time
 import pytest
 
 from rewards import RewardPool
-from rewards.sandbox import UID_BASE, WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
+from rewards.sandbox import WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
+from rewards.testing import sandbox_processes
 
 MODE = run("pass").mode
 ISOLATED = "pivot-root" in MODE
@@ -25,46 +26,6 @@ needs_pid_isolation = pytest.mark.skipif(not (ISOLATED or "own-uid" in MODE),
                                          reason=f"no PID namespace and no uid of its own here: {MODE!r}")
 STDIN_TASK = {"id": "sum-1", "reward": "code", "tests": [{"input": "2 3\n", "output": "5\n"}], "timeout_s": 2}
 GOOD = "```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```"
-
-
-def _proc_table() -> dict[int, tuple[int, int, bytes, bool]]:
-    """pid -> (parent pid, uid, cmdline, zombie) for every process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b") ", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-            table[int(entry)] = (int(fields[1]), os.stat(f"/proc/{entry}").st_uid, cmd, fields[0] == b"Z")
-        except (OSError, IndexError, ValueError):
-            continue
-    return table
-
-
-def sandbox_processes() -> list[int]:
-    """Pids of anything a sandbox of this test run left running: a launcher below this process, or any process
-    with a sandbox uid made by this process or one of its children (the uid encodes the creating pid, so
-    concurrent test runs on the same machine do not see each other's). Zombies run nothing and are skipped."""
-    table = _proc_table()
-    mine, todo = {os.getpid()}, [os.getpid()]
-    while todo:
-        parent = todo.pop()
-        for pid, (ppid, *_) in table.items():
-            if ppid == parent and pid not in mine:
-                mine.add(pid)
-                todo.append(pid)
-    creators = {pid % (1 << 22) for pid in mine}
-    left = []
-    for pid, (_, uid, cmd, zombie) in table.items():
-        if zombie or pid == os.getpid():
-            continue
-        if (b"_sandbox_launch.py" in cmd and pid in mine) or (
-                uid >= UID_BASE and (uid - UID_BASE) // 64 in creators):
-            left.append(pid)
-    return left
 
 
 @pytest.fixture
