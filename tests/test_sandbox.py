@@ -15,7 +15,7 @@ import pytest
 
 from rewards import RewardPool
 from rewards.sandbox import WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
-from rewards.testing import sandbox_processes
+from rewards.testing import sandbox_leftovers
 
 MODE = run("pass").mode
 ISOLATED = "pivot-root" in MODE
@@ -32,7 +32,7 @@ GOOD = "```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n`
 def clean():
     """Every test must leave no sandbox process behind."""
     yield
-    assert sandbox_processes() == []
+    assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
 
 
 @pytest.fixture(scope="module")
