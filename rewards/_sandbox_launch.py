@@ -230,19 +230,20 @@ def set_limits(cfg):
         limit(resource.RLIMIT_NPROC, cfg["nproc"])
 
 
-def become(uid, isolated):
-    """Drop to `uid` (root: a uid of the sandbox's own) or, in a user namespace, drop every capability."""
+def become(uid):
+    """Drop to `uid` (root: a uid of the sandbox's own) or, when still uid 0 (root of a user namespace, or root
+    without a uid drop), drop every capability for good."""
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    elif isolated and os.getuid() == 0:
+    elif os.getuid() == 0:
         drop_capabilities()
 
 
 def run_candidate(cfg, mode, rpc=None, judge_pid=None):
     """Become the program: credentials, lock-down, then main.py as __main__ (and `serve` with a judge)."""
-    become(cfg["uid"], "pivot-root" in mode)
+    become(cfg["uid"])
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")  # a credential change clears it: set again
     if judge_pid is not None and os.getppid() != judge_pid:  # the judge died before PDEATHSIG took effect
         os._exit(1)
@@ -273,7 +274,7 @@ def run_judge(cfg, mode, harness):
     os.close(resp_w)
     cfg.pop("program")
     check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")  # no /proc/<pid>/mem, fd, environ for the candidate
-    become(cfg["judge_uid"], "pivot-root" in mode)
+    become(cfg["judge_uid"])
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
     spec_fd, result_fd = cfg["spec_fd"], cfg["result_fd"]
     lock_down(keep=(req_w, resp_r, spec_fd, result_fd))
@@ -293,7 +294,7 @@ def child(cfg, mode):
         os.chdir(cfg["workdir"])
         if cfg["uid"] is not None and not all(open_to_others(p) for p in python_dirs()):
             cfg["uid"] = cfg["judge_uid"] = None  # e.g. Python in /root: unreadable after the uid drop
-            mode.append("no-uid-drop")
+            mode.append("no-uid-drop (uid 0 without capabilities)")
     set_limits(cfg)
     if cfg["uid"] is not None:
         mode.append("own-uid")

@@ -2,7 +2,8 @@
 
 `TreeLimits.create(name, memory_mb, nproc, cpu_s)` makes them as the machine allows:
 - "cgroup-v2": a cgroup under ours in the unified hierarchy (memory.max with no swap, pids.max, cpu.max of one
-  core), where our cgroup delegates the memory, pids and cpu controllers to its children;
+  core), where our cgroup delegates the memory, pids and cpu controllers to its children (this path is written
+  to the kernel's documented interface but was not exercised on the development machine, a v1/hybrid host);
 - "cgroup-v1": one cgroup per controller (memory + memsw, pids, cpu quota of one core, cpuacct for CPU time),
   where the v1 hierarchies are writable (root on a v1 or hybrid machine);
 - "tree-polled": neither: the caller polls the summed RSS and CPU time of the launcher's descendants (the

@@ -1,27 +1,38 @@
 """Run an untrusted Python program with limits: `run(program, stdin="", limits=Limits()) -> Result`.
 
-What protects a run (on Linux; `Result.mode` says which of these the machine allowed):
+What protects a run (on Linux; `Result.mode` names each layer the machine allowed, e.g.
+"cgroup-v1,namespaces,pivot-root,own-uid,seccomp,no-new-privs"; the explorer logs it as `reward/sandbox_mode`):
 - Process: `python -I` (no user site, no PYTHON* variables) started in its own session/process group, with a
   scrubbed environment (nothing of the caller's, so no secrets), a wall-clock timeout enforced here, RLIMIT_CPU,
   RLIMIT_AS (memory), RLIMIT_FSIZE (file size), RLIMIT_NOFILE, RLIMIT_NPROC and no core dumps. The launcher dies
-  with the caller (PR_SET_PDEATHSIG) and the whole process group is SIGKILLed at the end.
+  with the caller (PR_SET_PDEATHSIG), is a child subreaper, and the whole tree is SIGKILLed at the end.
+- Whole tree (rewards/_sandbox_tree.py): `cgroup-v2` or `cgroup-v1` where the machine lets us make cgroups (root
+  on this kind of machine): memory (no swap), processes and one core of CPU for everything the program starts,
+  CPU time summed over the tree; a child OOM-killed in the tree fails the run even if the program goes on.
+  `tree-polled` otherwise: RSS and CPU of the launcher's descendants summed every 50 ms (a short burst can pass).
+- Every run, before the program's first line: every descriptor but 0/1/2 closed (with a judge, also its two
+  pipes to the judge), PR_SET_NO_NEW_PRIVS and a seccomp filter (`seccomp`, x86_64): no sockets of any family,
+  no unshare/setns/clone with CLONE_NEW*, no ptrace or process_vm_*, no mount/umount/pivot_root/chroot or the new
+  mount API, no io_uring, bpf, perf, keyrings, userfaultfd, modules, kexec, reboot, swap, clock setting or file
+  handles; 32-bit and x32 syscalls are refused.
 - `namespaces` (as root) or `user-namespace` (unprivileged, where the kernel allows user namespaces): a network
-  namespace with no interfaces but a downed loopback (no network at all), a PID namespace (the program is PID 1:
-  when it ends the kernel kills everything it started; /proc shows only the sandbox), private IPC and UTS, and a
-  mount namespace where every file system is read-only except a fresh size-limited tmpfs working directory that
-  vanishes with the namespace. Closed homes (e.g. /root, mode 700) are replaced by an empty tmpfs with only the
-  Python installation bound back in.
+  namespace with no interfaces but a downed loopback, a PID namespace (PID 1 is the sandbox's: when it ends the
+  kernel kills everything it started; /proc shows only the sandbox), private IPC and UTS, and a mount namespace
+  with a new root (`pivot-root`): only the base Python installation (standard library; not the virtual
+  environment), /usr, /lib*, /etc/ld.so.cache, five harmless devices, its own /proc and /sandbox, a fresh
+  size-limited tmpfs (also /tmp) that is the working directory and vanishes with the namespace; all else
+  read-only. The project, task files, datasets installed in the venv, other runs' folders and host UNIX
+  sockets are not in it.
 - `own-uid` (as root): the program runs as a uid of its own (never a real user's, no groups), so it cannot read
-  or write root's files, signal other processes, or read other processes' environments, and RLIMIT_NPROC counts
-  exactly this sandbox's processes (the kernel does not enforce RLIMIT_NPROC for root). Afterwards every process
-  of that uid is killed, whatever session it moved to.
-Fallbacks, honestly: in a `user-namespace` run (not root) the program keeps the caller's uid: it can signal the
-caller's other processes and read files the caller can read (/proc shows only the sandbox, though), RLIMIT_NPROC
-is counted per user namespace (Linux >= 5.14; older kernels count all the caller's processes), and the file
-system is still read-only with no network (checked as uid nobody on Linux 6.18). With `no-isolation` (no namespaces allowed at all, e.g. an
-unprivileged container) there is NO network isolation and files the caller may write are writable: only the
-rlimits, the timeout, the scrubbed environment, the process-group kill and (as root) the uid of its own protect.
-Use `isolate="require"` to refuse to run in that case.
+  or write root's files or signal other processes, and RLIMIT_NPROC counts exactly this sandbox's processes.
+  A judge (see `harness` and rewards/code.py) runs as the next uid. In a `user-namespace` run the program is
+  root of its namespace with every capability dropped (securebits NOROOT: none come back on exec).
+Fallbacks, honestly: in a `user-namespace` run (not root) the program and the judge share the caller's uid (the
+judge is non-dumpable, so the program cannot read its memory or descriptors), RLIMIT_NPROC is counted per user
+namespace (Linux >= 5.14), and it has the file system view and no network as above. With `no-isolation` (no
+namespaces allowed at all, e.g. an unprivileged container) the host file system is visible (read-write where
+the caller may write) and only seccomp keeps sockets away: the rlimits, tree limits, timeout, scrubbed
+environment, seccomp and (as root) the uid of its own protect. Use `isolate="require"` to refuse to run then.
 
 Throughput on 2 cores: see bench/rewards_sandbox.py.
 """
