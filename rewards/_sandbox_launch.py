@@ -1,5 +1,6 @@
-"""Sandbox launcher: `python -I _sandbox_launch.py key=value ...`, started by rewards.sandbox.run (stdlib only;
-it imports as little as it can, since its start-up time is paid on every execution).
+"""Sandbox launcher: `python -I -c "<import this module from rewards/>; main()" key=value ...`, started by
+rewards.sandbox.run (stdlib only; imported, not run as a script, so that its compiled form is cached; it
+imports as little as it can, since its start-up time is paid on every execution).
 
 It runs with the caller's privileges but a scrubbed environment, in its own session, and does, before any
 untrusted code runs:
@@ -44,6 +45,7 @@ WORK = "/sandbox"  # the program's working directory inside the new root
 
 libc = ctypes.CDLL(None, use_errno=True)
 MACHINE = os.uname().machine
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def check(ret: int, what: str):
@@ -255,7 +257,7 @@ def run_candidate(cfg, mode, rpc=None, judge_pid=None):
     # Exceptions and SystemExit propagate: the interpreter prints the traceback and sets the exit code as usual.
     exec(program, namespace)  # noqa: S102
     if rpc:
-        cfg["harness"]["serve"](namespace, cfg["entry_point"], *rpc)
+        cfg["harness"].serve(namespace, cfg["entry_point"], *rpc)
 
 
 def run_judge(cfg, mode, harness):
@@ -278,10 +280,10 @@ def run_judge(cfg, mode, harness):
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
     spec_fd, result_fd = cfg["spec_fd"], cfg["result_fd"]
     lock_down(keep=(req_w, resp_r, spec_fd, result_fd))
-    spec = harness["read_spec"](spec_fd)
-    verdict = harness["judge"](spec, req_w, resp_r)
+    spec = harness.read_spec(spec_fd)
+    verdict = harness.judge(spec, req_w, resp_r)
     verdict["nonce"] = spec["nonce"]
-    harness["write_all"](result_fd, harness["json"].dumps(verdict).encode())
+    harness.write_all(result_fd, harness.json.dumps(verdict).encode())
     os.close(result_fd)
     return 0
 
@@ -320,15 +322,6 @@ def parse_args(argv):
     return cfg
 
 
-def load_harness():
-    """rewards/_sandbox_harness.py as a dict (read now: after pivot_root the project is out of sight)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_harness.py")
-    namespace = {"__name__": "_sandbox_harness"}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), namespace)  # noqa: S102 - our own file
-    return namespace
-
-
 def main():
     cfg = parse_args(sys.argv[1:])
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
@@ -342,7 +335,9 @@ def main():
     with open(os.path.join(cfg["workdir"], "main.py")) as f:
         cfg["program"] = f.read()
     if cfg.get("spec_fd") is not None:
-        cfg["harness"] = load_harness()
+        import _sandbox_harness  # now: after pivot_root the project is out of sight
+        cfg["harness"] = _sandbox_harness
+    sys.path.remove(HERE)  # nothing of the project on the program's path
     mode = [cfg.get("tree") or "no-tree-limits"]
     if cfg["isolate"] != "no":  # "yes" or "require"
         try:
@@ -377,6 +372,3 @@ def main():
             break
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,9 @@
 - "cgroup-v2": a cgroup under ours in the unified hierarchy (memory.max with no swap, pids.max, cpu.max of one
   core), where our cgroup delegates the memory, pids and cpu controllers to its children (this path is written
   to the kernel's documented interface but was not exercised on the development machine, a v1/hybrid host);
-- "cgroup-v1": one cgroup per controller (memory + memsw, pids, cpu quota of one core, cpuacct for CPU time),
-  where the v1 hierarchies are writable (root on a v1 or hybrid machine);
+- "cgroup-v1": one cgroup per controller (memory + memsw, pids, cpuacct for CPU time), where the v1 hierarchies
+  are writable (root on a v1 or hybrid machine). No cpu quota: moving a process into each v1 hierarchy costs an
+  RCU grace period (milliseconds on a loaded machine), and CPU time is limited through cpuacct anyway;
 - "tree-polled": neither: the caller polls the summed RSS and CPU time of the launcher's descendants (the
   launcher is a child subreaper, so orphans stay below it) every 50 ms and kills the tree over a limit. A burst
   between two polls can exceed it; RLIMIT_AS and RLIMIT_NPROC still bound each process and the uid.
@@ -63,7 +64,7 @@ def _v2_base() -> str | None:
 def _v1_bases() -> dict[str, str] | None:
     own = _own_paths()
     bases = {}
-    for c in ("memory", "pids", "cpu", "cpuacct"):
+    for c in ("memory", "pids", "cpuacct"):
         base = f"{ROOT}/{c}{own.get(c, '/').rstrip('/')}"
         if c not in own or not os.access(base, os.W_OK):
             return None
@@ -105,13 +106,11 @@ class TreeLimits:
                     d = os.path.join(base, PREFIX + name)
                     os.mkdir(d)
                     dirs.append(d)
-                mem, pids, cpu, _ = dirs
+                mem, pids, _ = dirs
                 _write(f"{mem}/memory.limit_in_bytes", str(memory_mb << 20))
                 if os.path.exists(f"{mem}/memory.memsw.limit_in_bytes"):
                     _write(f"{mem}/memory.memsw.limit_in_bytes", str(memory_mb << 20))
                 _write(f"{pids}/pids.max", str(nproc))
-                _write(f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US))
-                _write(f"{cpu}/cpu.cfs_quota_us", str(CPU_PERIOD_US))
         except OSError:
             for d in dirs:
                 os.rmdir(d)
@@ -126,7 +125,7 @@ class TreeLimits:
         if self.kind == "cgroup-v2":
             stat = dict(line.split() for line in _read(f"{self.dirs[0]}/cpu.stat").splitlines())
             return int(stat["usage_usec"]) / 1e6
-        return int(_read(f"{self.dirs[3]}/cpuacct.usage")) / 1e9
+        return int(_read(f"{self.dirs[2]}/cpuacct.usage")) / 1e9
 
     def _oom_kills(self) -> int:
         path = f"{self.dirs[0]}/memory.events" if self.kind == "cgroup-v2" else f"{self.dirs[0]}/memory.oom_control"

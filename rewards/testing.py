@@ -47,7 +47,7 @@ def sandbox_processes() -> list[int]:
     for pid, (_, uid, cmd, zombie) in table.items():
         if zombie or pid == os.getpid():
             continue
-        if (b"_sandbox_launch.py" in cmd and pid in mine) or (
+        if (b"_sandbox_launch" in cmd and pid in mine) or (
                 uid >= UID_BASE and (uid - UID_BASE) // 64 in creators):
             left.append(pid)
     return left

@@ -68,7 +68,7 @@ def test_cpu_limit_stops_a_busy_program_before_the_wall_clock(clean):
     r = run("while True:\n    pass", limits=Limits(timeout_s=10.0, cpu_s=1))
     assert not r.ok and not r.timed_out  # stopped by a CPU limit (per process or whole tree), not by our timeout
     assert r.reason.startswith("cpu time limit") or r.returncode > 128
-    assert time.time() - start < 5
+    assert time.time() - start < 9  # well before the 10 s wall clock (2 shared cores can be slow)
 
 
 @pytest.mark.timeout(30)
