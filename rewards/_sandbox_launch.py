@@ -262,6 +262,11 @@ def run_candidate(cfg, mode, rpc=None, judge_pid=None):
 
 def run_judge(cfg, mode, harness):
     """PID 1 with a judge: fork the candidate, then judge it from a uid of our own. -> exit code."""
+    for name in filter(None, (cfg.get("warm") or "").split(",")):  # the prompt's imports: once, for both sides
+        try:
+            __import__(name)
+        except ImportError:
+            continue
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     judge_pid = os.getpid()

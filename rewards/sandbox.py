@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import secrets
 import selectors
 import shutil
@@ -60,6 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # every time: ~10 ms per run on 2 busy cores).
 LAUNCH = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {HERE!r}); import _sandbox_launch as l; l.main()"]
 UID_BASE = 1_500_000_000  # sandbox uids: far above any real account, one per run
+IMPORTED = re.compile(r"^(?:from|import)[ \t]+([A-Za-z_]\w*)", re.MULTILINE)  # top-level modules a prompt imports
 SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGKILL: "killed", signal.SIGXFSZ: "file size limit",
                   signal.SIGSEGV: "segmentation fault"}
 
@@ -324,7 +326,8 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
             os.write(ours["spec"], json.dumps(spec).encode())
             os.lseek(ours["spec"], 0, os.SEEK_SET)
             ours["result_r"], ours["result_w"] = os.pipe()
-            cfg.update(spec_fd=ours["spec"], result_fd=ours["result_w"], entry_point=harness["entry_point"])
+            cfg.update(spec_fd=ours["spec"], result_fd=ours["result_w"], entry_point=harness["entry_point"],
+                       warm=",".join(sorted(set(IMPORTED.findall(harness["prompt"])))) or None)
         with open(stdin_path) as stdin_file:
             proc = subprocess.Popen(
                 [*LAUNCH, *(f"{k}={v}" for k, v in cfg.items())], stdin=stdin_file,
