@@ -137,6 +137,9 @@ class Explorer:
             "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
         }
+        modes = sorted({r.info["sandbox"] for r in scores if r.info.get("sandbox")})  # code rewards: isolation in force
+        if modes:
+            metrics["reward/sandbox_mode"] = " | ".join(modes)
         if args.rollout_token_budget:
             metrics.update({
                 "rollout/partial_continued": generated["continued"],  # responses given another segment now

@@ -3,13 +3,37 @@
 Task formats:
 - HumanEval: `prompt` (signature + docstring), `test` (defines `check(candidate)`), `entry_point`. The program is
   prompt + completion when the response continues the function body, or prompt + the response's code when it
-  writes the whole function (the prompt stays in front for its imports and helpers; the later `def` wins). Then
-  the test and `check(<entry_point>)`. One sandbox run: pass_frac is 0 or 1.
+  writes the whole function (the prompt stays in front for its imports and helpers; the later `def` wins). One
+  sandbox run with a judge: pass_frac is 0 or 1.
 - stdin/stdout: `tests: [{"input": str, "output": str}, ...]`; one run per case, outputs compared line by line
   with trailing whitespace ignored. pass_frac = passed / total.
 Score 1 iff every test passes. Optional task fields: `timeout_s` (per run, default 4), `budget_s` (all runs of one
 response, default 8: a run is not started unless it can finish within it, so that the RewardPool timeout
 (default 10 s) is not hit), `memory_mb`.
+
+Why a verdict cannot be forged (the design; an RL policy searches for holes in the verifier and finds them):
+- HumanEval: the program's process holds only its own definitions. The test runs in a separate judge process
+  (rewards/_sandbox_harness.py) that calls the candidate's entry point through a pipe, one call at a time, and
+  gets back each return value as JSON of exact builtin types, decoded strictly (`from_tree`): an object with a
+  lying `__eq__`, a subclass of int or str, anything that is not plain data, cannot reach the test's `==`; the
+  test's comparisons run in the judge on the judge's own objects. The test code, its expected values, the nonce
+  and the verdict pipe exist only in the judge (the spec comes in through a memfd the candidate never holds, read
+  after the candidate is forked). The judge runs under another uid than the program (as root; in a user namespace
+  the program has no capabilities), is non-dumpable (no /proc/<pid>/mem, fd or environ access), is PID 1 of the
+  sandbox (immune to the program's signals) and the seccomp filter forbids ptrace and process_vm_*. The verdict
+  counts only if the judge saw `check` return after at least one call, and carries the run's random nonce; exit
+  status and stdout play no part, so SystemExit(0), atexit/os._exit, exception hooks, threads, os.execv and
+  re-running with -O (asserts off) all fail. Tracing, builtins or sys.modules patches act only on the program's
+  own process.
+- stdin/stdout: the expected output stays in this process and is compared here; the program sees only its
+  input. It must also exit 0 (printing the answer and exiting is the legitimate way).
+- The sandbox's file system holds only the Python installation and the working directory: task files, the
+  project and other runs' files are not there to read.
+What it still cannot stop: a program that special-cases the visible inputs (HumanEval's tests are public and a
+model may have memorised them: hold out your own tests for that); a test that is weak (few cases, loose
+tolerance); a test whose own code catches BaseException around a candidate call; timing side channels; and
+kernel bugs (seccomp and namespaces shrink the attack surface, they do not remove it). stdin tasks additionally
+trust the exit status as "ran to the end", which a program can only game by printing the right answer.
 """
 
 from __future__ import annotations
@@ -37,12 +61,11 @@ def extract_code(response: str) -> str:
 
 
 def humaneval_program(code: str, task: dict) -> str:
+    """The candidate's definitions only (the test goes to the judge, never into the program)."""
     entry = task["entry_point"]
     if re.search(rf"^def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
-        body = task["prompt"] + "\n\n" + code  # a whole function: it replaces the prompt's stub
-    else:
-        body = task["prompt"] + code  # a continuation of the prompt's function body
-    return f"{body}\n\n{task['test']}\n\ncheck({entry})\n"
+        return task["prompt"] + "\n\n" + code + "\n"  # a whole function: it replaces the prompt's stub
+    return task["prompt"] + code + "\n"  # a continuation of the prompt's function body
 
 
 def same_output(got: str, expected: str) -> bool:
@@ -61,9 +84,11 @@ def score(response: str, task: dict):
         return Reward(0.0, {"reason": "no code", "format_ok": False, "pass_frac": 0.0})
     limits = _limits(task)
     if "entry_point" in task:
-        result = run(humaneval_program(code, task), limits=limits)
-        ok = result.ok
-        return Reward(float(ok), {"reason": "passed" if ok else result.reason, "pass_frac": float(ok),
+        result = run(humaneval_program(code, task), limits=limits, harness=task)
+        ok = result.passed
+        reason = "passed" if ok else result.reason if result.verdict is None or result.limit or result.timed_out \
+            else result.verdict["reason"]
+        return Reward(float(ok), {"reason": reason if reason != "ok" else "no verdict", "pass_frac": float(ok),
                                   "format_ok": True, "sandbox": result.mode, "duration_s": result.duration_s})
     tests = task.get("tests")
     if not tests:

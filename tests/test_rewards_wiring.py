@@ -109,6 +109,8 @@ def test_rollout_scores_every_kind_on_its_own_task(tmp_path):
     for key in ("reward/raw_mean", "reward/length_penalty_mean", "reward/format_mean", "reward/failed"):
         assert key in metrics, key
     assert metrics["reward/failed"] == 0
+    from rewards.sandbox import run
+    assert metrics["reward/sandbox_mode"] == run("pass").mode  # the code sandbox's isolation, named in metrics
 
 
 # ---------------------------------------------------------------- end to end

@@ -7,16 +7,18 @@ skipped, with the reason, where `rewards.sandbox` had to fall back (see its docs
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 import pytest
 
 from rewards import RewardPool
-from rewards.sandbox import UID_BASE, WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
+from rewards.sandbox import WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
+from rewards.testing import sandbox_leftovers
 
 MODE = run("pass").mode
-ISOLATED = "read-only-fs" in MODE
+ISOLATED = "pivot-root" in MODE
 needs_isolation = pytest.mark.skipif(not ISOLATED, reason=f"no namespaces here: sandbox fallback mode {MODE!r}")
 # Other processes stay out of reach with a PID namespace (fresh /proc, everything dies with PID 1) or a uid of
 # the sandbox's own; the pure fallback (no namespaces, not root) has neither, as rewards/sandbox.py documents.
@@ -26,51 +28,11 @@ STDIN_TASK = {"id": "sum-1", "reward": "code", "tests": [{"input": "2 3\n", "out
 GOOD = "```python\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```"
 
 
-def _proc_table() -> dict[int, tuple[int, int, bytes, bool]]:
-    """pid -> (parent pid, uid, cmdline, zombie) for every process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b") ", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-            table[int(entry)] = (int(fields[1]), os.stat(f"/proc/{entry}").st_uid, cmd, fields[0] == b"Z")
-        except (OSError, IndexError, ValueError):
-            continue
-    return table
-
-
-def sandbox_processes() -> list[int]:
-    """Pids of anything a sandbox of this test run left running: a launcher below this process, or any process
-    with a sandbox uid made by this process or one of its children (the uid encodes the creating pid, so
-    concurrent test runs on the same machine do not see each other's). Zombies run nothing and are skipped."""
-    table = _proc_table()
-    mine, todo = {os.getpid()}, [os.getpid()]
-    while todo:
-        parent = todo.pop()
-        for pid, (ppid, *_) in table.items():
-            if ppid == parent and pid not in mine:
-                mine.add(pid)
-                todo.append(pid)
-    creators = {pid % (1 << 22) for pid in mine}
-    left = []
-    for pid, (_, uid, cmd, zombie) in table.items():
-        if zombie or pid == os.getpid():
-            continue
-        if (b"_sandbox_launch.py" in cmd and pid in mine) or (
-                uid >= UID_BASE and (uid - UID_BASE) // 64 in creators):
-            left.append(pid)
-    return left
-
-
 @pytest.fixture
 def clean():
     """Every test must leave no sandbox process behind."""
     yield
-    assert sandbox_processes() == []
+    assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +66,9 @@ def test_infinite_loop_is_killed_at_the_time_limit(clean, pool):
 def test_cpu_limit_stops_a_busy_program_before_the_wall_clock(clean):
     start = time.time()
     r = run("while True:\n    pass", limits=Limits(timeout_s=10.0, cpu_s=1))
-    assert not r.ok and not r.timed_out and r.returncode > 128  # killed by a signal, not by our timeout
-    assert time.time() - start < 5
+    assert not r.ok and not r.timed_out  # stopped by a CPU limit (per process or whole tree), not by our timeout
+    assert r.reason.startswith("cpu time limit") or r.returncode > 128
+    assert time.time() - start < 9  # well before the 10 s wall clock (2 shared cores can be slow)
 
 
 @pytest.mark.timeout(30)
@@ -151,10 +114,12 @@ def test_network_is_unreachable(clean, pool):
     probe = (f"import socket\ns = socket.socket()\ns.settimeout(2)\nprint(s.connect_ex(('127.0.0.1', {port})))\n"
              "print(socket.socket().connect_ex(('1.1.1.1', 53)))")
     try:
-        control = run(probe, isolate=False)  # the same probe without namespaces does reach the server
-        assert control.ok and control.stdout.split()[0] == "0"
+        control = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=20)
+        assert control.stdout.split()[0] == "0"  # the same probe outside the sandbox does reach the server
         r = run(probe)
-        assert r.ok and "0" not in r.stdout.split()
+        assert not r.ok and "PermissionError" in r.stderr and "0" not in r.stdout.split()
+        r = run(probe, isolate=False)  # seccomp holds even without the network namespace
+        assert not r.ok and "PermissionError" in r.stderr and "0" not in r.stdout.split()
     finally:
         server.close()
     assert_pool_still_scores(pool)
@@ -162,14 +127,16 @@ def test_network_is_unreachable(clean, pool):
 
 @needs_isolation
 def test_cannot_write_outside_its_folder(clean, tmp_path, pool):
-    targets = [str(tmp_path / "evil"), "/tmp/tandem-evil", os.path.join(os.getcwd(), "evil"),
-               os.path.expanduser("~/tandem-evil")]
+    targets = [str(tmp_path / "evil"), os.path.join(os.getcwd(), "evil"), os.path.expanduser("~/tandem-evil"),
+               "/usr/tandem-evil", "/tandem-evil"]
     probe = f"import sys\nfor p in {targets!r}:\n" + (
         "    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
         "    except OSError as e:\n        print('denied', p, e.errno)")
     r = run(probe)
     assert r.ok and "WROTE" not in r.stdout and r.stdout.count("denied") == len(targets)
     assert not any(os.path.exists(t) for t in targets)
+    r = run("open('/tmp/tandem-evil', 'w').write('x')\nimport os\nprint(os.path.realpath('/tmp'))")
+    assert r.ok and r.stdout.strip() == "/sandbox" and not os.path.exists("/tmp/tandem-evil")  # /tmp is its own
     assert_pool_still_scores(pool)
 
 
