@@ -46,7 +46,8 @@ def mask_truncated(experiences: list[Experience], args) -> tuple[list[Experience
 def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
     """--drop-zero-signal-groups (DAPO's dynamic sampling, without refilling): a group whose rewards are all equal
     has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
-    costs no backward pass). Never for algorithms with a critic: it gives such samples an advantage."""
+    costs no backward pass). Judged on the rewards as scored (a --kl-mode reward penalty comes later, in the
+    advantages). Never for algorithms with a critic: it gives such samples an advantage."""
     from common.losses import ALGOS
 
     if not args.drop_zero_signal_groups or ALGOS[args.algo].critic or not experiences:

@@ -95,9 +95,7 @@ class Trainer:
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         if self.critic is not None:
             out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
-        out.update({
-            "response/tokens_mean": batch.response_mask.sum().item() / n,
-        })
+        out["response/tokens_mean"] = batch.response_mask.sum().item() / n
         return out
 
     def _incoming_metrics(self, experiences: list[Experience]) -> dict:
