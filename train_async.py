@@ -87,7 +87,8 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, announ
     while weights.version < final_version.value:  # join every send still owed, up to the final weights
         explorer.version = weights.pull(batch, args.sync_method)
     if evaluates:
-        queue.put(RolloutBatch(batch, [], explorer.evaluate(batch + 1), ctx.index, final=True), args.timeout_s)
+        queue.put(RolloutBatch(batch, [], explorer.final_evaluation(batch + 1), ctx.index, final=True),
+                  args.timeout_s)
     explorer.close()
 
 

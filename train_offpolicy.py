@@ -51,7 +51,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
             # SYNC: the weights trained on batch step-1; batch step+1 will be one version behind the trainer.
             explorer.version = weights.pull(step, args.sync_method)
     explorer.version = weights.pull(args.steps, args.sync_method)  # the weights trained on the last batch
-    queue.put(RolloutBatch(args.steps, [], explorer.evaluate(args.steps + 1), final=True), args.timeout_s)
+    queue.put(RolloutBatch(args.steps, [], explorer.final_evaluation(args.steps + 1), final=True), args.timeout_s)
     explorer.close()
 
 

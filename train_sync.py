@@ -54,7 +54,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue):
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, {**metrics, **rollout_metrics}), args.timeout_s)
         explorer.version = weights.pull(step, args.sync_method)  # SYNC: no generation until the new weights are here
-    queue.put(RolloutBatch(args.steps, [], explorer.evaluate(args.steps + 1), final=True), args.timeout_s)
+    queue.put(RolloutBatch(args.steps, [], explorer.final_evaluation(args.steps + 1), final=True), args.timeout_s)
     explorer.close()
 
 

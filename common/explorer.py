@@ -150,8 +150,14 @@ class Explorer:
         return experiences, metrics
 
     def eval_due(self, step: int) -> bool:
-        """Before the first step of a run and every --eval-every steps (the last one comes after training)."""
-        return step == self.first_step or bool(self.args.eval_every and (step - 1) % self.args.eval_every == 0)
+        """Before the first step of a run and every --eval-every steps (the last one comes after training); never
+        with --eval-every 0."""
+        every = self.args.eval_every
+        return bool(every) and (step == self.first_step or (step - 1) % every == 0)
+
+    def final_evaluation(self, step: int) -> dict:
+        """The evaluation after the last step ({} with --eval-every 0: no evaluation at all)."""
+        return self.evaluate(step) if self.args.eval_every else {}
 
     def evaluate(self, step: int) -> dict:
         """Greedy accuracy on the held-out tasks (a score of 1 counts as correct)."""

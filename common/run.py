@@ -53,6 +53,7 @@ def finish_run(args, title: str) -> None:
     if rows:
         rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"
-        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; "
-              f"held-out accuracy {summary.get('eval_before')} -> "
-              f"{summary.get('eval_after')}; outputs in {args.out_dir}")
+        held_out = (f"held-out accuracy {summary.get('eval_before')} -> {summary.get('eval_after')}"
+                    if args.eval_every else "no evaluation (--eval-every 0)")
+        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; {held_out}; "
+              f"outputs in {args.out_dir}")

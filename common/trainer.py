@@ -20,6 +20,7 @@ import torch
 from common.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
+from common.lr_schedule import build_lr_scheduler
 from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, gae_advantages, group_advantages,
                            kl_estimate, kl_penalized_rewards, masked_mean, masked_whiten, opmd_loss)
 from common.model import load_model, load_tokenizer, sequence_logprobs
@@ -64,6 +65,7 @@ class Trainer:
         if args.algo == "ppo":
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
         self.version = 0     # version of the weights in self.model (one per optimizer-updating step)
 
@@ -112,13 +114,14 @@ class Trainer:
                     self._minibatch_update(batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
                 if self.critic is not None:
                     self.critic.update(batch, idx, old_values, returns, stats)
+        lr = self._advance_lr()
         self.step += 1
         self.version += 1
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
             self.ref_model.load_state_dict(self.model.state_dict())
             stats["ref_reset"] = [1.0]
         tokens = batch.response_mask.sum().item()
-        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}  # what a step without an update reports
+        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **filtered}  # a step without an update
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         if self.critic is not None:
             mask = batch.response_mask
@@ -137,9 +140,16 @@ class Trainer:
     def skip_step(self) -> dict:
         """A step with nothing to train (partial rollouts: no group has finished yet; every sample filtered out). It
         still counts, as a step and a version, so every schedule keeps one version per trainer step."""
+        lr = self._advance_lr()
         self.step += 1
         self.version += 1
-        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0}
+        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr}
+
+    def _advance_lr(self) -> float:
+        """The learning rate this step used; moves the schedule on to the next trainer step."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step()
+        return lr
 
     def drop_stale(self, experiences: list[Experience], max_staleness: int) -> tuple[list[Experience], int]:
         """Keep samples at most `max_staleness` versions behind the weights about to be updated."""
@@ -217,6 +227,7 @@ class Trainer:
             self.ref_model.save_pretrained(os.path.join(tmp, "reference"))
         torch.save({
             "step": self.step, "version": self.version, "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             **(extra_state or {}),
         }, os.path.join(tmp, "trainer_state.pt"))
@@ -237,6 +248,8 @@ class Trainer:
             self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        if "lr_scheduler" in state:  # checkpoints from before --lr-scheduler have none (they ran at a constant lr)
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
@@ -331,6 +344,8 @@ class TrainerRun:
         self.checkpoint("final")
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)
+        if not self.args.eval_every:
+            self.summary["evaluation"] = "off (--eval-every 0)"
         with open(os.path.join(self.args.out_dir, "summary.json"), "w") as f:
             json.dump(self.summary, f, indent=2)
 
