@@ -26,6 +26,7 @@ from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_lo
 from common.model import load_model, load_tokenizer, sequence_logprobs
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
+from common.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import weights_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -295,7 +296,10 @@ class TrainerRun:
                                        max_staleness=getattr(args, "max_staleness", None),
                                        skip_uniform=args.drop_zero_signal_groups)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
-                                    args.wandb_project) if self.is_main else None
+                                    args.wandb_project, run_name=args.run_name or os.path.basename(
+                                        os.path.normpath(args.out_dir)), entity=args.wandb_entity,
+                                    tags=args.wandb_tags) if self.is_main else None
+        self.samples = SamplesLog(args.out_dir, self.logger.wandb) if self.is_main else None
 
     @property
     def step(self) -> int:
@@ -327,6 +331,8 @@ class TrainerRun:
             self.logger.log({"step": step, **metrics, **batch.metrics, **times, **extra,
                              "time/elapsed": time.time() - self.start_time,
                              "samples": step * self.args.rollout_batch_size})
+        if self.samples and samples_due(step, self.args.log_samples_every):  # what the policy wrote, readable
+            self.samples.log(sample_rows(batch.experiences, self.trainer.tokenizer, step, self.args.log_samples))
         if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
             self.checkpoint()
 
