@@ -14,6 +14,7 @@ import torch
 
 from common.engine import HFEngine, RolloutEngine, SamplingConfig
 from common.experience import Experience
+from common.hub_tasks import DatasetOptions
 from common.metrics import Timeline
 from common.model import chat_prompt_ids, load_model, load_tokenizer
 from common.replay import PartialRollouts
@@ -66,7 +67,9 @@ class Explorer:
         self.engine, self.tokenizer = build_engine(args, device)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index,
-                                                           args.task_sampling, args.curriculum)
+                                                           args.task_sampling, args.curriculum,
+                                                           DatasetOptions.from_args(args), args.dataset_split,
+                                                           args.eval_dataset_split)
         self.in_flight = PartialRollouts(args.rollout_token_budget, args.max_new_tokens)
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   rm_model=args.rm_model, judge_model=args.judge_model)

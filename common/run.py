@@ -9,6 +9,7 @@ import shutil
 import time
 
 from common.config import ConfigError
+from common.hub_tasks import DatasetOptions
 from common.metrics import plot_reward_curve, read_metrics, write_timeline
 from common.model import resolve_model
 from common.tasks import build_tasksets
@@ -23,7 +24,8 @@ def prepare_run(args, schedule: str) -> None:
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
-                                     args.task_sampling, args.curriculum)  # bad rows fail here
+                                     args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
+                                     args.dataset_split, args.eval_dataset_split)  # bad rows fail here
     if not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume and latest_checkpoint(args.out_dir) is None:

@@ -83,7 +83,11 @@ def validate_task(task: dict, where: str) -> dict:
     return task
 
 
-def load_jsonl(path: str) -> list[dict]:
+def load_jsonl(path: str, options=None) -> list[dict]:
+    """A tandem .jsonl file, one task per line; `options` (common/hub_tasks.DatasetOptions) maps other columns."""
+    from common.hub_tasks import DatasetOptions
+
+    options = options or DatasetOptions()
     tasks = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -93,7 +97,7 @@ def load_jsonl(path: str) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
-            task = validate_task(row, f"{path}:{lineno}")
+            task = options.to_task(row, f"{path}:{lineno}")
             task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
             task["id"] = str(task["id"])
             tasks.append(task)
@@ -102,31 +106,18 @@ def load_jsonl(path: str) -> list[dict]:
     return tasks
 
 
-def load_hf_dataset(path: str, split: str = "train") -> list[dict]:
-    """An HF `datasets` folder (save_to_disk) or data file (.parquet/.json/.csv) read offline."""
-    import datasets
+def load_hf_dataset(path: str, split: str = "train", options=None) -> list[dict]:
+    """An HF dataset: a folder (save_to_disk or data files), a data file, or a Hub id (common/hub_tasks.py)."""
+    from common.hub_tasks import load_dataset_tasks
 
-    if os.path.isdir(path):
-        ds = datasets.load_from_disk(path)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[split] if split in ds else ds[next(iter(ds))]
-    else:
-        kind = {"parquet": "parquet", "json": "json", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
-        if kind is None:
-            raise SystemExit(f"error: {path}: unknown dataset format (use .jsonl, .parquet, .json, .csv or a folder)")
-        ds = datasets.load_dataset(kind, data_files=path, split="train")
-    tasks = []
-    for i, row in enumerate(ds):
-        task = validate_task(dict(row), f"{path}: row {i}")
-        task["id"] = str(task.get("id", f"{os.path.basename(path)}:{i}"))
-        tasks.append(task)
-    return tasks
+    return load_dataset_tasks(path, split, options)
 
 
-def load_tasks(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        raise SystemExit(f"error: --taskset {path}: no such file or folder")
-    return load_jsonl(path) if path.endswith(".jsonl") else load_hf_dataset(path)
+def load_tasks(path: str, options=None, split: str = "train") -> list[dict]:
+    """A .jsonl file (errors name file:line) or any HF dataset source, rows mapped by `options`."""
+    if path.endswith(".jsonl") and os.path.isfile(path):
+        return load_jsonl(path, options)
+    return load_hf_dataset(path, split, options)
 
 
 class TaskStream:
@@ -205,12 +196,14 @@ class TaskStream:
 
 
 def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int,
-                   sampling: str = "uniform", curriculum: bool = False):
-    """(training TaskStream, held-out list) from the config fields of the same names."""
+                   sampling: str = "uniform", curriculum: bool = False, options=None, split: str = "train",
+                   eval_split: str = "test"):
+    """(training TaskStream, held-out list) from the config fields of the same names; `options`
+    (common/hub_tasks.DatasetOptions) maps dataset columns, `split` / `eval_split` pick the datasets' splits."""
     if taskset == "arith":
         train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
     else:
-        tasks = load_tasks(taskset)
+        tasks = load_tasks(taskset, options, split)
         if eval_taskset is None:  # hold out a seeded sample of the file itself
             if len(tasks) <= eval_size:
                 raise SystemExit(f"error: --taskset {taskset}: {len(tasks)} tasks, too few to hold out "
@@ -225,5 +218,5 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                     raise SystemExit(f"error: --curriculum: task {t['id']} in {taskset} has no numeric 'difficulty'")
         train = TaskStream(tasks=tasks, seed=seed, sampling=sampling, curriculum=curriculum)
     if eval_taskset is not None:
-        held_out = load_tasks(eval_taskset)[:eval_size]
+        held_out = load_tasks(eval_taskset, options, eval_split)[:eval_size]
     return train, held_out
