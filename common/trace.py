@@ -4,8 +4,8 @@ chrome://tracing to zoom into every phase of every process.
 Format: the JSON object form of the Trace Event Format, {"traceEvents": [...], "displayTimeUnit": "ms"}. Each
 process of the timeline (explorers, the buffer, trainers, top to bottom as in timeline.png) is a trace process;
 each phase a complete event ("ph": "X", microseconds since the run's first event) whose args keep the event's
-fields (step, version, hashes ...). Phases that run in the background (sync-in-flight, reward-in-flight) get a
-thread of their own, and so does each explorer's share of the buffer, so no thread holds overlapping events.
+fields (step, version, hashes ...). Phases that run in the background (sync-in-flight, reward-in-flight) and
+batches waiting in the buffer get threads of their own, as many as overlap, so no thread holds overlapping events.
 """
 
 from __future__ import annotations
@@ -27,31 +27,41 @@ def lane_label(process: str) -> str:
     return process.replace("explorer", "Explorer ").replace("trainer", "Trainer ").title()
 
 
+def _thread_group(event: dict) -> tuple[int, str]:
+    """(first thread id, thread name) of an event's kind: phases, background phases, queued batches."""
+    if event["phase"] == "buffer":
+        return 200, "queued batch"
+    if event["phase"] in BACKGROUND:
+        return 100, "in flight"
+    return 0, "phases"
+
+
 def chrome_trace(events: list[dict]) -> dict:
-    """Timeline events ({process, phase, start, end, ...} in seconds) -> a trace-event JSON object."""
+    """Timeline events ({process, phase, start, end, ...} in seconds) -> a trace-event JSON object. Within a
+    process, each kind of event takes the first thread of its group that is free at its start, so no thread holds
+    two overlapping events (the trace viewers draw one stack per thread)."""
     if not events:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     t0 = min(e["start"] for e in events)
     lanes = lane_order(events)
-    trace, threads = [], set()
+    trace, threads, busy_until = [], {}, {}
     for pid, process in enumerate(lanes):
         trace.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": lane_label(process)}})
         trace.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-    for e in events:
+    for e in sorted(events, key=lambda e: (e["start"], e["end"])):
         pid = lanes.index(e["process"])
-        if e["phase"] == "buffer":  # one thread per explorer: batches of one explorer never overlap in the queue
-            tid, thread = 1 + int(str(e["batch"]).split("-")[0]), f"from Explorer {str(e['batch']).split('-')[0]}"
-        elif e["phase"] in BACKGROUND:
-            tid, thread = 1, "in flight"
-        else:
-            tid, thread = 0, "phases"
-        threads.add((pid, tid, thread))
+        ts, dur = round((e["start"] - t0) * 1e6), round(max(e["end"] - e["start"], 0.0) * 1e6)
+        tid, name = _thread_group(e)
+        while busy_until.get((pid, tid), -1) > ts:  # taken: the next thread of the group
+            tid += 1
+        busy_until[(pid, tid)] = ts + dur
+        threads[(pid, tid)] = name if tid % 100 == 0 else f"{name} {tid % 100 + 1}"
         args = {k: v for k, v in e.items() if k not in ("process", "phase", "start", "end")}
-        trace.append({"name": e["phase"], "cat": e["phase"], "ph": "X", "pid": pid, "tid": tid,
-                      "ts": round((e["start"] - t0) * 1e6, 1), "dur": round(max(e["end"] - e["start"], 0) * 1e6, 1),
+        trace.append({"name": e["phase"], "cat": e["phase"], "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur,
                       "args": args})
-    for pid, tid, thread in sorted(threads):
-        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}})
+    for (pid, tid), name in sorted(threads.items()):
+        trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+        trace.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
