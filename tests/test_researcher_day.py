@@ -211,8 +211,7 @@ def test_trains_from_a_hub_id_offline_with_a_column_map(tmp_path):
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2] and any(r["grad_norm"] > 0 for r in rows)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert all("pens" in s["prompt"] and s["prompt"].rstrip().endswith("Put the answer in \\boxed{}.")
-               for s in samples)
+    assert samples and all("pens now? Put the answer in \\boxed{}." in s["prompt"] for s in samples)
     assert all(s["task_id"].startswith("gsm-like:train:") for s in samples)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_before"] is not None and summary["eval_after"] is not None  # the test split, 4 tasks
