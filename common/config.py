@@ -326,9 +326,8 @@ class CommonArgs:
     def _validate_day(self) -> None:
         if self.lr_scheduler not in ("constant", "linear", "cosine"):
             raise ConfigError(f"--lr-scheduler must be constant, linear or cosine (got {self.lr_scheduler!r})")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ConfigError(f"--warmup-steps must be in 0..--steps - 1 (got {self.warmup_steps} with --steps "
-                              f"{self.steps})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         for name in ("log_samples_every", "log_samples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")

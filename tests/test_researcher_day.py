@@ -31,7 +31,7 @@ def test_coupled_flags_resolve_themselves():
 @pytest.mark.parametrize("argv, fix", [
     (["--tasks-per-step", "2", "--minibatch-size", "16"], "pass --minibatch-size 8 or less"),
     (["--minibatch-size", "4", "--micro-batch-size", "8"], "pass --micro-batch-size 4 or less"),
-    (["--warmup-steps", "5", "--steps", "5"], "--warmup-steps"),
+    (["--warmup-steps", "-1"], "--warmup-steps"),
     (["--lr-scheduler", "step"], "--lr-scheduler"),
     (["--answer-regex", "####"], "needs a group"),
 ])
