@@ -207,7 +207,8 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
         if eval_taskset is None:  # hold out a seeded sample of the file itself
             if len(tasks) <= eval_size:
                 raise SystemExit(f"error: --taskset {taskset}: {len(tasks)} tasks, too few to hold out "
-                                 f"--eval-size {eval_size}; pass --eval-taskset")
+                                 f"--eval-size {eval_size}; pass --eval-size {max(1, len(tasks) // 5)} or "
+                                 f"--eval-taskset")
             order = list(range(len(tasks)))
             random.Random(seed).shuffle(order)
             held_out = [tasks[i] for i in order[:eval_size]]
