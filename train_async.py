@@ -89,7 +89,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
     while weights.version < final_version.value:  # join every send still owed, up to the final weights
         explorer.version = weights.pull(batch, args.sync_method)
     if evaluates:
-        control.send("final", explorer.evaluate(batch + 1), ctx.index)
+        control.send("final", explorer.final_evaluation(batch + 1), ctx.index)
     explorer.close()
 
 

@@ -53,7 +53,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             # SYNC: the weights trained on batch step-1; batch step+1 will be one version behind the trainer.
             explorer.version = weights.pull(step, args.sync_method)
     explorer.version = weights.pull(args.steps, args.sync_method)  # the weights trained on the last batch
-    control.send("final", explorer.evaluate(args.steps + 1))
+    control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 
 

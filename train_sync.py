@@ -54,7 +54,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
         explorer.version = weights.pull(step, args.sync_method)  # SYNC: no generation until the new weights are here
-    control.send("final", explorer.evaluate(args.steps + 1))
+    control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 
 

@@ -76,7 +76,7 @@ class CommonArgs:
     eval_size: int = 48
     """Number of held-out tasks per evaluation."""
     eval_every: int = 10
-    """Evaluate (greedy) every N steps, plus before the first and after the last step (0: only those two)."""
+    """Evaluate (greedy) every N steps, plus before the first and after the last step (0: no evaluation at all)."""
 
     # --- rollout ---------------------------------------------------------------------------------------------
     tasks_per_step: int = 8
@@ -132,10 +132,11 @@ class CommonArgs:
     """AdamW weight decay."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    minibatch_size: int = 32
-    """Sequences per optimizer step (a rollout batch may give several)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward (gradient accumulation inside a minibatch)."""
+    minibatch_size: int | None = None
+    """Sequences per optimizer step (a rollout batch may give several; default: the whole rollout batch,
+    --tasks-per-step x --samples-per-task)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward (gradient accumulation inside a minibatch; default: 8, at most the minibatch)."""
     clip_eps: float = 0.2
     """PPO ratio clip range."""
     kl_coef: float = 0.0
@@ -215,6 +216,42 @@ class CommonArgs:
     """Easy to hard (Kimi k1.5): difficulty levels open one by one over the run (see common/tasks.TaskStream);
     arith: levels 1..--difficulty; files: each task's 'difficulty' field."""
 
+    # --- the researcher's day: LR schedule, logged completions, W&B run, Hub datasets (README "Running") ---------
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule over --steps trainer steps: constant, linear (to 0 at the last step) or cosine (to 0),
+    each after --warmup-steps of linear warm-up from 0 (transformers.get_scheduler; saved in checkpoints)."""
+    warmup_steps: int = 0
+    """Trainer steps of linear learning-rate warm-up from 0 to --lr (0: none)."""
+    log_samples_every: int = 5
+    """Write --log-samples (prompt, response, reward, version) rows to samples.jsonl (and a W&B table with --track)
+    at step 1 and every N trainer steps after it (0: never)."""
+    log_samples: int = 4
+    """Rows per --log-samples-every: the first samples of the step's batch (one task's group when it is that big)."""
+    run_name: str | None = None
+    """W&B run name with --track (default: the --out-dir folder's name)."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team) with --track (default: your W&B default entity)."""
+    wandb_tags: tuple[str, ...] = ()
+    """W&B tags with --track, e.g. --wandb-tags grpo smollm2."""
+    dataset_config: str | None = None
+    """Hub dataset configuration name for --taskset/--eval-taskset given as a Hub id (e.g. main for openai/gsm8k)."""
+    dataset_split: str = "train"
+    """Split of a Hub / local HF dataset used by --taskset."""
+    eval_dataset_split: str = "test"
+    """Split of a Hub / local HF dataset used by --eval-taskset."""
+    prompt_column: str = "prompt"
+    """Dataset column that holds the prompt (e.g. question for openai/gsm8k); tasks keep it as 'prompt'."""
+    answer_column: str = "answer"
+    """Dataset column that holds the reference answer; tasks keep it as 'answer'."""
+    answer_regex: str | None = None
+    """Regular expression whose first group extracts the answer from the answer column (e.g. '####\\s*(.+)' for
+    GSM8K's worked solutions); a row where it does not match is an error naming the row."""
+    prompt_template: str = "{prompt}"
+    """Each dataset prompt with {prompt} replaced by the prompt column, e.g. '{prompt} Put the final answer in
+    \\boxed{}.' (rows that already are tandem tasks are used as they are)."""
+    default_reward: str = "math"
+    """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
+
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
     def explorer_device_list(self) -> list[str]:
@@ -229,7 +266,9 @@ class CommonArgs:
         return self.tasks_per_step * self.samples_per_task
 
     def validate(self) -> None:
-        """Impossible combinations, each a one-line error naming the field."""
+        """Impossible combinations, each a one-line error naming the field (and the fix); coupled fields with one
+        obvious value are filled in first (resolve_coupled)."""
+        self.resolve_coupled()
         positive = ["steps", "tasks_per_step", "samples_per_task", "max_new_tokens", "ppo_epochs", "minibatch_size",
                     "micro_batch_size", "eval_size", "sync_bucket_mb"]
         if self.samples_per_task < 2 and self.algo != "ppo":
@@ -266,13 +305,43 @@ class CommonArgs:
             if self.vllm_kv_cache_gb <= 0:
                 raise ConfigError(f"--vllm-kv-cache-gb must be > 0 (got {self.vllm_kv_cache_gb})")
         if self.micro_batch_size > self.minibatch_size:
-            raise ConfigError(f"--micro-batch-size ({self.micro_batch_size}) > --minibatch-size ({self.minibatch_size})")
+            raise ConfigError(f"--micro-batch-size ({self.micro_batch_size}) > --minibatch-size ({self.minibatch_size}): "
+                              f"pass --micro-batch-size {self.minibatch_size} or less")
         if self.minibatch_size > self.rollout_batch_size:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
-                              f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size})")
+                              f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size}): pass "
+                              f"--minibatch-size {self.rollout_batch_size} or less, or leave it out (= the rollout batch)")
         self._validate_kimi()
         self._validate_plugins()
+        self._validate_day()
         check_placement(self.explorer_device_list, self.trainer_device_list)
+
+    def resolve_coupled(self) -> None:
+        """Fields whose value follows from others when not given: the minibatch is the rollout batch, a micro-batch
+        is 8 sequences or the whole minibatch if that is smaller."""
+        if self.minibatch_size is None:
+            self.minibatch_size = self.rollout_batch_size
+        if self.micro_batch_size is None:
+            self.micro_batch_size = min(8, self.minibatch_size)
+
+    def _validate_day(self) -> None:
+        if self.lr_scheduler not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"--lr-scheduler must be constant, linear or cosine (got {self.lr_scheduler!r})")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
+        for name in ("log_samples_every", "log_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.answer_regex is not None:
+            import re
+
+            try:
+                if re.compile(self.answer_regex).groups < 1:
+                    raise ConfigError(f"--answer-regex {self.answer_regex!r} needs a group: (...) marks the answer")
+            except re.error as e:
+                raise ConfigError(f"--answer-regex {self.answer_regex!r}: not a valid regular expression ({e})") from None
+        if "{prompt}" not in self.prompt_template:
+            raise ConfigError(f"--prompt-template {self.prompt_template!r} must contain {{prompt}}")
 
     def _validate_kimi(self) -> None:
         if not 0 <= self.rollout_token_budget < self.max_new_tokens:

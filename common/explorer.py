@@ -14,6 +14,7 @@ import torch
 
 from common.engine import HFEngine, RolloutEngine, SamplingConfig
 from common.experience import Experience
+from common.hub_tasks import DatasetOptions
 from common.metrics import Timeline
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer
 from common.replay import PartialRollouts
@@ -66,7 +67,8 @@ class Explorer:
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index,
                                                            args.task_sampling, args.curriculum,
-                                                           check_reward=not args.reward_fn)
+                                                           DatasetOptions.from_args(args), args.dataset_split,
+                                                           args.eval_dataset_split)
         self.in_flight = PartialRollouts(args.rollout_token_budget, args.max_new_tokens)
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
@@ -154,8 +156,14 @@ class Explorer:
         return experiences, metrics
 
     def eval_due(self, step: int) -> bool:
-        """Before the first step of a run and every --eval-every steps (the last one comes after training)."""
-        return step == self.first_step or bool(self.args.eval_every and (step - 1) % self.args.eval_every == 0)
+        """Before the first step of a run and every --eval-every steps (the last one comes after training); never
+        with --eval-every 0."""
+        every = self.args.eval_every
+        return bool(every) and (step == self.first_step or (step - 1) % every == 0)
+
+    def final_evaluation(self, step: int) -> dict:
+        """The evaluation after the last step ({} with --eval-every 0: no evaluation at all)."""
+        return self.evaluate(step) if self.args.eval_every else {}
 
     def evaluate(self, step: int) -> dict:
         """Greedy accuracy on the held-out tasks (a score of 1 counts as correct)."""

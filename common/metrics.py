@@ -13,6 +13,8 @@ import os
 import time
 from contextlib import contextmanager
 
+from common.trace import write_chrome_trace
+
 PHASE_COLORS = {
     "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",
     "sync-checkpoint": "#E377C2", "sync-in-flight": "#F2A0A0", "wait": "#D0D0D0", "checkpoint": "#937860", "buffer": "#CCB974",
@@ -69,6 +71,7 @@ def write_timeline(out_dir: str, title: str = "") -> list[dict]:
     events = events + buffer_spans(events)
     with open(os.path.join(out_dir, "timeline.json"), "w") as f:
         json.dump(events, f)
+    write_chrome_trace(out_dir, events)  # timeline.trace.json: Perfetto / chrome://tracing
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,7 +119,8 @@ class MetricsLogger:
     """metrics.jsonl rows (one per trainer step), optional W&B, and a tqdm bar with step, reward and ETA."""
 
     def __init__(self, out_dir: str, config: dict, total_steps: int, start_step: int = 0, track: bool = False,
-                 project: str = "tandem", show_progress: bool = True):
+                 project: str = "tandem", show_progress: bool = True, run_name: str | None = None,
+                 entity: str | None = None, tags: tuple[str, ...] = ()):
         from tqdm import tqdm
 
         self.path = os.path.join(out_dir, "metrics.jsonl")
@@ -126,7 +130,8 @@ class MetricsLogger:
 
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self.wandb = wandb.init(project=project, config=config, dir=out_dir, mode=mode,
-                                    resume="allow" if start_step else None)
+                                    resume="allow" if start_step else None, name=run_name, entity=entity,
+                                    tags=list(tags) or None)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not show_progress,
                         dynamic_ncols=True)
 
@@ -155,31 +160,43 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_reward_curve(out_dir: str, path: str | None = None):
-    """reward.png: training reward per step and held-out accuracy, against wall-clock minutes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def reward_curve_points(out_dir: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(train reward per trainer step, held-out accuracy per evaluation) with x = trainer steps done. An evaluation
+    sits at the step count of the weights it measured (eval/version): the one before training at 0, the final one
+    at the last step."""
     rows = read_metrics(out_dir)
-    if not rows:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    trained = [r for r in rows if "reward/mean" in r]  # partial rollouts: the first steps may have nothing to train
-    ax.plot([r["time/elapsed"] / 60 for r in trained], [r["reward/mean"] for r in trained], label="train reward (mean)",
-            alpha=0.6)
-    evals = [(r["time/elapsed"] / 60, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]  # partial rollouts: early may be none
+    evals = [(r.get("eval/version", r["step"] - 1), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     summary_path = os.path.join(out_dir, "summary.json")
     if os.path.exists(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
         if summary.get("eval_after") is not None:
-            evals.append((summary["elapsed"] / 60, summary["eval_after"]))
+            evals.append((summary["steps"], summary["eval_after"]))
+    return train, sorted(set(evals))
+
+
+def plot_reward_curve(out_dir: str, path: str | None = None, title: str | None = None):
+    """reward.png: training reward per trainer step and held-out accuracy at the step it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = reward_curve_points(out_dir)
+    if not train and not evals:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), ".-", label="train reward (batch mean)", alpha=0.6)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out accuracy")
-    ax.set_xlabel("wall-clock minutes")
-    ax.set_ylim(-0.02, 1.02)
+        ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title(title or f"{os.path.basename(os.path.normpath(out_dir))}: reward and held-out accuracy")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    values = [v for _, v in train + evals]
+    ax.set_ylim(min(0.0, *values) - 0.02, max(1.0, *values) + 0.02)  # shaped rewards may leave [0, 1]
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

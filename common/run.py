@@ -9,6 +9,7 @@ import shutil
 import time
 
 from common.config import ConfigError
+from common.hub_tasks import DatasetOptions
 from common.metrics import plot_reward_curve, read_metrics, write_timeline
 from common.model import resolve_model
 from common.tasks import build_tasksets
@@ -23,8 +24,8 @@ def prepare_run(args, schedule: str) -> None:
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
-                                     args.task_sampling, args.curriculum,
-                                     check_reward=not args.reward_fn)  # bad rows fail here
+                                     args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
+                                     args.dataset_split, args.eval_dataset_split)  # bad rows fail here
     if not args.reward_fn and not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume and latest_checkpoint(args.out_dir) is None:
@@ -47,13 +48,14 @@ def threads_per_worker(args, num_workers: int) -> int:
 def finish_run(args, title: str) -> None:
     """timeline.json/png and reward.png from what the workers wrote; a one-paragraph summary on stdout."""
     write_timeline(args.out_dir, title=title)
-    plot_reward_curve(args.out_dir)
+    plot_reward_curve(args.out_dir, title=f"{title} ({os.path.basename(os.path.normpath(args.out_dir))})")
     rows = read_metrics(args.out_dir)
     summary_path = os.path.join(args.out_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     if rows:
         rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"
-        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; "
-              f"held-out accuracy {summary.get('eval_before')} -> "
-              f"{summary.get('eval_after')}; outputs in {args.out_dir}")
+        held_out = (f"held-out accuracy {summary.get('eval_before')} -> {summary.get('eval_after')}"
+                    if args.eval_every else "no evaluation (--eval-every 0)")
+        print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; {held_out}; "
+              f"outputs in {args.out_dir}")

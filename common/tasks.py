@@ -99,7 +99,11 @@ def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     return task
 
 
-def load_jsonl(path: str, check_reward: bool = True) -> list[dict]:
+def load_jsonl(path: str, options=None) -> list[dict]:
+    """A tandem .jsonl file, one task per line; `options` (common/hub_tasks.DatasetOptions) maps other columns."""
+    from common.hub_tasks import DatasetOptions
+
+    options = options or DatasetOptions()
     tasks = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -109,7 +113,7 @@ def load_jsonl(path: str, check_reward: bool = True) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
-            task = validate_task(row, f"{path}:{lineno}", check_reward)
+            task = options.to_task(row, f"{path}:{lineno}")
             task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
             task["id"] = str(task["id"])
             tasks.append(task)
@@ -118,31 +122,18 @@ def load_jsonl(path: str, check_reward: bool = True) -> list[dict]:
     return tasks
 
 
-def load_hf_dataset(path: str, split: str = "train", check_reward: bool = True) -> list[dict]:
-    """An HF `datasets` folder (save_to_disk) or data file (.parquet/.json/.csv) read offline."""
-    import datasets
+def load_hf_dataset(path: str, split: str = "train", options=None) -> list[dict]:
+    """An HF dataset: a folder (save_to_disk or data files), a data file, or a Hub id (common/hub_tasks.py)."""
+    from common.hub_tasks import load_dataset_tasks
 
-    if os.path.isdir(path):
-        ds = datasets.load_from_disk(path)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[split] if split in ds else ds[next(iter(ds))]
-    else:
-        kind = {"parquet": "parquet", "json": "json", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
-        if kind is None:
-            raise SystemExit(f"error: {path}: unknown dataset format (use .jsonl, .parquet, .json, .csv or a folder)")
-        ds = datasets.load_dataset(kind, data_files=path, split="train")
-    tasks = []
-    for i, row in enumerate(ds):
-        task = validate_task(dict(row), f"{path}: row {i}", check_reward)
-        task["id"] = str(task.get("id", f"{os.path.basename(path)}:{i}"))
-        tasks.append(task)
-    return tasks
+    return load_dataset_tasks(path, split, options)
 
 
-def load_tasks(path: str, check_reward: bool = True) -> list[dict]:
-    if not os.path.exists(path):
-        raise SystemExit(f"error: --taskset {path}: no such file or folder")
-    return load_jsonl(path, check_reward) if path.endswith(".jsonl") else load_hf_dataset(path, "train", check_reward)
+def load_tasks(path: str, options=None, split: str = "train") -> list[dict]:
+    """A .jsonl file (errors name file:line) or any HF dataset source, rows mapped by `options`."""
+    if path.endswith(".jsonl") and os.path.isfile(path):
+        return load_jsonl(path, options)
+    return load_hf_dataset(path, split, options)
 
 
 class TaskStream:
@@ -221,19 +212,21 @@ class TaskStream:
 
 
 def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int,
-                   sampling: str = "uniform", curriculum: bool = False, check_reward: bool = True):
-    """(training TaskStream, held-out list) from the config fields of the same names (`check_reward` False: with
-    --reward-fn, whose function scores every task, a task's verifier fields are not checked)."""
+                   sampling: str = "uniform", curriculum: bool = False, options=None, split: str = "train",
+                   eval_split: str = "test"):
+    """(training TaskStream, held-out list) from the config fields of the same names; `options`
+    (common/hub_tasks.DatasetOptions) maps dataset columns, `split` / `eval_split` pick the datasets' splits."""
     if taskset == "arith":
         train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
     elif taskset == "parity":
         train, held_out = parity_split(seed, difficulty, eval_size, curriculum)
     else:
-        tasks = load_tasks(taskset, check_reward)
+        tasks = load_tasks(taskset, options, split)
         if eval_taskset is None:  # hold out a seeded sample of the file itself
             if len(tasks) <= eval_size:
                 raise SystemExit(f"error: --taskset {taskset}: {len(tasks)} tasks, too few to hold out "
-                                 f"--eval-size {eval_size}; pass --eval-taskset")
+                                 f"--eval-size {eval_size}; pass --eval-size {max(1, len(tasks) // 5)} or "
+                                 f"--eval-taskset")
             order = list(range(len(tasks)))
             random.Random(seed).shuffle(order)
             held_out = [tasks[i] for i in order[:eval_size]]
@@ -244,5 +237,5 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                     raise SystemExit(f"error: --curriculum: task {t['id']} in {taskset} has no numeric 'difficulty'")
         train = TaskStream(tasks=tasks, seed=seed, sampling=sampling, curriculum=curriculum)
     if eval_taskset is not None:
-        held_out = load_tasks(eval_taskset, check_reward)[:eval_size]
+        held_out = load_tasks(eval_taskset, options, eval_split)[:eval_size]
     return train, held_out

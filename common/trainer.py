@@ -23,8 +23,10 @@ from common.metrics import MetricsLogger, Timeline
 from common.losses import ALGOS, MicroBatch, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
 from common.processors import build_processors, process
+from common.lr_schedule import build_lr_scheduler
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
+from common.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import weights_hash
 
 class Trainer:
@@ -46,6 +48,7 @@ class Trainer:
         if self.algo.critic:
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
         self.version = 0     # version of the weights in self.model (one per optimizer-updating step)
 
@@ -86,12 +89,13 @@ class Trainer:
                     self._minibatch_update(batch, adv.advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
                 if self.critic is not None:
                     self.critic.update(batch, idx, adv.values, adv.returns, stats)
+        lr = self._advance_lr()
         self.step += 1
         self.version += 1
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
             self.ref_model.load_state_dict(self.model.state_dict())
             stats["ref_reset"] = [1.0]
-        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}  # what a step without an update reports
+        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **filtered}  # a step without an update
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         if self.critic is not None:
             out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
@@ -110,9 +114,16 @@ class Trainer:
     def skip_step(self) -> dict:
         """A step with nothing to train (partial rollouts: no group has finished yet; every sample filtered out). It
         still counts, as a step and a version, so every schedule keeps one version per trainer step."""
+        lr = self._advance_lr()
         self.step += 1
         self.version += 1
-        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0}
+        return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr}
+
+    def _advance_lr(self) -> float:
+        """The learning rate this step used; moves the schedule on to the next trainer step."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step()
+        return lr
 
     def drop_stale(self, experiences: list[Experience], max_staleness: int) -> tuple[list[Experience], int]:
         """Keep samples at most `max_staleness` versions behind the weights about to be updated."""
@@ -187,6 +198,7 @@ class Trainer:
             self.ref_model.save_pretrained(os.path.join(tmp, "reference"))
         torch.save({
             "step": self.step, "version": self.version, "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             **(extra_state or {}),
         }, os.path.join(tmp, "trainer_state.pt"))
@@ -207,6 +219,8 @@ class Trainer:
             self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        if "lr_scheduler" in state:  # checkpoints from before --lr-scheduler have none (they ran at a constant lr)
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
@@ -263,7 +277,10 @@ class TrainerRun:
                                        max_staleness=getattr(args, "max_staleness", None),
                                        skip_uniform=args.drop_zero_signal_groups)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
-                                    args.wandb_project) if self.is_main else None
+                                    args.wandb_project, run_name=args.run_name or os.path.basename(
+                                        os.path.normpath(args.out_dir)), entity=args.wandb_entity,
+                                    tags=args.wandb_tags) if self.is_main else None
+        self.samples = SamplesLog(args.out_dir, self.logger.wandb) if self.is_main else None
 
     @property
     def step(self) -> int:
@@ -295,6 +312,8 @@ class TrainerRun:
             self.logger.log({"step": step, **metrics, **batch.metrics, **evals, **times, **extra,
                              "time/elapsed": time.time() - self.start_time,
                              "samples": step * self.args.rollout_batch_size})
+        if self.samples and samples_due(step, self.args.log_samples_every):  # what the policy wrote, readable
+            self.samples.log(sample_rows(batch.experiences, self.trainer.tokenizer, step, self.args.log_samples))
         if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
             self.checkpoint()
 
@@ -323,6 +342,8 @@ class TrainerRun:
         self.checkpoint("final")
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)
+        if not self.args.eval_every:
+            self.summary["evaluation"] = "off (--eval-every 0)"
         with open(os.path.join(self.args.out_dir, "summary.json"), "w") as f:
             json.dump(self.summary, f, indent=2)
 

@@ -1,0 +1,143 @@
+"""Every command of the README's "Running" block, run as written in a fresh copy of the repository.
+
+The copy holds what a clone holds (git's tracked and unignored files: no runs/, no caches); its `.venv` is the
+environment running this test, and each command runs through bash after the block's own activation line. To keep
+it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags it does
+not set itself; everything else stays as the README writes it. `--engine vllm` commands are skipped (and said so)
+where vLLM cannot be imported.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORCED = {"--model": "tiny"}  # always replaced (appended last: the last occurrence of a flag wins)
+SMALL = {"--tasks-per-step": "2", "--samples-per-task": "2", "--max-new-tokens": "20", "--eval-size": "2",
+         "--eval-every": "0", "--lr": "1e-3", "--timeout-s": "300"}  # added when the command does not set them
+ENTRY = ("python", "torchrun")
+
+
+def running_block(readme: str) -> list[str]:
+    """The logical lines (continuations joined) of the first ```bash block under '## Running'."""
+    section = readme.split("\n## Running\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line for line in block.replace("\\\n", " ").splitlines() if shlex.split(line, comments=True)]
+
+
+def readme_commands() -> tuple[list[str], list[list[str]]]:
+    """(activation line's words, each command's words) of the Running block."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = [shlex.split(line, comments=True) for line in running_block(f.read())]
+    activate = [words for words in lines if words[0] == "source"]
+    commands = [words for words in lines if words[0] != "source"]
+    assert len(activate) == 1, "the Running block starts by activating the venv"
+    unknown = [shlex.join(c) for c in commands if c[0] not in ENTRY]
+    assert not unknown, f"Running block commands this test does not know how to run: {unknown}"
+    return activate[0], commands
+
+
+def flag_value(words: list[str], flag: str) -> str | None:
+    return words[words.index(flag) + 1] if flag in words else None
+
+
+def small_run(words: list[str], index: int) -> tuple[list[str], str | None, int]:
+    """(the command with the test's flags, its out_dir, its steps); --help runs as written."""
+    if "--help" in words:
+        return words, None, 0
+    steps = 2 if "--resume" in words else 1
+    extra = [w for flag, value in SMALL.items() if flag not in words for w in (flag, value)]
+    out_dir = flag_value(words, "--out-dir")
+    if out_dir is None:  # parallel runs of one schedule would pick the same runs/<schedule>-<second>/
+        out_dir = f"runs/readme-{index}"
+        extra += ["--out-dir", out_dir]
+    forced = [w for flag, value in FORCED.items() for w in (flag, value)] + ["--steps", str(steps)]
+    return words + extra + forced, out_dir, steps
+
+
+def fresh_copy(dest: str) -> None:
+    """What `git clone` would give (tracked and unignored files of this tree), with .venv -> this environment."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                           check=True, timeout=60).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, rel)):
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
+    if sys.prefix != sys.base_prefix:  # running inside a venv: the clone's .venv is that one
+        os.symlink(sys.prefix, os.path.join(dest, ".venv"))
+    else:  # no venv: an activate script that puts this interpreter's bin folder first
+        os.makedirs(os.path.join(dest, ".venv", "bin"))
+        with open(os.path.join(dest, ".venv", "bin", "activate"), "w") as f:
+            f.write(f'export PATH="{os.path.dirname(sys.executable)}:$PATH"\n')
+
+
+def vllm_importable() -> bool:
+    from common.engine_vllm import vllm_available
+
+    return vllm_available()[0]
+
+
+def test_running_block_parses_and_every_command_is_known():
+    activate, commands = readme_commands()
+    assert activate == ["source", ".venv/bin/activate"]
+    assert len(commands) >= 10 and any(c[0] == "torchrun" for c in commands)
+    resumed = [flag_value(c, "--out-dir") for c in commands if "--resume" in c]
+    made = [flag_value(c, "--out-dir") for c in commands if "--resume" not in c]
+    assert all(d in made for d in resumed), "a --resume command continues a run the block made before it"
+
+
+@pytest.mark.timeout(1200)
+def test_every_running_command_works_in_a_fresh_clone(tmp_path):
+    activate, commands = readme_commands()
+    clone = str(tmp_path / "clone")
+    fresh_copy(clone)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    skipped = [shlex.join(c) for c in commands if flag_value(c, "--engine") == "vllm" and not vllm_importable()]
+
+    def run(index: int, words: list[str]) -> tuple[str, subprocess.CompletedProcess, float]:
+        line, out_dir, steps = small_run(words, index)
+        script = f"{shlex.join(activate)} && {shlex.join(line)}"
+        start = time.time()
+        proc = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True,
+                              timeout=600)
+        return script, proc, time.time() - start
+
+    jobs = [(i, c) for i, c in enumerate(commands) if shlex.join(c) not in skipped]
+    first = [(i, c) for i, c in jobs if "--resume" not in c]
+    then = [(i, c) for i, c in jobs if "--resume" in c]  # after the run they continue
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for batch in (first, then):
+            for (i, c), result in zip(batch, pool.map(lambda job: run(*job), batch)):
+                results[i] = result
+    failures = []
+    for i, words in jobs:
+        script, proc, seconds = results[i]
+        print(f"{seconds:5.1f}s  {shlex.join(words)}")
+        _, out_dir, steps = small_run(words, i)
+        if proc.returncode != 0:
+            failures.append(f"{script}\n  exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+        elif out_dir is None:
+            if "usage" not in proc.stdout.lower():
+                failures.append(f"{script}\n  printed no usage")
+        else:
+            summary = json.load(open(os.path.join(clone, out_dir, "summary.json")))
+            with open(os.path.join(clone, out_dir, "metrics.jsonl")) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if summary["steps"] != steps or [r["step"] for r in rows] != list(range(1, steps + 1)):
+                failures.append(f"{script}\n  summary steps {summary['steps']}, metrics steps "
+                                f"{[r['step'] for r in rows]}, expected {steps}")
+    for line in skipped:
+        print(f"skipped (vLLM cannot be imported here): {line}")
+    assert not failures, "README Running commands that fail:\n" + "\n".join(failures)
