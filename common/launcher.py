@@ -126,7 +126,8 @@ def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, time
     except BaseException as e:  # report any failure (SystemExit included) to the launcher, then exit non-zero
         if isinstance(e, SystemExit) and e.code in (0, None):
             return
-        error_queue.put((spec.name, traceback.format_exc()))
+        one_line = isinstance(e, SystemExit) and isinstance(e.code, str) and e.code.startswith("error: ")
+        error_queue.put((spec.name, e.code if one_line else traceback.format_exc()))  # a user-facing error: as is
         sys.stdout.flush()
         os._exit(1)
 
@@ -192,6 +193,8 @@ def _supervise(procs, specs, error_queue):
             if p.exitcode != 0:
                 name, tb = _root_cause(procs, error_queue)
                 _stop_all(procs)
+                if tb.startswith("error: "):  # a one-line error (full disk, bad checkpoint): no traceback
+                    raise SystemExit(f"error: {name}: {tb[len('error: '):]}")
                 print(f"[tandem] worker {name} failed; all workers stopped.\n{tb}", file=sys.stderr, flush=True)
                 last = tb.strip().splitlines()[-1] if tb.strip() else "no message"
                 raise SystemExit(f"error: worker {name} failed: {last}")

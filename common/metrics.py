@@ -116,25 +116,45 @@ class MetricsLogger:
     """metrics.jsonl rows (one per trainer step), optional W&B, and a tqdm bar with step, reward and ETA."""
 
     def __init__(self, out_dir: str, config: dict, total_steps: int, start_step: int = 0, track: bool = False,
-                 project: str = "tandem", show_progress: bool = True):
+                 project: str = "tandem", show_progress: bool = True, resumed: bool = False):
         from tqdm import tqdm
 
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.resumed = resumed  # rows of a resumed run carry "resumed": true
         self.wandb = None
         if track:
             import wandb
 
+            # Exactly once in W&B too: a resumed run continues the same W&B run and skips the steps it already has.
+            self.wandb_state = os.path.join(out_dir, "wandb_run.json")
+            run_id, self.wandb_logged = _read_json(self.wandb_state, {}).get("id"), 0
+            if resumed and run_id:
+                self.wandb_logged = _read_json(self.wandb_state, {}).get("logged_through", 0)
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self.wandb = wandb.init(project=project, config=config, dir=out_dir, mode=mode,
-                                    resume="allow" if start_step else None)
+                                    id=run_id if resumed else None, resume="allow" if resumed and run_id else None)
+            self._save_wandb_state()
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not show_progress,
                         dynamic_ncols=True)
 
+    def _save_wandb_state(self):
+        with open(self.wandb_state + ".tmp", "w") as f:
+            json.dump({"id": self.wandb.id, "logged_through": self.wandb_logged}, f)
+        os.replace(self.wandb_state + ".tmp", self.wandb_state)
+
     def log(self, row: dict):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
+        if self.resumed:
+            row = {**row, "resumed": True}
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            raise SystemExit(f"error: could not write {os.path.abspath(self.path)}: {e.strerror or e} "
+                             "(free some space, then --resume)") from None
+        if self.wandb is not None and row["step"] > self.wandb_logged:
             self.wandb.log(row, step=row["step"])
+            self.wandb_logged = row["step"]
+            self._save_wandb_state()
         shown = {"reward": row.get("reward/mean")}
         if "eval/accuracy" in row:
             shown["eval"] = row["eval/accuracy"]
@@ -145,6 +165,38 @@ class MetricsLogger:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _read_json(path: str, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def rewind_metrics(out_dir: str, step: int) -> int:
+    """Resume from the checkpoint of `step`: rows after it (and a half-written last line) go, as the resumed run
+    writes them again, so every step appears once. Atomic (temp file + rename). Returns how many rows went."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # killed mid-write
+                dropped += 1
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return dropped
 
 
 def read_metrics(out_dir: str) -> list[dict]:

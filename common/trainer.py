@@ -17,6 +17,8 @@ import time
 import numpy as np
 import torch
 
+from common import checkpoints as ckpt
+from common.checkpoints import tensor_bytes
 from common.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
@@ -202,15 +204,54 @@ class Trainer:
         return list(self.model.named_parameters())
 
     # ---------------------------------------------------------------- checkpoints
+    def checkpoint_bytes(self, weights_only: bool = False) -> int:
+        """About the bytes a checkpoint takes: the parameters, plus (unless `weights_only`) AdamW's two moments,
+        the critic and its optimizer, and a reset reference model."""
+        total = tensor_bytes(list(self.model.parameters())) + ckpt.MARGIN_BYTES
+        if weights_only:
+            return total
+        total += ckpt.adam_state_bytes(self.optimizer)
+        if self.critic is not None:
+            total += tensor_bytes(list(self.critic.model.parameters())) + ckpt.adam_state_bytes(self.critic.optimizer)
+        if self.args.ref_reset_every:
+            total += tensor_bytes(list(self.ref_model.parameters()))
+        return total
+
     def save_checkpoint(self, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str:
-        """HF folder + trainer_state.pt, written to a temp folder and renamed: a checkpoint is whole or absent."""
+        """Written to a temp folder and renamed: a checkpoint is whole or absent (common/checkpoints.py).
+        step_N: HF folder + trainer_state.pt (+ critic/, reference/), then older ones beyond --keep-checkpoints go.
+        final: the model and tokenizer only (hard links to step_N's files when that exists)."""
         name = name or f"step_{self.step}"
+        weights_only = name == "final"
         parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
         os.makedirs(parent, exist_ok=True)
         final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        source = os.path.join(out_dir, "checkpoints", f"step_{self.step}") if weights_only else None
+        source = source if source and ckpt.verify(source) is None and os.path.isdir(source) else None
+        ckpt.ensure_free_space(parent, ckpt.MARGIN_BYTES if source else self.checkpoint_bytes(weights_only),
+                               f"checkpoint {name}")
+        try:
+            if source:
+                ckpt.link_weights(source, tmp)
+            else:
+                self._write_checkpoint(tmp, weights_only, extra_state)
+            ckpt.write_manifest(tmp)
+            ckpt.replace_folder(tmp, final)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no partial folder
+            if isinstance(e, OSError):
+                raise ckpt.disk_error(parent, f"checkpoint {name}", e) from None
+            raise
+        if not weights_only:
+            ckpt.prune(out_dir, self.args.keep_checkpoints)
+        return final
+
+    def _write_checkpoint(self, tmp: str, weights_only: bool, extra_state: dict | None) -> None:
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
+        if weights_only:
+            return
         if self.critic is not None:
             self.critic.save(tmp)
         if self.args.ref_reset_every:  # the reference is no longer the initial model: keep it
@@ -220,10 +261,6 @@ class Trainer:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             **(extra_state or {}),
         }, os.path.join(tmp, "trainer_state.pt"))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        return final
 
     def resume(self, out_dir: str) -> dict:
         """Load the newest complete checkpoint; returns its extra state ({} when there is none)."""
@@ -235,7 +272,10 @@ class Trainer:
             self.critic.load(path)
         if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
             self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        except (RuntimeError, EOFError, OSError) as e:  # a checkpoint from before manifests existed
+            raise SystemExit(f"error: --resume: {path}/trainer_state.pt is unreadable ({str(e).splitlines()[0]})")
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -255,12 +295,10 @@ class Trainer:
             raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    steps = []
-    for path in glob.glob(os.path.join(out_dir, "checkpoints", "step_*")):
-        if os.path.exists(os.path.join(path, "trainer_state.pt")):
-            steps.append((int(path.rsplit("_", 1)[1]), path))
-    return max(steps)[1] if steps else None
+def latest_checkpoint(out_dir: str, warn: bool = False) -> str | None:
+    """The newest step checkpoint that verifies (common/checkpoints.py); corrupt newer ones are skipped, each with a
+    one-line warning naming the file when `warn`."""
+    return ckpt.newest_valid(out_dir, warn=warn)
 
 
 class TrainerRun:
@@ -282,7 +320,7 @@ class TrainerRun:
                                        max_staleness=getattr(args, "max_staleness", None),
                                        skip_uniform=args.drop_zero_signal_groups)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
-                                    args.wandb_project) if self.is_main else None
+                                    args.wandb_project, resumed=args.resume) if self.is_main else None
 
     @property
     def step(self) -> int:
