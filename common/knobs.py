@@ -19,6 +19,7 @@ import typing
 RANGES: dict[str, tuple] = {
     "steps": (1, True, None, False, ""),
     "timeout_s": (0, False, None, False, "a wait of 0 s fails at once"),
+    "stall_log_s": (0, False, None, False, ""),
     "vllm_gpu_memory_utilization": (0, False, 1, True, ""),
     "vllm_kv_cache_gb": (0, False, None, False, ""),
     "difficulty": (1, True, 4, True, "the arith levels"),

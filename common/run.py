@@ -10,7 +10,7 @@ import sys
 import time
 
 from common.config import ConfigError
-from common.checkpoints import ensure_free_space, folder_bytes, remove_newer, remove_partial
+from common.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
 from common.tasks import WHERE, build_tasksets
@@ -68,7 +68,7 @@ def rewind_to_checkpoint(args) -> None:
     redone = rewind_metrics(args.out_dir, step)
     print(f"[tandem] resuming from {path}" + (f"; the {redone} metrics rows after step {step} are redone"
                                                if redone else ""), file=sys.stderr, flush=True)
-    ensure_free_space(os.path.dirname(path), folder_bytes(path), "the next checkpoint")
+    ensure_free_space(os.path.dirname(path), folder_bytes(path) + MARGIN_BYTES, "the next checkpoint")
 
 
 def check_prompt_lengths(args, tasks: list[dict]) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -310,6 +311,7 @@ class TrainerRun:
         self.timeline = Timeline(args.out_dir, ctx.name)
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
+        self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
         state = self.trainer.resume(args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0)}
         self.start_time = time.time() - state.get("elapsed", 0.0)
@@ -326,9 +328,22 @@ class TrainerRun:
     def step(self) -> int:
         return self.trainer.step
 
+    def log_stall(self, since: float, waited: float) -> None:
+        """No experience for --stall-log-s seconds (and every as many after): say whom the trainer waits for."""
+        clock = lambda t: time.strftime("%H:%M:%S", time.localtime(t))  # noqa: E731
+        heard = "; ".join(f"explorer{i}: " + (f"last batch (step {self.last_batch[i][1]}) at "
+                                              f"{clock(self.last_batch[i][0])}" if i in self.last_batch else
+                                              "no batch yet") for i in range(len(self.ctx.explorer_ranks)))
+        silent = sorted(range(len(self.ctx.explorer_ranks)), key=lambda i: self.last_batch.get(i, (0, 0))[0])
+        print(f"[tandem] {self.ctx.name} at step {self.step}: no experience for {waited:.0f}s (since {clock(since)}); "
+              f"waiting for explorer{silent[0] if silent else '?'} ({heard}); giving up at --timeout-s "
+              f"{self.args.timeout_s:.0f}s", file=sys.stderr, flush=True)
+
     def get(self, queue):
         start = time.time()
-        batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s) if self.is_main else None)
+        batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s, on_stall=lambda waited: self.log_stall(
+            start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
+        self.last_batch[batch.explorer] = (time.time(), batch.step)
         key = f"{batch.explorer}-{'final' if batch.final else batch.step}"  # the final message carries only the eval
         self.timeline.record("wait", start, time.time(), get=key)
         return batch
