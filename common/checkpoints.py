@@ -35,6 +35,12 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+def tokenizer_bytes(tokenizer) -> int:
+    """About what save_pretrained writes for a fast tokenizer (tokenizer.json is indented: ~2.4x the compact JSON)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return 3 * len(backend.to_str()) if backend is not None else 0
+
+
 def adam_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """AdamW's state once it exists (before the first step: estimated as two moments per parameter)."""
     if optimizer.state:

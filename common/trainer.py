@@ -208,7 +208,7 @@ class Trainer:
     def checkpoint_bytes(self, weights_only: bool = False) -> int:
         """About the bytes a checkpoint takes: the parameters, plus (unless `weights_only`) AdamW's two moments,
         the critic and its optimizer, and a reset reference model."""
-        total = tensor_bytes(list(self.model.parameters())) + ckpt.MARGIN_BYTES
+        total = tensor_bytes(list(self.model.parameters())) + ckpt.MARGIN_BYTES + ckpt.tokenizer_bytes(self.tokenizer)
         if weights_only:
             return total
         total += ckpt.adam_state_bytes(self.optimizer)
@@ -229,7 +229,7 @@ class Trainer:
         final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         source = os.path.join(out_dir, "checkpoints", f"step_{self.step}") if weights_only else None
-        source = source if source and ckpt.verify(source) is None and os.path.isdir(source) else None
+        source = source if source and os.path.exists(os.path.join(source, ckpt.MANIFEST)) else None  # whole
         ckpt.ensure_free_space(parent, ckpt.MARGIN_BYTES if source else self.checkpoint_bytes(weights_only),
                                f"checkpoint {name}")
         try:
