@@ -149,6 +149,7 @@ def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("error: run tandem with torchrun --nproc-per-node 1 (it spawns its own workers)")
     ctx = mp.get_context("spawn")
+    start_quiet_resource_tracker()  # no-op when prepare_run already did
     error_queue = ctx.SimpleQueue()
     procs = []
     for rank, spec in enumerate(specs):
@@ -171,6 +172,22 @@ def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900
                 p.join(timeout=max(0.1, deadline - time.time()))
         _stop_all(procs)
         raise SystemExit(130) from None
+
+
+def start_quiet_resource_tracker():
+    """Start multiprocessing's resource tracker with stderr to /dev/null. Its only output is "leaked semaphore"
+    warnings about queues of workers the launcher had to kill (it unlinks them anyway); printed at exit, they would
+    bury the run's one-line error. Called before the entry script makes its queues (they start the tracker)."""
+    from multiprocessing import resource_tracker
+
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _stop_all(procs):

@@ -10,6 +10,7 @@ import sys
 import time
 
 from common.config import ConfigError
+from common.launcher import start_quiet_resource_tracker
 from common.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
@@ -41,6 +42,7 @@ def prepare_run(args, schedule: str) -> None:
     remove_partial(args.out_dir)  # .tmp-* of saves a killed run never finished
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
         json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
+    start_quiet_resource_tracker()  # before the entry script's queues: see common/launcher.py
 
 
 def check_out_dir(out_dir: str) -> None:

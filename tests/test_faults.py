@@ -176,3 +176,55 @@ def test_failed_checkpoint_write_leaves_no_partial_folder(tmp_path, monkeypatch)
         assert os.listdir(disk / "run" / "checkpoints") == []
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_resume_reads_saved_config_and_refuses_frozen_changes(tmp_path):
+    """--resume takes every field from the run's config.json; flags given again change only those fields; --model,
+    --algo, --dtype cannot change; a run of another schedule is named."""
+    import dataclasses
+
+    import train_async
+    from common.config import parse_args
+    from train_sync import Args
+
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = parse_args(Args, [*TINY, "--out-dir", str(out), "--lr", "0.003", "--steps", "7"])
+    (out / "config.json").write_text(json.dumps({"schedule": "sync", **dataclasses.asdict(saved)}))
+    args = parse_args(Args, ["--out-dir", str(out), "--resume"])
+    assert dataclasses.asdict(args) == {**dataclasses.asdict(saved), "resume": True}
+    args = parse_args(Args, ["--out-dir", str(out), "--resume", "--steps", "9", "--model", "tiny"])
+    assert (args.steps, args.lr, args.model, args.max_new_tokens) == (9, 0.003, "tiny", 12)
+    for flag, value in [("--model", "default"), ("--algo", "dr_grpo"), ("--dtype", "bfloat16")]:
+        with pytest.raises(SystemExit) as e:
+            parse_args(Args, ["--out-dir", str(out), "--resume", flag, value])
+        assert str(e.value.code).startswith(f"error: {flag} cannot change when resuming"), e.value.code
+    async_saved = parse_args(train_async.Args, [*TINY, "--out-dir", str(out)])
+    (out / "config.json").write_text(json.dumps({"schedule": "async", **dataclasses.asdict(async_saved)}))
+    with pytest.raises(SystemExit) as e:
+        parse_args(Args, ["--out-dir", str(out), "--resume"])
+    assert "another schedule (async" in str(e.value.code)
+
+
+def test_queue_wait_reports_stalls_until_timeout():
+    """ExperienceQueue.get calls on_stall every stall_every seconds while nothing arrives, then times out."""
+    import torch.multiprocessing as mp
+
+    from common.experience import ExperienceQueue
+
+    queue, calls = ExperienceQueue(mp.get_context("spawn"), maxsize=1), []
+    start = time.time()
+    with pytest.raises(TimeoutError, match="no experiences arrived for 1s"):
+        queue.get(1.0, on_stall=calls.append, stall_every=0.3)
+    assert 1.0 <= time.time() - start < 5
+    assert len(calls) == 3 and calls == sorted(calls) and 0.3 <= calls[0] < calls[-1] < 1.0
+
+
+def test_trainer_says_which_explorer_it_waits_for(tmp_path):
+    """End to end: with --stall-log-s 0.5 the trainer's wait for the explorer's first batch is logged."""
+    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.5", "--out-dir",
+                      str(tmp_path / "run"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stalls = [line for line in proc.stderr.splitlines() if "no experience for" in line]
+    assert stalls and all("waiting for explorer0" in s and "--timeout-s 900" in s for s in stalls), proc.stderr[-2000:]
+    assert "trainer0 at step 0" in stalls[0] and "explorer0: no batch yet" in stalls[0]
