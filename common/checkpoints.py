@@ -146,8 +146,9 @@ def ensure_free_space(folder: str, needed: int, what: str) -> None:
                          f"space, then --resume)")
 
 
-def disk_error(folder: str, what: str, e: OSError) -> SystemExit:
-    return SystemExit(f"error: could not write {what} in {os.path.abspath(folder)}: {e.strerror or e} "
+def disk_error(folder: str, what: str, e: Exception) -> SystemExit:
+    reason = getattr(e, "strerror", None) or str(e).split(": ")[-1]
+    return SystemExit(f"error: could not write {what} in {os.path.abspath(folder)}: {reason} "
                       f"(the partial folder was removed; free some space, then --resume)")
 
 

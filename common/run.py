@@ -76,6 +76,7 @@ def rewind_to_checkpoint(args) -> None:
 def check_prompt_lengths(args, tasks: list[dict]) -> None:
     """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
     (rejected, not truncated: a cut question is a different task)."""
+    tasks = [t for t in tasks if WHERE in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
     from common.model import chat_prompt_ids, load_tokenizer, resolve_model

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from common import checkpoints as ckpt
 from common.checkpoints import tensor_bytes
@@ -241,7 +242,7 @@ class Trainer:
             ckpt.replace_folder(tmp, final)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no partial folder
-            if isinstance(e, OSError):
+            if isinstance(e, (OSError, SafetensorError)):  # safetensors reports ENOSPC as its own error
                 raise ckpt.disk_error(parent, f"checkpoint {name}", e) from None
             raise
         if not weights_only:
