@@ -35,7 +35,9 @@ class CommonArgs:
     seed: int = 0
     """Seeds task sampling, generation and the tiny model's initialisation."""
     resume: bool = False
-    """Continue from the newest checkpoint in out_dir/checkpoints (step count, optimizer state, metrics)."""
+    """Continue the run in --out-dir from its newest valid checkpoint (step count, optimizer state, metrics) with
+    its saved config.json: flags given again change only those fields (--model, --critic-model, --algo, --dtype
+    cannot change). Steps after that checkpoint are redone, each logged once."""
     track: bool = False
     """Also log metrics to Weights & Biases (offline mode when no API key is configured)."""
     wandb_project: str = "tandem"
