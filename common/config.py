@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from common.knobs import check_numeric_ranges, coerce_value, field_types, read_utf8_lines
+
 
 class ConfigError(SystemExit):
     """A one-line, user-facing configuration error: Python prints the message and exits with status 1."""
@@ -34,15 +36,22 @@ class CommonArgs:
     seed: int = 0
     """Seeds task sampling, generation and the tiny model's initialisation."""
     resume: bool = False
-    """Continue from the newest checkpoint in out_dir/checkpoints (step count, optimizer state, metrics)."""
+    """Continue the run in --out-dir from its newest valid checkpoint (step count, optimizer state, metrics) with
+    its saved config.json: flags given again change only those fields (--model, --critic-model, --algo, --dtype
+    cannot change). Steps after that checkpoint are redone, each logged once."""
     track: bool = False
     """Also log metrics to Weights & Biases (offline mode when no API key is configured)."""
     wandb_project: str = "tandem"
     """W&B project name when --track is on."""
     checkpoint_every: int = 20
     """Save a checkpoint every N trainer steps (0: only the final one)."""
+    keep_checkpoints: int = 2
+    """Keep the newest K step checkpoints (older ones are deleted once the newest is complete; 0: keep all)."""
     timeout_s: float = 900.0
     """Longest any process waits for another (queue, collective) before failing with a message."""
+    stall_log_s: float = 60.0
+    """When no experience reaches the trainer for this many seconds, it logs which explorer it waits for and
+    since when, and again every as many seconds until --timeout-s."""
 
     # --- model and devices ---------------------------------------------------------------------------------
     model: str = "default"
@@ -269,6 +278,7 @@ class CommonArgs:
         """Impossible combinations, each a one-line error naming the field (and the fix); coupled fields with one
         obvious value are filled in first (resolve_coupled)."""
         self.resolve_coupled()
+        check_numeric_ranges(self)  # every numeric field: finite and in range (common/knobs.py)
         positive = ["steps", "tasks_per_step", "samples_per_task", "max_new_tokens", "ppo_epochs", "minibatch_size",
                     "micro_batch_size", "eval_size", "sync_bucket_mb"]
         if self.samples_per_task < 2 and self.algo != "ppo":
@@ -426,49 +436,102 @@ def normalize_device(device: str) -> str:
 
 
 def parse_args(cls, argv: list[str] | None = None):
-    """tyro over `cls` (common/cli.py: --help grouped by concern, choices checked), with defaults from
-    `--config file.yaml` when given; then `validate()`."""
+    """tyro over `cls` (common/cli.py: --help grouped by concern, choices checked), then `validate()`. Defaults,
+    lowest first: the fields' own, the run's saved config.json (with `--resume`: only flags given again change it),
+    `--config file.yaml`, the command line."""
     from common.cli import cli
 
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()
-    config_path = None
-    for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv):
-            config_path = argv[i + 1]
-        elif a.startswith("--config="):
-            config_path = a.split("=", 1)[1]
+    saved = load_saved_config(cls, argv) if "--resume" in argv else {}
+    if saved:
+        defaults = dataclasses.replace(defaults, **saved)
+    config_path = _flag_value(argv, "--config")
     if config_path:
-        defaults = load_yaml_defaults(cls, config_path)
+        defaults = load_yaml_defaults(cls, config_path, base=defaults)
     args = cli(cls, argv, defaults)
+    if saved:
+        check_frozen_on_resume(saved, args)
     args.validate()
     return args
 
 
-def load_yaml_defaults(cls, path: str):
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `--flag X` / `--flag=X` (dashes or underscores) in argv, the last one winning."""
+    names = {flag, flag.replace("-", "_").replace("__", "--", 1)}
+    value = None
+    for i, a in enumerate(argv):
+        if a in names and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif "=" in a and a.split("=", 1)[0] in names:
+            value = a.split("=", 1)[1]
+    return value
+
+
+# Fields a run cannot change when it is resumed: the checkpoint's weights, optimizer and critic depend on them.
+FROZEN_ON_RESUME = ("model", "critic_model", "algo", "dtype")
+NOT_RESUMED = ("schedule", "config", "resume", "overwrite", "out_dir")
+
+
+def load_saved_config(cls, argv: list[str]) -> dict:
+    """--resume: the fields of out_dir/config.json (written when the run started), type-checked."""
+    out_dir = _flag_value(argv, "--out-dir")
+    if not out_dir:
+        raise ConfigError("--resume needs --out-dir (the run to continue)")
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.isdir(out_dir):
+        raise ConfigError(f"--resume: --out-dir {out_dir}: no such folder")
+    if not os.path.exists(path):
+        return {}  # a run from before configs were saved: the command line says everything
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--resume: {path}: not a readable config ({e})") from None
+    types_ = field_types(cls)
+    unknown = sorted(k for k in values if k not in types_ and k not in NOT_RESUMED)
+    if unknown:
+        raise ConfigError(f"--resume: {path} was written by another schedule ({values.get('schedule')}; fields "
+                          f"{', '.join(unknown[:3])}): continue it with the script that started it")
+    return {k: coerce_value(v, types_[k], f"{path}: {k}") for k, v in values.items()
+            if k in types_ and k not in NOT_RESUMED}
+
+
+def check_frozen_on_resume(saved: dict, args) -> None:
+    for name in FROZEN_ON_RESUME:
+        if name in saved and getattr(args, name) != saved[name]:
+            raise ConfigError(f"--{name.replace('_', '-')} cannot change when resuming (the run in {args.out_dir} "
+                              f"uses {saved[name]!r}); start a new run in another --out-dir instead")
+
+
+def load_yaml_defaults(cls, path: str, base=None):
+    """`base` (default: the field defaults) updated with the YAML file's values, each checked against its field's
+    type; unknown keys, invalid YAML and non-UTF-8 bytes are one-line errors naming the file."""
     import yaml
 
     if not os.path.exists(path):
         raise ConfigError(f"--config {path}: no such file")
-    with open(path) as f:
-        try:
-            values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    text = "".join(read_utf8_lines(path))
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value")
     from common.cli import check_choice, choices
 
-    fields, allowed = {f.name: f for f in dataclasses.fields(cls)}, choices(cls)
+    types_, allowed = field_types(cls), choices(cls)
     clean = {}
     for key, value in values.items():
         name = str(key).replace("-", "_")
-        if name not in fields:
+        if name not in types_:
             raise ConfigError(f"--config {path}: unknown key {key!r} (not a field of {cls.__name__})")
         if name in allowed:
             check_choice(name, value, allowed[name], where=f"--config {path}: ")
-        clean[name] = value
+        clean[name] = coerce_value(value, types_[name], f"--config {path}: {key}")
     try:
-        return dataclasses.replace(cls(), **clean)
+        return dataclasses.replace(base if base is not None else cls(), **clean)
     except TypeError as e:
         raise ConfigError(f"--config {path}: {e}") from None

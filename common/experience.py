@@ -7,6 +7,7 @@ trainer turns a list of them into CPU tensors with `collate`.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -101,11 +102,19 @@ class ExperienceQueue:
         except queue.Full:
             raise TimeoutError(f"{who}: experience queue stayed full for {timeout:.0f}s (trainer stalled?)") from None
 
-    def get(self, timeout: float, who: str = "trainer"):
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"{who}: no experiences arrived for {timeout:.0f}s (explorer stalled?)") from None
+    def get(self, timeout: float, who: str = "trainer", on_stall=None, stall_every: float = 60.0):
+        """The next item. While none arrives, `on_stall(seconds_waited)` is called every `stall_every` seconds
+        (the trainer logs whom it waits for); after `timeout` seconds in all, TimeoutError."""
+        start = time.time()
+        while True:
+            remaining = timeout - (time.time() - start)
+            if remaining <= 0:
+                raise TimeoutError(f"{who}: no experiences arrived for {timeout:.0f}s (explorer stalled?)")
+            try:
+                return self._q.get(timeout=min(remaining, stall_every) if on_stall else remaining)
+            except queue.Empty:
+                if on_stall is not None and time.time() - start < timeout:
+                    on_stall(time.time() - start)
 
     def abandon(self):
         """Shutdown, explorer side: batches still in this process's send buffer will never be read; do not wait

@@ -119,7 +119,8 @@ def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, time
     except BaseException as e:  # report any failure (SystemExit included) to the launcher, then exit non-zero
         if isinstance(e, SystemExit) and e.code in (0, None):
             return
-        error_queue.put((spec.name, traceback.format_exc()))
+        one_line = isinstance(e, SystemExit) and isinstance(e.code, str) and e.code.startswith("error: ")
+        error_queue.put((spec.name, e.code if one_line else traceback.format_exc()))  # a user-facing error: as is
         sys.stdout.flush()
         os._exit(1)
 
@@ -138,6 +139,7 @@ def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("error: run tandem with torchrun --nproc-per-node 1 (it spawns its own workers)")
     ctx = mp.get_context("spawn")
+    start_quiet_resource_tracker()  # no-op when prepare_run already did
     error_queue = ctx.SimpleQueue()
     procs = []
     for rank, spec in enumerate(specs):
@@ -162,6 +164,22 @@ def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900
         raise SystemExit(130) from None
 
 
+def start_quiet_resource_tracker():
+    """Start multiprocessing's resource tracker with stderr to /dev/null. Its only output is "leaked semaphore"
+    warnings about queues of workers the launcher had to kill (it unlinks them anyway); printed at exit, they would
+    bury the run's one-line error. Called before the entry script makes its queues (they start the tracker)."""
+    from multiprocessing import resource_tracker
+
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _stop_all(procs):
     for p in procs:
         _kill_group(p, signal.SIGTERM)
@@ -182,6 +200,8 @@ def _supervise(procs, specs, error_queue):
             if p.exitcode != 0:
                 name, tb = _root_cause(procs, error_queue)
                 _stop_all(procs)
+                if tb.startswith("error: "):  # a one-line error (full disk, bad checkpoint): no traceback
+                    raise SystemExit(f"error: {name}: {tb[len('error: '):]}")
                 print(f"[tandem] worker {name} failed; all workers stopped.\n{tb}", file=sys.stderr, flush=True)
                 last = tb.strip().splitlines()[-1] if tb.strip() else "no message"
                 raise SystemExit(f"error: worker {name} failed: {last}")

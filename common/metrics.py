@@ -120,26 +120,57 @@ class MetricsLogger:
 
     def __init__(self, out_dir: str, config: dict, total_steps: int, start_step: int = 0, track: bool = False,
                  project: str = "tandem", show_progress: bool = True, run_name: str | None = None,
-                 entity: str | None = None, tags: tuple[str, ...] = ()):
+                 entity: str | None = None, tags: tuple[str, ...] = (), resumed: bool = False):
         from tqdm import tqdm
 
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.resumed = resumed  # rows of a resumed run carry "resumed": true
         self.wandb = None
         if track:
             import wandb
 
+            # Exactly once in W&B too: a resumed run continues the same W&B run; what W&B does not hold yet of the
+            # rows kept in metrics.jsonl is sent first, and steps it already holds are not sent again.
+            self.wandb_state = os.path.join(out_dir, "wandb_run.json")
+            run_id = _read_json(self.wandb_state, {}).get("id") if resumed else None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self.wandb = wandb.init(project=project, config=config, dir=out_dir, mode=mode,
-                                    resume="allow" if start_step else None, name=run_name, entity=entity,
-                                    tags=list(tags) or None)
+                                    id=run_id, resume="allow" if run_id else None,
+                                    name=run_name, entity=entity, tags=list(tags) or None)
+            self.wandb_logged = 0
+            if run_id:
+                self.wandb_logged = self._wandb_backfill(out_dir, run_id)
+            with open(self.wandb_state + ".tmp", "w") as f:
+                json.dump({"id": self.wandb.id}, f)
+            os.replace(self.wandb_state + ".tmp", self.wandb_state)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not show_progress,
                         dynamic_ncols=True)
 
+    def _wandb_backfill(self, out_dir: str, run_id: str) -> int:
+        """The last step W&B holds of run `run_id` (online: the server's; offline: what the earlier offline runs
+        wrote to disk; a killed run's buffered rows never got there), after sending it the rows of metrics.jsonl
+        after that step."""
+        held = self.wandb.starting_step - 1
+        for folder in glob.glob(os.path.join(out_dir, "wandb", f"offline-run-*-{run_id}")):
+            held = max(held, max(wandb_offline_steps(folder), default=0))
+        for row in read_metrics(out_dir):
+            if row["step"] > held:
+                self.wandb.log(row, step=row["step"])
+                held = row["step"]
+        return held
+
     def log(self, row: dict):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
+        if self.resumed:
+            row = {**row, "resumed": True}
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            raise SystemExit(f"error: could not write {os.path.abspath(self.path)}: {e.strerror or e} "
+                             "(free some space, then --resume)") from None
+        if self.wandb is not None and row["step"] > self.wandb_logged:
             self.wandb.log(row, step=row["step"])
+            self.wandb_logged = row["step"]
         shown = {"reward": row.get("reward/mean")}
         if "eval/accuracy" in row:
             shown["eval"] = row["eval/accuracy"]
@@ -150,6 +181,72 @@ class MetricsLogger:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def wandb_offline_steps(folder: str) -> list[int]:
+    """History steps an offline W&B run folder holds on disk: its .wandb file is a LevelDB-style log (7-byte file
+    header, 32 KiB blocks of records each with a 7-byte header: CRC, length, kind) of protobuf Records."""
+    import struct
+
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    steps = []
+    for path in glob.glob(os.path.join(folder, "*.wandb")):
+        with open(path, "rb") as f:
+            data = f.read()
+        pos, block, payload = 7, 32768, b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # the block's trailer
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if length == 0 and kind == 0:
+                break
+            payload += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                record = pb.Record()
+                try:
+                    record.ParseFromString(payload)
+                except DecodeError:  # a torn last record of a killed run
+                    break
+                if record.WhichOneof("record_type") == "history":
+                    steps.append(record.history.step.num)
+                payload = b""
+    return steps
+
+
+def _read_json(path: str, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def rewind_metrics(out_dir: str, step: int) -> int:
+    """Resume from the checkpoint of `step`: rows after it (and a half-written last line) go, as the resumed run
+    writes them again, so every step appears once. Atomic (temp file + rename). Returns how many rows went."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # killed mid-write
+                dropped += 1
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return dropped
 
 
 def read_metrics(out_dir: str) -> list[dict]:

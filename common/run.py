@@ -6,13 +6,16 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 
 from common.config import ConfigError
 from common.hub_tasks import DatasetOptions
-from common.metrics import plot_reward_curve, read_metrics, write_timeline
+from common.launcher import start_quiet_resource_tracker
+from common.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
+from common.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
-from common.tasks import build_tasksets
+from common.tasks import WHERE, build_tasksets
 from common.trainer import latest_checkpoint
 
 
@@ -20,24 +23,82 @@ def prepare_run(args, schedule: str) -> None:
     """Resolve the model (converting the default once, before any worker starts), check and create out_dir."""
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_out_dir(args.out_dir)
     resolve_model(args.model)
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
                                      args.dataset_split, args.eval_dataset_split)  # bad rows fail here
-    if not args.reward_fn and not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
+    check_prompt_lengths(args, (train.tasks or []) + held_out)
+    if not args.reward_fn and not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model")
+                                                        for t in (train.tasks or []) + held_out):
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
-    if args.resume and latest_checkpoint(args.out_dir) is None:
-        raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")
+    if args.resume:
+        rewind_to_checkpoint(args)
     if not args.resume and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
         if not args.overwrite:
             raise ConfigError(f"--out-dir {args.out_dir} already holds a run; pass --resume to continue it or "
                               "--overwrite to replace it")
         shutil.rmtree(args.out_dir)
     os.makedirs(args.out_dir, exist_ok=True)
+    remove_partial(args.out_dir)  # .tmp-* of saves a killed run never finished
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
         json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
+    start_quiet_resource_tracker()  # before the entry script's queues: see common/launcher.py
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir must be (or become) a folder: not a file, nor under one."""
+    path = os.path.abspath(out_dir)
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        what = "is a file" if path == os.path.abspath(out_dir) else f"is under {path}, which is a file"
+        raise ConfigError(f"--out-dir {out_dir} {what}, not a folder")
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"--out-dir {out_dir}: {path} is not writable")
+
+
+def rewind_to_checkpoint(args) -> None:
+    """--resume: choose the newest checkpoint that verifies (a corrupt newer one is skipped with a warning naming
+    the file), drop what came after it (checkpoints and metrics rows, which the resumed run redoes exactly once)
+    and check there is room for the next checkpoint, all before any worker starts."""
+    remove_partial(args.out_dir)
+    path = latest_checkpoint(args.out_dir, warn=True)
+    if path is None:
+        raise ConfigError(f"--resume: no usable checkpoint in {args.out_dir}/checkpoints")
+    step = int(path.rsplit("_", 1)[1])
+    remove_newer(args.out_dir, step)
+    redone = rewind_metrics(args.out_dir, step)
+    print(f"[tandem] resuming from {path}" + (f"; the {redone} metrics rows after step {step} are redone"
+                                               if redone else ""), file=sys.stderr, flush=True)
+    ensure_free_space(os.path.dirname(path), folder_bytes(path) + MARGIN_BYTES, "the next checkpoint")
+
+
+def check_prompt_lengths(args, tasks: list[dict]) -> None:
+    """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
+    (rejected, not truncated: a cut question is a different task)."""
+    tasks = [t for t in tasks if WHERE in t]  # from files (the built-in arith prompts are short)
+    if not tasks:
+        return
+    from common.model import chat_prompt_ids, load_tokenizer, resolve_model
+
+    if args.model == "tiny":
+        context = 1024
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(resolve_model(args.model))
+        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not context:
+        return
+    tokenizer = load_tokenizer(args.model)
+    for task in tasks:
+        n = len(chat_prompt_ids(tokenizer, task))
+        if n + args.max_new_tokens > context:
+            raise ConfigError(f"{task.get(WHERE, task['id'])}: prompt is {n} tokens; with --max-new-tokens "
+                              f"{args.max_new_tokens} it does not fit the model's context of {context} tokens")
 
 
 def threads_per_worker(args, num_workers: int) -> int:

@@ -15,6 +15,7 @@ from rewards.base import KINDS, missing_fields
 # A worked line in the instruction: the 135M default model follows a shown format far more often than a described
 # one (greedy accuracy at level 1: 0.00 with the description alone, 0.31 with the example; see README).
 ANSWER_FORMAT = "Reply with one short line of working, then 'Answer: <number>'. Example: 3 + 4 = 7. Answer: 7"
+WHERE = "_where"  # task key holding the file:line (or row) the task came from
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Nia", "Omar"]
 ITEMS = ["apples", "marbles", "stickers", "books", "coins", "pencils", "cards", "shells", "stamps", "cookies"]
 
@@ -88,6 +89,7 @@ def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
         raise SystemExit(f"error: {where}: a task must be a JSON object, got {type(task).__name__}")
     if "prompt" not in task and "messages" not in task:
         raise SystemExit(f"error: {where}: missing field 'prompt' (or 'messages')")
+    check_prompt_type(task, where)
     kind = task.setdefault("reward", "math")
     if not check_reward:  # --reward-fn scores every task: the kind's fields do not matter
         return task
@@ -99,24 +101,42 @@ def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     return task
 
 
+def check_prompt_type(task: dict, where: str) -> None:
+    """'prompt' must be non-empty text, or chat messages (a non-empty list of {role, content: text} objects)
+    under 'messages' or under 'prompt' (TRL's conversational format; moved to 'messages')."""
+    if isinstance(task.get("prompt"), list) and "messages" not in task:
+        task["messages"] = task.pop("prompt")
+    if task.get("messages") is not None:
+        messages = task["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise SystemExit(f"error: {where}: 'messages' must be a non-empty list of "
+                             f"{{\"role\": text, \"content\": text}} objects (got {str(messages)[:60]})")
+    elif not isinstance(task.get("prompt"), str) or not task["prompt"].strip():
+        raise SystemExit(f"error: {where}: 'prompt' must be non-empty text or a list of messages "
+                         f"(got {type(task.get('prompt')).__name__} {str(task.get('prompt'))[:40]})")
+    task[WHERE] = where  # for errors found later (e.g. a prompt longer than the model's context)
+
+
 def load_jsonl(path: str, options=None) -> list[dict]:
     """A tandem .jsonl file, one task per line; `options` (common/hub_tasks.DatasetOptions) maps other columns."""
     from common.hub_tasks import DatasetOptions
+    from common.knobs import read_utf8_lines
 
     options = options or DatasetOptions()
     tasks = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
-            task = options.to_task(row, f"{path}:{lineno}")
-            task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
-            task["id"] = str(task["id"])
-            tasks.append(task)
+    for lineno, line in enumerate(read_utf8_lines(path), 1):  # `file:line: not UTF-8` on a bad byte
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
+        task = options.to_task(row, f"{path}:{lineno}")
+        task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
+        task["id"] = str(task["id"])
+        tasks.append(task)
     if not tasks:
         raise SystemExit(f"error: {path}: no tasks in file")
     return tasks

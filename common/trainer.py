@@ -12,11 +12,15 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
+from common import checkpoints as ckpt
+from common.checkpoints import tensor_bytes
 from common.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
@@ -183,15 +187,54 @@ class Trainer:
         return list(self.model.named_parameters())
 
     # ---------------------------------------------------------------- checkpoints
+    def checkpoint_bytes(self, weights_only: bool = False) -> int:
+        """About the bytes a checkpoint takes: the parameters, plus (unless `weights_only`) AdamW's two moments,
+        the critic and its optimizer, and a reset reference model."""
+        total = tensor_bytes(list(self.model.parameters())) + ckpt.MARGIN_BYTES + ckpt.tokenizer_bytes(self.tokenizer)
+        if weights_only:
+            return total
+        total += ckpt.adam_state_bytes(self.optimizer)
+        if self.critic is not None:
+            total += tensor_bytes(list(self.critic.model.parameters())) + ckpt.adam_state_bytes(self.critic.optimizer)
+        if self.args.ref_reset_every:
+            total += tensor_bytes(list(self.ref_model.parameters()))
+        return total
+
     def save_checkpoint(self, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str:
-        """HF folder + trainer_state.pt, written to a temp folder and renamed: a checkpoint is whole or absent."""
+        """Written to a temp folder and renamed: a checkpoint is whole or absent (common/checkpoints.py).
+        step_N: HF folder + trainer_state.pt (+ critic/, reference/), then older ones beyond --keep-checkpoints go.
+        final: the model and tokenizer only (hard links to step_N's files when that exists)."""
         name = name or f"step_{self.step}"
+        weights_only = name == "final"
         parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
         os.makedirs(parent, exist_ok=True)
         final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        source = os.path.join(out_dir, "checkpoints", f"step_{self.step}") if weights_only else None
+        source = source if source and os.path.exists(os.path.join(source, ckpt.MANIFEST)) else None  # whole
+        ckpt.ensure_free_space(parent, ckpt.MARGIN_BYTES if source else self.checkpoint_bytes(weights_only),
+                               f"checkpoint {name}")
+        try:
+            if source:
+                ckpt.link_weights(source, tmp)
+            else:
+                self._write_checkpoint(tmp, weights_only, extra_state)
+            ckpt.write_manifest(tmp)
+            ckpt.replace_folder(tmp, final)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no partial folder
+            if isinstance(e, (OSError, SafetensorError)):  # safetensors reports ENOSPC as its own error
+                raise ckpt.disk_error(parent, f"checkpoint {name}", e) from None
+            raise
+        if not weights_only:
+            ckpt.prune(out_dir, self.args.keep_checkpoints)
+        return final
+
+    def _write_checkpoint(self, tmp: str, weights_only: bool, extra_state: dict | None) -> None:
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
+        if weights_only:
+            return
         if self.critic is not None:
             self.critic.save(tmp)
         if self.args.ref_reset_every:  # the reference is no longer the initial model: keep it
@@ -202,10 +245,6 @@ class Trainer:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             **(extra_state or {}),
         }, os.path.join(tmp, "trainer_state.pt"))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        return final
 
     def resume(self, out_dir: str) -> dict:
         """Load the newest complete checkpoint; returns its extra state ({} when there is none)."""
@@ -217,7 +256,10 @@ class Trainer:
             self.critic.load(path)
         if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
             self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        try:
+            state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        except (RuntimeError, EOFError, OSError) as e:  # a checkpoint from before manifests existed
+            raise SystemExit(f"error: --resume: {path}/trainer_state.pt is unreadable ({str(e).splitlines()[0]})")
         self.optimizer.load_state_dict(state["optimizer"])
         if "lr_scheduler" in state:  # checkpoints from before --lr-scheduler have none (they ran at a constant lr)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -249,12 +291,10 @@ def resolve_algo(args):
     return algo
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    steps = []
-    for path in glob.glob(os.path.join(out_dir, "checkpoints", "step_*")):
-        if os.path.exists(os.path.join(path, "trainer_state.pt")):
-            steps.append((int(path.rsplit("_", 1)[1]), path))
-    return max(steps)[1] if steps else None
+def latest_checkpoint(out_dir: str, warn: bool = False) -> str | None:
+    """The newest step checkpoint that verifies (common/checkpoints.py); corrupt newer ones are skipped, each with a
+    one-line warning naming the file when `warn`."""
+    return ckpt.newest_valid(out_dir, warn=warn)
 
 
 class TrainerRun:
@@ -267,6 +307,7 @@ class TrainerRun:
         self.timeline = Timeline(args.out_dir, ctx.name)
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
+        self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
         state = self.trainer.resume(args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0)}
         self.start_time = time.time() - state.get("elapsed", 0.0)
@@ -279,16 +320,29 @@ class TrainerRun:
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
                                     args.wandb_project, run_name=args.run_name or os.path.basename(
                                         os.path.normpath(args.out_dir)), entity=args.wandb_entity,
-                                    tags=args.wandb_tags) if self.is_main else None
+                                    tags=args.wandb_tags, resumed=args.resume) if self.is_main else None
         self.samples = SamplesLog(args.out_dir, self.logger.wandb) if self.is_main else None
 
     @property
     def step(self) -> int:
         return self.trainer.step
 
+    def log_stall(self, since: float, waited: float) -> None:
+        """No experience for --stall-log-s seconds (and every as many after): say whom the trainer waits for."""
+        clock = lambda t: time.strftime("%H:%M:%S", time.localtime(t))  # noqa: E731
+        heard = "; ".join(f"explorer{i}: " + (f"last batch (step {self.last_batch[i][1]}) at "
+                                              f"{clock(self.last_batch[i][0])}" if i in self.last_batch else
+                                              "no batch yet") for i in range(len(self.ctx.explorer_ranks)))
+        silent = sorted(range(len(self.ctx.explorer_ranks)), key=lambda i: self.last_batch.get(i, (0, 0))[0])
+        print(f"[tandem] {self.ctx.name} at step {self.step}: no experience for {waited:.0f}s (since {clock(since)}); "
+              f"waiting for explorer{silent[0] if silent else '?'} ({heard}); giving up at --timeout-s "
+              f"{self.args.timeout_s:.0f}s", file=sys.stderr, flush=True)
+
     def get(self, queue):
         start = time.time()
-        batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s) if self.is_main else None)
+        batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s, on_stall=lambda waited: self.log_stall(
+            start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
+        self.last_batch[batch.explorer] = (time.time(), batch.step)
         self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
         return batch
 

@@ -146,7 +146,8 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert all("value_loss" in r and "value/explained_var" in r for r in rows)
-    assert (out / "final" / "critic" / "model.safetensors").exists()
+    assert (out / "checkpoints" / "step_2" / "critic" / "model.safetensors").exists()
+    assert not (out / "final" / "critic").exists()  # final/: the policy and tokenizer only
     if script != "train_sync.py":
         return
     assert rows[1]["kl"] > 0 and rows[1]["value_loss"] > 0  # batch 2 comes from the updated policy: KL-shaped returns
