@@ -196,3 +196,50 @@ def test_concurrent_runs_from_threads(clean):
                               range(24)))
     assert [r.stdout.split() for r in results] == [[str(k * 2), str(k)] for k in range(24)]
     assert all(r.ok for r in results)
+
+
+@pytest.mark.skipif("cgroup" not in MODE, reason=f"no cgroups here: {MODE!r}")
+@pytest.mark.timeout(60)
+def test_a_caller_killed_mid_run_leaves_nothing_after_the_next_sweep():
+    """SIGKILL the caller while its program runs: the sandbox dies with it (PDEATHSIG, PID namespace), and the
+    working folder and cgroups it could not remove are swept by the next caller."""
+    from rewards import _sandbox_tree
+
+    caller = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, '.')\n"
+                               "from rewards.sandbox import run, Limits\nprint('go', flush=True)\n"
+                               "run('while True: pass', limits=Limits(timeout_s=30))"],
+                              stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert caller.stdout.readline().strip() == "go"
+        deadline = time.time() + 20
+        while time.time() < deadline and not sandbox_leftovers({caller.pid})["cgroups"]:
+            time.sleep(0.05)
+        assert sandbox_leftovers({caller.pid})["cgroups"], "the run never started"
+        time.sleep(0.3)
+        caller.kill()
+        caller.wait(timeout=10)
+        deadline = time.time() + 10
+        while time.time() < deadline and _tree_pids(caller.pid):
+            time.sleep(0.05)
+        assert _tree_pids(caller.pid) == []  # the program died with its caller
+        left = sandbox_leftovers({caller.pid})
+        assert left["folders"] and left["cgroups"]  # a killed caller cannot clean up...
+        sweep_stale_workdirs()
+        _sandbox_tree.sweep()
+        assert sandbox_leftovers({caller.pid}) == {"processes": [], "folders": [], "cgroups": []}  # ...the next does
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait(timeout=10)
+
+
+def _tree_pids(caller: int) -> list[int]:
+    """Processes still in the cgroups of `caller`'s runs."""
+    pids = []
+    for group in sandbox_leftovers({caller})["cgroups"]:
+        try:
+            with open(os.path.join(group, "cgroup.procs")) as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return pids
