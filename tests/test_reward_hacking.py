@@ -8,6 +8,7 @@ read the tests, tamper with the judge, escape a limit or reach the host.
 Then every HumanEval canonical solution must score 1 and every one with its body replaced by `return None`, 0.
 """
 
+import json
 import os
 import socket
 import tempfile
@@ -359,6 +360,16 @@ if os.fork() == 0:
             except OSError:
                 pass
         '''),
+    "read_expected_stdout_from_the_taskset": ("stdin", textwrap.dedent('''
+        import json, sys
+        given = sys.stdin.read()
+        try:
+            for case in json.load(open(TASKS_PATH))["tests"]:
+                if case["input"] == given:
+                    print(case["output"])
+        except OSError:
+            pass
+        ''')),
     "host_files_and_secrets": leaked('''
         import os
         if "TANDEM_HACK_SECRET" in os.environ:
@@ -370,8 +381,14 @@ if os.fork() == 0:
 }
 
 
+STDIN_TASK = {"id": "sum-hidden", "reward": "code", "timeout_s": 4,
+              "tests": [{"input": "17 25\n", "output": "42\n"}, {"input": "1 1\n", "output": "2\n"}]}
+
+
 def _task(attack):
     spec = ATTACKS[attack]
+    if spec[0] == "stdin":
+        return dict(STDIN_TASK), spec[1]
     tid, code, extra = ("HumanEval/0", spec, {}) if isinstance(spec, str) else (
         (spec[0], spec[1], {}) if len(spec) == 2 else spec)
     return {**PROBLEMS[tid or "HumanEval/0"], "id": tid or "HumanEval/0", "reward": "code", "timeout_s": 4, **extra}, code
@@ -402,7 +419,10 @@ def host_services():
     threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
     for t in threads:
         t.start()
-    yield {"UNIX_PATH": repr(os.path.join(folder, "s")), "ABSTRACT_NAME": repr(abstract),
+    with open(os.path.join(folder, "tasks.json"), "w") as f:  # a taskset file on the host, answers included
+        json.dump(STDIN_TASK, f)
+    yield {"TASKS_PATH": repr(os.path.join(folder, "tasks.json")),
+           "UNIX_PATH": repr(os.path.join(folder, "s")), "ABSTRACT_NAME": repr(abstract),
            "TCP_PORT": str(servers[2].getsockname()[1])}
     stop.set()
     for t in threads:
@@ -410,6 +430,7 @@ def host_services():
     for s in servers:
         s.close()
     os.unlink(os.path.join(folder, "s"))
+    os.unlink(os.path.join(folder, "tasks.json"))
     os.rmdir(folder)
 
 
@@ -457,13 +478,16 @@ def test_these_attacks_beat_an_in_process_verifier():
 
 
 @pytest.mark.timeout(60)
-def test_reading_attacks_win_without_the_new_root():
-    """The dataset and the project are readable to a sandbox without namespaces: the prize is real."""
+def test_reading_attacks_win_without_the_new_root(host_services):
+    """The dataset, the project and the taskset are readable to a sandbox without namespaces: the prize is real."""
     for attack in ("read_humaneval_dataset", "read_project_source"):
         task, code = _task(attack)
         program = f"{humaneval_program(code, task)}\nprint(LEAKED)\n"
         r = run(program, isolate=False)
         assert r.ok and r.stdout.strip() == "True", (attack, r.stderr[-300:])
+    task, code = _task("read_expected_stdout_from_the_taskset")
+    r = run(code.replace("TASKS_PATH", host_services["TASKS_PATH"]), stdin="17 25\n", isolate=False)
+    assert r.ok and r.stdout.split() == ["42"], r.stderr[-300:]
 
 
 @pytest.mark.timeout(60)

@@ -4,6 +4,7 @@ Everything here runs for real (no mocks). The isolation tests need the namespace
 skipped, with the reason, where `rewards.sandbox` had to fall back (see its docstring for what that loses).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -243,3 +244,24 @@ def _tree_pids(caller: int) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+@needs_isolation
+def test_program_has_only_stdio_no_new_privs_and_seccomp(clean):
+    """No descriptor beyond 0/1/2 (with a judge: its two pipes to the judge), no_new_privs, a seccomp filter, no
+    capabilities, and a root holding only the Python installation and the working folder."""
+    probe = ("import json, os\nfds = os.listdir('/proc/self/fd')\n"
+             "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())\n"
+             "print(json.dumps([sorted(map(int, fds)), {k: status[k].strip() for k in "
+             "('NoNewPrivs', 'Seccomp', 'CapEff')}, sorted(os.listdir('/'))]))")
+    r = run(probe)
+    fds, status, root = json.loads(r.stdout)
+    assert fds[:3] == [0, 1, 2] and len(fds) == 4  # + the one listdir opened
+    assert status == {"NoNewPrivs": "1", "Seccomp": "2", "CapEff": "0000000000000000"}
+    assert set(root) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root", "sandbox", "sbin",
+                         "tmp", "usr", "opt", "home"} and "sandbox" in root and "work" not in root
+    body = "    import os\n    return len(os.listdir('/proc/self/fd'))\n"  # 0, 1, 2, 2 pipes, the listing's own
+    for prompt in ("def f():\n", 'def f():\n    """Count."""\n'):  # a bare `def` line too
+        task = {"prompt": prompt, "entry_point": "f", "test": "def check(candidate):\n    assert candidate() == 6\n"}
+        r = run(prompt + body, harness=task)
+        assert r.passed, r.verdict
