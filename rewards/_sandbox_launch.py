@@ -270,6 +270,9 @@ def run_judge(cfg, mode, harness):
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     judge_pid = os.getpid()
+    # Non-dumpable before the fork: no /proc/<pid>/mem, fd or environ of the judge for the candidate, not even in
+    # the moment before the judge's uid changes (in a user namespace both share a uid).
+    check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")
     pid = os.fork()
     if pid == 0:
         os.close(req_w)
@@ -280,8 +283,8 @@ def run_judge(cfg, mode, harness):
     os.close(req_r)
     os.close(resp_w)
     cfg.pop("program")
-    check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")  # no /proc/<pid>/mem, fd, environ for the candidate
     become(cfg["judge_uid"])
+    check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")  # a uid change resets it to fs.suid_dumpable
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
     spec_fd, result_fd = cfg["spec_fd"], cfg["result_fd"]
     lock_down(keep=(req_w, resp_r, spec_fd, result_fd))
