@@ -9,9 +9,10 @@ untrusted code runs:
   2. new mount, network, PID, IPC and UTS namespaces (as root directly, otherwise through a user namespace);
   3. fork: the child is PID 1 of the new PID namespace (when it exits, the kernel kills everything it started).
      It builds a new root file system on a small tmpfs holding only the Python installation (its base prefix
-     with the standard library, /usr and /lib*: read-only binds; not the virtual environment), /dev/{null,zero,full,random,urandom}, a fresh /proc
-     (only the sandbox's own processes) and /sandbox, a size-limited tmpfs working directory; pivot_root into it
-     and detach the old root (the project, other runs' files, host sockets: nothing of it stays reachable);
+     with the standard library, /usr and /lib*: read-only binds; not the virtual environment),
+     /dev/{null,zero,full,random,urandom}, a fresh /proc (only the sandbox's own processes) and /sandbox, a
+     size-limited tmpfs working directory; pivot_root into it and detach the old root (the project, other runs'
+     files, host sockets: nothing of it stays reachable);
   4. sets the rlimits and, for the program: a uid of its own (as root) or no capabilities (in a user namespace),
      every descriptor but 0, 1, 2 closed, PR_SET_NO_NEW_PRIVS and a seccomp filter (`seccomp_filter`), then
      runs main.py as __main__.

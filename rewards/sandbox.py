@@ -59,7 +59,8 @@ from rewards import _sandbox_tree as _tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The launcher is imported (its compiled form cached in rewards/__pycache__), not run as a script (compiled anew
 # every time: ~10 ms per run on 2 busy cores).
-LAUNCH = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {HERE!r}); import _sandbox_launch as l; l.main()"]
+LAUNCH = [sys.executable, "-I", "-c",
+          f"import sys; sys.path.insert(0, {HERE!r}); import _sandbox_launch as launch; launch.main()"]
 UID_BASE = 1_500_000_000  # sandbox uids: far above any real account, one per run
 IMPORTED = re.compile(r"^(?:from|import)[ \t]+([A-Za-z_]\w*)", re.MULTILINE)  # top-level modules a prompt imports
 SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGKILL: "killed", signal.SIGXFSZ: "file size limit",
@@ -122,7 +123,8 @@ _counter_lock = threading.Lock()
 
 
 def _sandbox_uid() -> int | None:
-    """A uid of this run's own (the next one is its judge's) when we are root (pid and a per-process counter keep concurrent runs apart)."""
+    """A uid of this run's own (the next one is its judge's) when we are root (pid and a per-process counter keep
+    concurrent runs apart)."""
     global _counter
     if os.geteuid() != 0:
         return None

@@ -386,12 +386,16 @@ STDIN_TASK = {"id": "sum-hidden", "reward": "code", "timeout_s": 4,
 
 
 def _task(attack):
+    """-> (task, code). An attack is its code (on HumanEval/0), (task id, code), (task id, code, task fields) or
+    ("stdin", code) for the stdin/stdout task."""
     spec = ATTACKS[attack]
+    if isinstance(spec, str):
+        spec = ("HumanEval/0", spec)
     if spec[0] == "stdin":
         return dict(STDIN_TASK), spec[1]
-    tid, code, extra = ("HumanEval/0", spec, {}) if isinstance(spec, str) else (
-        (spec[0], spec[1], {}) if len(spec) == 2 else spec)
-    return {**PROBLEMS[tid or "HumanEval/0"], "id": tid or "HumanEval/0", "reward": "code", "timeout_s": 4, **extra}, code
+    tid, code, extra = spec if len(spec) == 3 else (*spec, {})
+    tid = tid or "HumanEval/0"
+    return {**PROBLEMS[tid], "id": tid, "reward": "code", "timeout_s": 4, **extra}, code
 
 
 @pytest.fixture(scope="module")
