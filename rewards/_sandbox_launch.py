@@ -124,15 +124,61 @@ def close_fds(keep=()):
     os.closerange(low, 1 << 16)
 
 
-def lock_down(keep=()):
-    """Last step before untrusted code: close inherited descriptors, no_new_privs, seccomp."""
+def lock_down(keep=(), landlock_workdir=None):
+    """Last step before untrusted code: close inherited descriptors, no_new_privs, (landlock,) seccomp."""
     close_fds(keep)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    if landlock_workdir:
+        landlock(landlock_workdir)
     if MACHINE == "x86_64":
         prog = seccomp_filter()
         buf = ctypes.create_string_buffer(prog, len(prog))
         fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
         check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
+
+
+# ---------------------------------------------------------------- landlock (the file system without namespaces)
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446  # x86_64 and generic
+LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
+LL_SCOPE_ABSTRACT_UNIX_SOCKET, LL_SCOPE_SIGNAL = 1, 2
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where it has none (or it is disabled)."""
+    version = libc.syscall(LANDLOCK_CREATE_RULESET, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    return max(version, 0)
+
+
+def landlock(workdir):
+    """Without a mount namespace: the program may read and run only the Python installation (base prefix, /usr,
+    /lib*), read and write the devices and its working folder, and nothing else (not /proc, the project, the
+    venv, other runs' folders); from ABI 6 it may not signal processes outside its domain either."""
+    abi = landlock_abi()
+    handled = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # every file-system right this ABI knows
+    attr = struct.pack("QQQ", handled, 0, LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL) if abi >= 6 else \
+        struct.pack("Q", handled)
+    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), len(attr), 0)
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    read = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
+    rules = [(p, read) for p in python_dirs() + ["/etc/ld.so.cache"]]
+    rules += [(f"/dev/{d}", LL_READ_FILE | LL_WRITE_FILE) for d in DEVICES] + [(workdir, handled)]
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            if not os.path.isdir(path):
+                access &= LL_EXECUTE | LL_READ_FILE | LL_WRITE_FILE | (1 << 14)  # file rights only on a file
+            try:
+                check(libc.syscall(LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), 1,
+                                   ctypes.c_char_p(struct.pack("=Qi", access & handled, fd)), 0), f"landlock {path}")
+            finally:
+                os.close(fd)
+        check(libc.syscall(LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
 
 
 def drop_capabilities():
@@ -250,7 +296,7 @@ def run_candidate(cfg, mode, rpc=None, judge_pid=None):
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")  # a credential change clears it: set again
     if judge_pid is not None and os.getppid() != judge_pid:  # the judge died before PDEATHSIG took effect
         os._exit(1)
-    lock_down(keep=rpc or ())
+    lock_down(keep=rpc or (), landlock_workdir=cfg.get("landlock"))
     program = compile(cfg.pop("program"), "main.py", "exec")
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
@@ -288,7 +334,7 @@ def run_judge(cfg, mode, harness):
     check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")  # a uid change resets it to fs.suid_dumpable
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
     spec_fd, result_fd = cfg["spec_fd"], cfg["result_fd"]
-    lock_down(keep=(req_w, resp_r, spec_fd, result_fd))
+    lock_down(keep=(req_w, resp_r, spec_fd, result_fd), landlock_workdir=cfg.get("landlock"))
     spec = harness.read_spec(spec_fd)
     verdict = harness.judge(spec, req_w, resp_r)
     verdict["nonce"] = spec["nonce"]
@@ -305,7 +351,11 @@ def child(cfg, mode):
         os.chdir(cfg["workdir"])
         if cfg["uid"] is not None and not all(open_to_others(p) for p in python_dirs()):
             cfg["uid"] = cfg["judge_uid"] = None  # e.g. Python in /root: unreadable after the uid drop
+            os.chown(".", 0, 0)  # the caller gave the folder to the uid we do not take
             mode.append("no-uid-drop (uid 0 without capabilities)")
+        if landlock_abi():
+            cfg["landlock"] = os.getcwd()
+            mode.append(f"landlock-v{landlock_abi()}")
     set_limits(cfg)
     if cfg["uid"] is not None:
         mode.append("own-uid")

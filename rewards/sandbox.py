@@ -30,9 +30,13 @@ What protects a run (on Linux; `Result.mode` names each layer the machine allowe
 Fallbacks, honestly: in a `user-namespace` run (not root) the program and the judge share the caller's uid (the
 judge is non-dumpable, so the program cannot read its memory or descriptors), RLIMIT_NPROC is counted per user
 namespace (Linux >= 5.14), and it has the file system view and no network as above. With `no-isolation` (no
-namespaces allowed at all, e.g. an unprivileged container) the host file system is visible (read-write where
-the caller may write) and only seccomp keeps sockets away: the rlimits, tree limits, timeout, scrubbed
-environment, seccomp and (as root) the uid of its own protect. Use `isolate="require"` to refuse to run then.
+namespaces allowed at all, e.g. an unprivileged container) there is no PID namespace (the program can signal
+the caller's processes of its uid) and the host file system is there, held back by `landlock-vN` where the
+kernel has Landlock (read only the Python installation, /usr, /lib*, the devices; read and write only the working
+folder; nothing of /proc, the project or the venv; from ABI 6 no signals out of the domain); without Landlock it
+is readable (and writable where the caller may write). Seccomp keeps sockets away either way; as root the program
+runs under a uid of its own, or as uid 0 without capabilities where Python lives in a closed home
+(`no-uid-drop`). Use `isolate="require"` to refuse to run without namespaces.
 
 Throughput on 2 cores: see bench/rewards_sandbox.py.
 """

@@ -11,6 +11,8 @@ Then every HumanEval canonical solution must score 1 and every one with its body
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -482,16 +484,19 @@ def test_these_attacks_beat_an_in_process_verifier():
 
 
 @pytest.mark.timeout(60)
-def test_reading_attacks_win_without_the_new_root(host_services):
-    """The dataset, the project and the taskset are readable to a sandbox without namespaces: the prize is real."""
+def test_reading_attacks_win_outside_the_sandbox(host_services, tmp_path):
+    """The dataset, the project and the taskset are there to read for a program outside the sandbox: the prize
+    of the reading attacks is real."""
     for attack in ("read_humaneval_dataset", "read_project_source"):
         task, code = _task(attack)
-        program = f"{humaneval_program(code, task)}\nprint(LEAKED)\n"
-        r = run(program, isolate=False)
-        assert r.ok and r.stdout.strip() == "True", (attack, r.stderr[-300:])
+        (tmp_path / "main.py").write_text(f"{humaneval_program(code, task)}\nprint(LEAKED)\n")
+        r = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == "True", (attack, r.stderr[-300:])
     task, code = _task("read_expected_stdout_from_the_taskset")
-    r = run(code.replace("TASKS_PATH", host_services["TASKS_PATH"]), stdin="17 25\n", isolate=False)
-    assert r.ok and r.stdout.split() == ["42"], r.stderr[-300:]
+    (tmp_path / "main.py").write_text(code.replace("TASKS_PATH", host_services["TASKS_PATH"]))
+    r = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, input="17 25\n", capture_output=True, text=True,
+                       timeout=30)
+    assert r.stdout.split() == ["42"], r.stderr[-300:]
 
 
 @pytest.mark.timeout(60)

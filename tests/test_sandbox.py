@@ -265,3 +265,30 @@ def test_program_has_only_stdio_no_new_privs_and_seccomp(clean):
         task = {"prompt": prompt, "entry_point": "f", "test": "def check(candidate):\n    assert candidate() == 6\n"}
         r = run(prompt + body, harness=task)
         assert r.passed, r.verdict
+
+
+FALLBACK_MODE = run("pass", isolate=False).mode
+
+
+@pytest.mark.skipif("landlock" not in FALLBACK_MODE, reason=f"no Landlock here: {FALLBACK_MODE!r}")
+def test_without_namespaces_landlock_keeps_the_file_system_to_python_and_the_folder(clean, tmp_path):
+    """The fallback for machines without namespaces: the host file system is there, but Landlock lets the
+    program read only the Python installation and write only its own folder."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    targets = [str(secret), os.path.abspath(__file__), "/etc/passwd", "/proc/self/environ", str(tmp_path / "evil")]
+    probe = ("import json, math, collections\nout = {}\n"
+             f"for p in {targets!r}:\n"
+             "    try:\n        open(p, 'a' if p.endswith('evil') else 'r').close()\n        out[p] = 'open'\n"
+             "    except OSError as e:\n        out[p] = e.errno\n"
+             "open('mine.txt', 'w').write('x')\nout['mine'] = open('mine.txt').read()\nprint(json.dumps(out))")
+    r = run(probe, isolate=False)
+    assert r.ok, r.stderr[-500:]
+    got = json.loads(r.stdout)
+    assert got.pop("mine") == "x"
+    assert all(v == 13 for v in got.values()), got  # EACCES everywhere else
+    assert not (tmp_path / "evil").exists()
+    if int(FALLBACK_MODE.split("landlock-v")[1].split(",")[0]) >= 6:  # scoped: no signals out of the domain
+        r = run("import os\ntry:\n    os.kill(os.getppid(), 0)\nexcept PermissionError:\n    print('denied')",
+                isolate=False)
+        assert r.stdout.strip() == "denied"
