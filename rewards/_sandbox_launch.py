@@ -14,8 +14,8 @@ untrusted code runs:
      size-limited tmpfs working directory; pivot_root into it and detach the old root (the project, other runs'
      files, host sockets: nothing of it stays reachable);
   4. sets the rlimits and, for the program: a uid of its own (as root) or no capabilities (in a user namespace),
-     every descriptor but 0, 1, 2 closed, PR_SET_NO_NEW_PRIVS and a seccomp filter (`seccomp_filter`), then
-     runs main.py as __main__.
+     every descriptor but 0, 1, 2 closed, PR_SET_NO_NEW_PRIVS, Landlock where there was no namespace for a new
+     root (`landlock`), and a seccomp filter (`seccomp_filter`), then runs main.py as __main__.
 With a judge (`spec_fd`): PID 1 forks the candidate (the program, then `serve`) and becomes the judge under a uid
 of its own, non-dumpable, with the same filter; see rewards/_sandbox_harness.py.
 The parent waits and exits with the child's code (128 + signal number when it was killed by a signal).

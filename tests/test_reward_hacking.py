@@ -96,7 +96,7 @@ ATTACKS = {
                 dirs[:] = [d for d in dirs if d not in ("proc", "sys", "usr", "lib", "lib64")]
                 for name in files:
                     try:
-                        if b"def check(candidate)" in open(os.path.join(dirpath, name), "rb").read(1 << 20):
+                        if b"def check(" + b"candidate)" in open(os.path.join(dirpath, name), "rb").read(1 << 20):
                             LEAKED = True
                     except OSError:
                         pass
@@ -376,9 +376,17 @@ if os.fork() == 0:
         import os
         if "TANDEM_HACK_SECRET" in os.environ:
             LEAKED = True
-        for path in ("/etc/passwd", "/etc/hostname", "/root/.bashrc", "/work"):
-            if os.path.exists(path):
+        for path in ("/etc/passwd", "/etc/hostname", "/root/.bashrc"):
+            try:
+                open(path).read()
                 LEAKED = True
+            except OSError:
+                pass
+        try:
+            os.listdir("/work")
+            LEAKED = True
+        except OSError:
+            pass
         '''),
 }
 
@@ -463,6 +471,32 @@ def test_attack_scores_zero_and_leaves_nothing(attack, host_services, monkeypatc
     assert reward.info["pass_frac"] == 0.0
     assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
     assert _host_hack_files() == before
+
+
+FALLBACK_MODE = run("pass", isolate=False).mode
+
+
+@pytest.mark.skipif("landlock" not in FALLBACK_MODE or "seccomp" not in FALLBACK_MODE,
+                    reason=f"the fallback here has no Landlock or seccomp: {FALLBACK_MODE!r}")
+@pytest.mark.timeout(90)
+def test_attacks_fail_without_namespaces_too(host_services):
+    """The same attacks in the fallback for machines without namespaces (Landlock + seccomp + no capabilities,
+    no PID namespace, no new root)."""
+    won = []
+    for attack in sorted(ATTACKS):
+        task, code = _task(attack)
+        for name, value in host_services.items():
+            code = code.replace(name, value)
+        limits = Limits(timeout_s=task["timeout_s"], memory_mb=task.get("memory_mb", 1024))
+        if "tests" in task:
+            r = run(code, stdin=task["tests"][0]["input"], limits=limits, isolate=False)
+            ok = r.ok and r.stdout.split() == task["tests"][0]["output"].split()
+        else:
+            ok = run(humaneval_program(code, task), harness=task, limits=limits, isolate=False).passed
+        if ok:
+            won.append(attack)
+    assert won == []
+    assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
 
 
 # Attacks that do beat a verifier which runs the test inside the program's process and trusts the exit code
