@@ -103,7 +103,7 @@ class Result:
     @property
     def passed(self) -> bool:
         """With a harness: the judge saw every test pass (the exit status plays no part)."""
-        return bool(self.verdict and self.verdict["passed"]) and not self.timed_out and not self.limit
+        return bool(self.verdict and self.verdict["passed"]) and not (self.timed_out or self.limit or self.truncated)
 
     @property
     def reason(self) -> str:
@@ -370,7 +370,9 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
             proc.wait(timeout=5)
         if tree is not None:
             tree.kill()
-            tree.close()
+            for busy in tree.close():
+                print(f"sandbox: cgroup {busy} still busy after the run; swept once this process has exited",
+                      file=sys.stderr)
         if uid is not None:
             kill_uid(uid)  # anything that escaped the process group (setsid) without a PID namespace
             kill_uid(uid + 1)
