@@ -154,12 +154,20 @@ def read_spec(fd: int) -> dict:
     return json.loads(b"".join(chunks))
 
 
+def compile_prompt(prompt: str):
+    """The prompt for its imports and helpers; a prompt that ends in a bare `def` line gets a `pass` body."""
+    try:
+        return compile(prompt, "prompt.py", "exec")
+    except SyntaxError:
+        return compile(prompt.rstrip() + "\n    pass\n", "prompt.py", "exec")
+
+
 def judge(spec: dict, req_fd: int, resp_fd: int) -> dict:
     """Run the test's `check(candidate)` against the proxy. -> {"passed": bool, "reason": str, "calls": int}."""
     proxy = Proxy(spec["entry_point"], req_fd, resp_fd)
     env = {"__name__": "__judge__"}
     try:
-        exec(compile(spec["prompt"], "prompt.py", "exec"), env)  # noqa: S102 - the task's own helpers
+        exec(compile_prompt(spec["prompt"]), env)  # noqa: S102 - the task's own helpers
         env[spec["entry_point"]] = proxy
         exec(compile(spec["test"], "test.py", "exec"), env)  # noqa: S102
         env["check"](proxy)

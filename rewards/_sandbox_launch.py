@@ -9,12 +9,13 @@ untrusted code runs:
   2. new mount, network, PID, IPC and UTS namespaces (as root directly, otherwise through a user namespace);
   3. fork: the child is PID 1 of the new PID namespace (when it exits, the kernel kills everything it started).
      It builds a new root file system on a small tmpfs holding only the Python installation (its base prefix
-     with the standard library, /usr and /lib*: read-only binds; not the virtual environment), /dev/{null,zero,full,random,urandom}, a fresh /proc
-     (only the sandbox's own processes) and /sandbox, a size-limited tmpfs working directory; pivot_root into it
-     and detach the old root (the project, other runs' files, host sockets: nothing of it stays reachable);
+     with the standard library, /usr and /lib*: read-only binds; not the virtual environment),
+     /dev/{null,zero,full,random,urandom}, a fresh /proc (only the sandbox's own processes) and /sandbox, a
+     size-limited tmpfs working directory; pivot_root into it and detach the old root (the project, other runs'
+     files, host sockets: nothing of it stays reachable);
   4. sets the rlimits and, for the program: a uid of its own (as root) or no capabilities (in a user namespace),
-     every descriptor but 0, 1, 2 closed, PR_SET_NO_NEW_PRIVS and a seccomp filter (`seccomp_filter`), then
-     runs main.py as __main__.
+     every descriptor but 0, 1, 2 closed, PR_SET_NO_NEW_PRIVS, Landlock where there was no namespace for a new
+     root (`landlock`), and a seccomp filter (`seccomp_filter`), then runs main.py as __main__.
 With a judge (`spec_fd`): PID 1 forks the candidate (the program, then `serve`) and becomes the judge under a uid
 of its own, non-dumpable, with the same filter; see rewards/_sandbox_harness.py.
 The parent waits and exits with the child's code (128 + signal number when it was killed by a signal).
@@ -42,6 +43,7 @@ SECCOMP_MODE_FILTER = 2
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
 DEVICES = ("null", "zero", "full", "random", "urandom")
 WORK = "/sandbox"  # the program's working directory inside the new root
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers (glibc has no wrapper); other machines: no new root
 
 libc = ctypes.CDLL(None, use_errno=True)
 MACHINE = os.uname().machine
@@ -123,15 +125,61 @@ def close_fds(keep=()):
     os.closerange(low, 1 << 16)
 
 
-def lock_down(keep=()):
-    """Last step before untrusted code: close inherited descriptors, no_new_privs, seccomp."""
+def lock_down(keep=(), landlock_workdir=None):
+    """Last step before untrusted code: close inherited descriptors, no_new_privs, (landlock,) seccomp."""
     close_fds(keep)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    if landlock_workdir:
+        landlock(landlock_workdir)
     if MACHINE == "x86_64":
         prog = seccomp_filter()
         buf = ctypes.create_string_buffer(prog, len(prog))
         fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
         check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
+
+
+# ---------------------------------------------------------------- landlock (the file system without namespaces)
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446  # x86_64 and generic
+LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
+LL_SCOPE_ABSTRACT_UNIX_SOCKET, LL_SCOPE_SIGNAL = 1, 2
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where it has none (or it is disabled)."""
+    version = libc.syscall(LANDLOCK_CREATE_RULESET, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    return max(version, 0)
+
+
+def landlock(workdir):
+    """Without a mount namespace: the program may read and run only the Python installation (base prefix, /usr,
+    /lib*), read and write the devices and its working folder, and nothing else (not /proc, the project, the
+    venv, other runs' folders); from ABI 6 it may not signal processes outside its domain either."""
+    abi = landlock_abi()
+    handled = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1  # every file-system right this ABI knows
+    attr = struct.pack("QQQ", handled, 0, LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL) if abi >= 6 else \
+        struct.pack("Q", handled)
+    ruleset = libc.syscall(LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), len(attr), 0)
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    read = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
+    rules = [(p, read) for p in python_dirs() + ["/etc/ld.so.cache"]]
+    rules += [(f"/dev/{d}", LL_READ_FILE | LL_WRITE_FILE) for d in DEVICES] + [(workdir, handled)]
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            if not os.path.isdir(path):
+                access &= LL_EXECUTE | LL_READ_FILE | LL_WRITE_FILE | (1 << 14)  # file rights only on a file
+            try:
+                check(libc.syscall(LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), 1,
+                                   ctypes.c_char_p(struct.pack("=Qi", access & handled, fd)), 0), f"landlock {path}")
+            finally:
+                os.close(fd)
+        check(libc.syscall(LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
 
 
 def drop_capabilities():
@@ -203,7 +251,7 @@ def build_root(cfg, mode):
     os.symlink(WORK.lstrip("/"), root + "/tmp")
     os.mkdir(root + "/.old")
     os.chdir(root)
-    check(libc.syscall(155, b".", b".old"), "pivot_root")  # 155: x86_64; `unshare` failing elsewhere is fine
+    check(libc.syscall(PIVOT_ROOT[MACHINE], b".", b".old"), "pivot_root")
     check(libc.umount2(b"/.old", MNT_DETACH), "umount old root")
     os.rmdir("/.old")
     # Everything but the working directory becomes read-only (a bind remount keeps the per-mount flags that a
@@ -249,7 +297,7 @@ def run_candidate(cfg, mode, rpc=None, judge_pid=None):
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")  # a credential change clears it: set again
     if judge_pid is not None and os.getppid() != judge_pid:  # the judge died before PDEATHSIG took effect
         os._exit(1)
-    lock_down(keep=rpc or ())
+    lock_down(keep=rpc or (), landlock_workdir=cfg.get("landlock"))
     program = compile(cfg.pop("program"), "main.py", "exec")
     sys.argv = ["main.py"]
     sys.path.insert(0, os.getcwd())
@@ -270,6 +318,9 @@ def run_judge(cfg, mode, harness):
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     judge_pid = os.getpid()
+    # Non-dumpable before the fork: no /proc/<pid>/mem, fd or environ of the judge for the candidate, not even in
+    # the moment before the judge's uid changes (in a user namespace both share a uid).
+    check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")
     pid = os.fork()
     if pid == 0:
         os.close(req_w)
@@ -280,11 +331,11 @@ def run_judge(cfg, mode, harness):
     os.close(req_r)
     os.close(resp_w)
     cfg.pop("program")
-    check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")  # no /proc/<pid>/mem, fd, environ for the candidate
     become(cfg["judge_uid"])
+    check(libc.prctl(PR_SET_DUMPABLE, 0), "prctl(DUMPABLE)")  # a uid change resets it to fs.suid_dumpable
     check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl")
     spec_fd, result_fd = cfg["spec_fd"], cfg["result_fd"]
-    lock_down(keep=(req_w, resp_r, spec_fd, result_fd))
+    lock_down(keep=(req_w, resp_r, spec_fd, result_fd), landlock_workdir=cfg.get("landlock"))
     spec = harness.read_spec(spec_fd)
     verdict = harness.judge(spec, req_w, resp_r)
     verdict["nonce"] = spec["nonce"]
@@ -301,7 +352,11 @@ def child(cfg, mode):
         os.chdir(cfg["workdir"])
         if cfg["uid"] is not None and not all(open_to_others(p) for p in python_dirs()):
             cfg["uid"] = cfg["judge_uid"] = None  # e.g. Python in /root: unreadable after the uid drop
+            os.chown(".", 0, 0)  # the caller gave the folder to the uid we do not take
             mode.append("no-uid-drop (uid 0 without capabilities)")
+        if landlock_abi():
+            cfg["landlock"] = os.getcwd()
+            mode.append(f"landlock-v{landlock_abi()}")
     set_limits(cfg)
     if cfg["uid"] is not None:
         mode.append("own-uid")
@@ -346,6 +401,8 @@ def main():
     mode = [cfg.get("tree") or "no-tree-limits"]
     if cfg["isolate"] != "no":  # "yes" or "require"
         try:
+            if MACHINE not in PIVOT_ROOT:
+                raise OSError(38, f"no pivot_root syscall number for {MACHINE}")
             unshare(cfg, mode)
         except OSError as e:
             if cfg["isolate"] == "require":

@@ -16,15 +16,19 @@ Why a verdict cannot be forged (the design; an RL policy searches for holes in t
   (rewards/_sandbox_harness.py) that calls the candidate's entry point through a pipe, one call at a time, and
   gets back each return value as JSON of exact builtin types, decoded strictly (`from_tree`): an object with a
   lying `__eq__`, a subclass of int or str, anything that is not plain data, cannot reach the test's `==`; the
-  test's comparisons run in the judge on the judge's own objects. The test code, its expected values, the nonce
-  and the verdict pipe exist only in the judge (the spec comes in through a memfd the candidate never holds, read
-  after the candidate is forked). The judge runs under another uid than the program (as root; in a user namespace
-  the program has no capabilities), is non-dumpable (no /proc/<pid>/mem, fd or environ access), is PID 1 of the
-  sandbox (immune to the program's signals) and the seccomp filter forbids ptrace and process_vm_*. The verdict
-  counts only if the judge saw `check` return after at least one call, and carries the run's random nonce; exit
-  status and stdout play no part, so SystemExit(0), atexit/os._exit, exception hooks, threads, os.execv and
-  re-running with -O (asserts off) all fail. Tracing, builtins or sys.modules patches act only on the program's
-  own process.
+  test's comparisons run in the judge on the judge's own objects. The test code, its expected values, the
+  nonce and the verdict pipe exist only in the judge (the spec comes in through a memfd that the candidate
+  closes before its first line runs; the judge reads it only after forking the candidate). The judge runs under
+  another uid than the program (as root; in a user namespace the program has no capabilities), is non-dumpable
+  (no /proc/<pid>/mem, fd or environ access), is PID 1 of the sandbox (immune to the program's signals), and the
+  seccomp filter forbids ptrace and process_vm_*. The verdict counts only if the judge saw `check` return after
+  at least one call, and it carries the run's random nonce; exit status and stdout play no part, so
+  SystemExit(0), atexit/os._exit, exception hooks, threads, os.execv and re-running with -O (asserts off) all
+  fail. Tracing, builtins or sys.modules patches act only on the program's own process.
+  What this asks of honest programs: the entry point returns plain data (None, bool, int, float, complex, str,
+  bytes, and lists, tuples, sets, frozensets, dicts of them: not numpy scalars or own classes); changes it makes
+  to its arguments in place are not seen by the test; the test's other names (helpers such as HumanEval's `poly`)
+  are the prompt's own definitions, not the program's. All 164 HumanEval canonical solutions pass this way.
 - stdin/stdout: the expected output stays in this process and is compared here; the program sees only its
   input. It must also exit 0 (printing the answer and exiting is the legitimate way).
 - The sandbox's file system holds only the Python installation and the working directory: task files, the

@@ -30,9 +30,13 @@ What protects a run (on Linux; `Result.mode` names each layer the machine allowe
 Fallbacks, honestly: in a `user-namespace` run (not root) the program and the judge share the caller's uid (the
 judge is non-dumpable, so the program cannot read its memory or descriptors), RLIMIT_NPROC is counted per user
 namespace (Linux >= 5.14), and it has the file system view and no network as above. With `no-isolation` (no
-namespaces allowed at all, e.g. an unprivileged container) the host file system is visible (read-write where
-the caller may write) and only seccomp keeps sockets away: the rlimits, tree limits, timeout, scrubbed
-environment, seccomp and (as root) the uid of its own protect. Use `isolate="require"` to refuse to run then.
+namespaces allowed at all, e.g. an unprivileged container) there is no PID namespace (the program can signal
+the caller's processes of its uid) and the host file system is there, held back by `landlock-vN` where the
+kernel has Landlock (read only the Python installation, /usr, /lib*, the devices; read and write only the working
+folder; nothing of /proc, the project or the venv; from ABI 6 no signals out of the domain); without Landlock it
+is readable (and writable where the caller may write). Seccomp keeps sockets away either way; as root the program
+runs under a uid of its own, or as uid 0 without capabilities where Python lives in a closed home
+(`no-uid-drop`). Use `isolate="require"` to refuse to run without namespaces.
 
 Throughput on 2 cores: see bench/rewards_sandbox.py.
 """
@@ -60,7 +64,8 @@ from rewards import _sandbox_tree as _tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The launcher is imported (its compiled form cached in rewards/__pycache__), not run as a script (compiled anew
 # every time: ~10 ms per run on 2 busy cores).
-LAUNCH = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {HERE!r}); import _sandbox_launch as l; l.main()"]
+LAUNCH = [sys.executable, "-I", "-c",
+          f"import sys; sys.path.insert(0, {HERE!r}); import _sandbox_launch as launch; launch.main()"]
 UID_BASE = 1_500_000_000  # sandbox uids: far above any real account, one per run
 IMPORTED = re.compile(r"^(?:from|import)[ \t]+([A-Za-z_]\w*)", re.MULTILINE)  # top-level modules a prompt imports
 SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGKILL: "killed", signal.SIGXFSZ: "file size limit",
@@ -99,7 +104,7 @@ class Result:
     @property
     def passed(self) -> bool:
         """With a harness: the judge saw every test pass (the exit status plays no part)."""
-        return bool(self.verdict and self.verdict["passed"]) and not self.timed_out and not self.limit
+        return bool(self.verdict and self.verdict["passed"]) and not (self.timed_out or self.limit or self.truncated)
 
     @property
     def reason(self) -> str:
@@ -123,7 +128,8 @@ _counter_lock = threading.Lock()
 
 
 def _sandbox_uid() -> int | None:
-    """A uid of this run's own (the next one is its judge's) when we are root (pid and a per-process counter keep concurrent runs apart)."""
+    """A uid of this run's own (the next one is its judge's) when we are root (pid and a per-process counter keep
+    concurrent runs apart)."""
     global _counter
     if os.geteuid() != 0:
         return None
@@ -365,7 +371,9 @@ def run(program: str, stdin: str = "", limits: Limits | None = None, isolate: bo
             proc.wait(timeout=5)
         if tree is not None:
             tree.kill()
-            tree.close()
+            for busy in tree.close():
+                print(f"sandbox: cgroup {busy} still busy after the run; swept once this process has exited",
+                      file=sys.stderr)
         if uid is not None:
             kill_uid(uid)  # anything that escaped the process group (setsid) without a PID namespace
             kill_uid(uid + 1)

