@@ -46,7 +46,9 @@ class DatasetOptions:
             if self.prompt_column not in task:
                 raise SystemExit(f"error: {where}: missing column {self.prompt_column!r} (--prompt-column; the row "
                                  f"has {', '.join(map(repr, row)) or 'no columns'})")
-            task["prompt"] = self.prompt_template.replace("{prompt}", str(task.pop(self.prompt_column)))
+            prompt = task.pop(self.prompt_column)
+            # Text goes through the template; anything else (messages, a wrong type) is validate_task's to judge.
+            task["prompt"] = self.prompt_template.replace("{prompt}", prompt) if isinstance(prompt, str) else prompt
         if self.answer_column != "answer" and self.answer_column in task:
             task["answer"] = task.pop(self.answer_column)
         if self.answer_regex is not None and "answer" in task:
@@ -74,6 +76,10 @@ def load_dataset_rows(source: str, split: str, config: str | None = None):
         if kind is None:
             raise SystemExit(f"error: --taskset {source}: unknown dataset format "
                              f"(use .jsonl, .parquet, .json, .csv, .arrow, a dataset folder or a Hub id)")
+        if kind in ("json", "csv"):
+            from common.knobs import read_utf8_lines
+
+            read_utf8_lines(source)  # `file:line: not UTF-8` rather than a datasets traceback
         return datasets.load_dataset(kind, data_files=source, split="train")
     if not os.path.isdir(source) and (not HUB_ID.match(source) or source.rsplit(".", 1)[-1] in DATA_FILES):
         raise SystemExit(f"error: --taskset {source}: no such file or folder (nor a Hub dataset id like owner/name)")
