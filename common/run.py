@@ -25,7 +25,8 @@ def prepare_run(args, schedule: str) -> None:
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum,
                                      check_reward=not args.reward_fn)  # bad rows fail here
-    if not args.reward_fn and not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
+    needs_rm = [t for t in (train.tasks or []) + held_out if t["reward"] == "rm" and not t.get("rm_model")]
+    if needs_rm and not args.rm_model and not args.reward_fn:
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume and latest_checkpoint(args.out_dir) is None:
         raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")
