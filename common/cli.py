@@ -17,6 +17,7 @@ import typing
 from typing import Annotated, Literal
 
 # Section comments of common/config.py -> the --help group they belong to (a section not listed is its own group).
+SCHEDULE = ("schedule", "when and how weights and experiences move between explorers and trainers")
 GROUPS = {
     "run": ("run", "outputs, length, resume, tracking, timeouts"),
     "model and devices": ("model / engine", "the policy model, its dtype, devices and the rollout engine"),
@@ -25,7 +26,7 @@ GROUPS = {
     "rewards": ("rewards", "verifiers, reward models, shaping (rewards/)"),
     "optimisation": ("algorithm", "the loss, its advantages and the optimizer (common/losses.py)"),
     "PPO / critic, reference model, experience filters": ("algorithm", ""),
-    "weight sync": ("schedule", "when and how weights and experiences move between explorers and trainers"),
+    "weight sync": SCHEDULE,
     "Kimi k1.5: partial rollouts, replay, curriculum": ("Kimi extras", "partial rollouts, replay, "
                                                         "prioritized sampling, curriculum (Kimi k1.5)"),
 }
@@ -39,7 +40,7 @@ def field_groups(cls) -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     dataclass_bases = [k for k in reversed(cls.__mro__) if dataclasses.is_dataclass(k)]
     for i, klass in enumerate(dataclass_bases):
-        group = GROUPS["run"] if i == 0 else GROUPS["weight sync"]  # an entry script's own fields: the schedule's
+        group = GROUPS["run"] if i == 0 else SCHEDULE  # an entry script's own fields: the schedule's
         for line in inspect.getsource(klass).splitlines():
             section = SECTION.match(line)
             if section:
@@ -65,7 +66,12 @@ def choices(cls) -> dict[str, tuple]:
 def grouped_type(cls):
     """A dataclass with one nested dataclass per group (flags unprefixed), and {attribute: (group class, names)}."""
     import tyro
-    from tyro._docstrings import get_field_docstring
+    def doc(name: str) -> str:  # the field's docstring, read the way tyro reads it (private API: may move)
+        try:
+            from tyro._docstrings import get_field_docstring
+        except ImportError:
+            return ""
+        return " ".join((get_field_docstring(cls, name, ()) or "").split())
 
     hints = typing.get_type_hints(cls, include_extras=True)
     by_group: dict[str, list[str]] = {}
@@ -76,8 +82,7 @@ def grouped_type(cls):
     top, parts = [], {}
     for title, names in by_group.items():
         attr = re.sub(r"\W+", "_", title).strip("_").lower()
-        fields = [(n, Annotated[hints[n], tyro.conf.arg(help=" ".join((get_field_docstring(cls, n, ()) or "").split()))],
-                   dataclasses.field(default=None)) for n in names]
+        fields = [(n, Annotated[hints[n], tyro.conf.arg(help=doc(n))], dataclasses.field(default=None)) for n in names]
         group = dataclasses.make_dataclass(title.replace(" / ", "/"), fields)
         parts[attr] = (group, names)
         top.append((attr, Annotated[tyro.conf.OmitArgPrefixes[group], tyro.conf.arg(help=descriptions[title])],

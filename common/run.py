@@ -31,8 +31,8 @@ def prepare_run(args, schedule: str) -> None:
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
                                      args.dataset_split, args.eval_dataset_split)  # bad rows fail here
     check_prompt_lengths(args, (train.tasks or []) + held_out)
-    if not args.reward_fn and not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model")
-                                                        for t in (train.tasks or []) + held_out):
+    needs_rm = [t for t in (train.tasks or []) + held_out if t["reward"] == "rm" and not t.get("rm_model")]
+    if needs_rm and not args.rm_model and not args.reward_fn:
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume:
         rewind_to_checkpoint(args)

@@ -15,7 +15,7 @@ TINY = ["--model", "tiny", "--taskset", "parity", "--tasks-per-step", "4", "--sa
         "--eval-size", "4", "--eval-every", "0", "--lr", "1e-3"]
 
 
-def run_script(script: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run an entry script as a user would, in a fresh process."""
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})})

@@ -9,7 +9,6 @@ import torch
 
 from common.config import ConfigError, parse_args
 from common.experience import Experience, collate
-from common.metrics import read_metrics
 from common.processors import PROCESSORS, build_processors, process
 from common.trainer import Trainer
 from tests.conftest import TINY, assert_trained, run_script

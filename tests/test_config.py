@@ -19,16 +19,20 @@ def test_every_choice_field_is_a_literal():
     assert CHOICE_FIELDS <= set(choices(CommonArgs))
 
 
-@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
-def test_help_lists_every_choice_and_is_grouped(script):
-    proc = run_script(script, "--help", timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+@pytest.mark.parametrize("script", ["train_sync", "train_offpolicy", "train_async"])
+def test_help_lists_every_choice_and_is_grouped(script, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(importlib.import_module(script).Args, ["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
     for name, allowed in choices(CommonArgs).items():
-        assert "{" + ",".join(allowed) + "}" in proc.stdout, name
+        assert "{" + ",".join(allowed) + "}" in out, name
     for group in ("run options", "model-engine options", "data options", "rewards options", "algorithm options",
                   "schedule options", "kimi-extras options"):
-        assert group in proc.stdout, group
-    assert "--lr FLOAT" in proc.stdout and "--sync-method" in proc.stdout  # flags stay short: no group prefix
+        assert group in out, group
+    assert "--lr FLOAT" in out and "--sync-method" in out  # flags stay short: no group prefix
 
 
 def test_wrong_choice_is_a_one_line_error(tmp_path):

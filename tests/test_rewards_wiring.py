@@ -8,7 +8,6 @@ import json
 import pytest
 
 from common.config import CommonArgs, parse_args
-from common.metrics import read_metrics
 from rewards import Reward
 from rewards.shaping import shape_batch
 from rewards.testing import build_tiny_rm

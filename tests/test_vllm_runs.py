@@ -8,7 +8,7 @@ import os
 import pytest
 
 from common.engine_vllm import vllm_available
-from common.metrics import read_metrics, read_timeline
+from common.metrics import read_timeline
 from tests.conftest import TINY, assert_trained, run_script
 
 ok, why = vllm_available()
@@ -63,4 +63,4 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tmp_path):
 def test_engine_must_be_hf_or_vllm(tmp_path):
     proc = run_script("train_sync.py", *TINY, "--engine", "sglang", "--out-dir", str(tmp_path / "run"), timeout=60)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == \
-        "error: --engine must be hf or vllm (got 'sglang')"
+        "error: --engine 'sglang': not one of hf, vllm"
