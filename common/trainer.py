@@ -381,8 +381,10 @@ class TrainerRun:
     def finish(self, final_eval: dict):
         if not self.is_main:
             return
-        self.checkpoint()
-        self.checkpoint("final")
+        every = self.args.checkpoint_every
+        if not every or self.trainer.step % every == 0:  # the last step on the --checkpoint-every grid (as TRL)
+            self.checkpoint()
+        self.checkpoint("final")  # model + tokenizer (hard links to the step checkpoint's when there is one)
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)
         with open(os.path.join(self.args.out_dir, "summary.json"), "w") as f:
