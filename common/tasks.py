@@ -80,6 +80,8 @@ def validate_task(task: dict, where: str) -> dict:
     for name in REQUIRED_FIELDS[kind]:
         if name not in task:
             raise SystemExit(f"error: {where}: missing field {name!r} (needed by reward {kind!r})")
+    if kind == "code" and not isinstance(task.get("prompt"), str):
+        raise SystemExit(f"error: {where}: reward 'code' needs 'prompt' as text (the function it completes)")
     if kind == "code" and not ("tests" in task or "test" in task):
         raise SystemExit(f"error: {where}: missing field 'tests' (or 'test') (needed by reward 'code')")
     return task
