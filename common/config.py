@@ -44,7 +44,8 @@ class CommonArgs:
     wandb_project: str = "tandem"
     """W&B project name when --track is on."""
     checkpoint_every: int = 20
-    """Save a checkpoint every N trainer steps (0: only the final one)."""
+    """Save a resumable checkpoint (weights + optimizer) every N trainer steps, the last step included when it is a
+    multiple of N (0: only at the last step). final/ (model + tokenizer) is always written."""
     keep_checkpoints: int = 2
     """Keep the newest K step checkpoints (older ones are deleted once the newest is complete; 0: keep all)."""
     timeout_s: float = 900.0

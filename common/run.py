@@ -67,7 +67,8 @@ def rewind_to_checkpoint(args) -> None:
     remove_partial(args.out_dir)
     path = latest_checkpoint(args.out_dir, warn=True)
     if path is None:
-        raise ConfigError(f"--resume: no usable checkpoint in {args.out_dir}/checkpoints")
+        raise ConfigError(f"--resume: no usable checkpoint in {args.out_dir}/checkpoints (one is saved every "
+                          "--checkpoint-every steps, on Ctrl-C, and at the end when the last step is on that grid)")
     step = int(path.rsplit("_", 1)[1])
     remove_newer(args.out_dir, step)
     redone = rewind_metrics(args.out_dir, step)

@@ -95,6 +95,8 @@ def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
         return task
     if kind not in KINDS:  # the one registry of verifiers: rewards/base.py
         raise SystemExit(f"error: {where}: unknown reward {kind!r} (one of {', '.join(KINDS)})")
+    if kind == "code" and not isinstance(task.get("prompt"), str):
+        raise SystemExit(f"error: {where}: reward 'code' needs 'prompt' as text (the function it completes)")
     missing = missing_fields(task, kind)
     if missing:
         raise SystemExit(f"error: {where}: missing field {missing[0]} (needed by reward {kind!r})")

@@ -392,8 +392,10 @@ class TrainerRun:
         if not self.is_main:
             return
         final_eval, _ = self.control.wait_final(self.args.timeout_s)
-        self.checkpoint()
-        self.checkpoint("final")
+        every = self.args.checkpoint_every
+        if not every or self.trainer.step % every == 0:  # the last step on the --checkpoint-every grid (as TRL)
+            self.checkpoint()
+        self.checkpoint("final")  # model + tokenizer (hard links to the step checkpoint's when there is one)
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)
         if not self.args.eval_every:

@@ -75,9 +75,11 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [bool(r.get("resumed")) for r in rows] == [s > last_checkpoint for s in range(1, 6)]
-    assert _checkpoints(out) == ["step_4", "step_5"]  # --keep-checkpoints 2 (default)
-    assert sorted(os.listdir(out / "final")) == sorted(f for f in os.listdir(out / "checkpoints" / "step_5")
-                                                       if f != "trainer_state.pt")  # model + tokenizer only
+    # Every 2 steps (step 5 is off that grid, as in TRL), the newest 2 kept (--keep-checkpoints 2, the default).
+    assert _checkpoints(out) == ["step_2", "step_4"]
+    assert sorted(os.listdir(out / "final")) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                                 "manifest.json", "model.safetensors", "tokenizer.json",
+                                                 "tokenizer_config.json"]  # model + tokenizer only
     assert not _leftovers(out)
     config = json.loads((out / "config.json").read_text())
     assert config["model"] == "tiny" and config["lr"] == 1e-3 and config["steps"] == 5  # the saved config
