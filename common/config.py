@@ -203,6 +203,26 @@ class CommonArgs:
     """Easy to hard (Kimi k1.5): difficulty levels open one by one over the run (see common/tasks.TaskStream);
     arith: levels 1..--difficulty; files: each task's 'difficulty' field."""
 
+    # --- memory: big models on one node (common/fsdp.py, common/packing.py, README "Big models") --------------
+    trainer_shard: str = "none"
+    """none: every data-parallel trainer holds the whole model, gradients and AdamW state (replicas); fsdp: FSDP2
+    shards them over the trainers (each decoder layer and the root), policy, reference and critic alike."""
+    fsdp_cpu_offload: bool = False
+    """--trainer-shard fsdp: keep the parameter shards, their gradients and the optimizer state in CPU memory
+    (FSDP2 CPUOffloadPolicy), for models whose shards do not fit next to the activations."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of storing them (policy and critic)."""
+    max_tokens_per_micro_batch: int = 0
+    """Padding-free packing: micro-batches hold whole sequences up to this many tokens, run with padding removed
+    (position ids restart per sequence, attention never crosses them); replaces --micro-batch-size (0: off)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank (peft) on --lora-target-modules: the trainer trains only them and the explorers
+    get the merged weights (0: off, full fine-tuning)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the adapter's update is scaled by alpha / rank)."""
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated module names that get LoRA adapters."""
+
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
     def explorer_device_list(self) -> list[str]:
@@ -271,6 +291,7 @@ class CommonArgs:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
                               f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size})")
         self._validate_kimi()
+        self._validate_memory()
         check_placement(self.explorer_device_list, self.trainer_device_list)
 
     def _validate_kimi(self) -> None:
@@ -290,6 +311,22 @@ class CommonArgs:
                               "arith never repeats a task")
         if self.curriculum and self.taskset == "arith" and self.difficulty < 2:
             raise ConfigError("--curriculum with --taskset arith needs --difficulty >= 2 (levels 1..difficulty)")
+
+    def _validate_memory(self) -> None:
+        """Sharding, packing and LoRA fields (one-line errors naming the field)."""
+        if self.trainer_shard not in ("none", "fsdp"):
+            raise ConfigError(f"--trainer-shard must be none or fsdp (got {self.trainer_shard!r})")
+        if self.fsdp_cpu_offload and self.trainer_shard != "fsdp":
+            raise ConfigError("--fsdp-cpu-offload needs --trainer-shard fsdp")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"--max-tokens-per-micro-batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
+                              "0 = off)")
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (got {self.lora_rank}; 0 = off)")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ConfigError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
+        if self.lora_rank and not [m for m in self.lora_target_modules.split(",") if m.strip()]:
+            raise ConfigError("--lora-target-modules must name at least one module")
 
     def _validate_algo_extras(self) -> None:
         """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""

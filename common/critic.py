@@ -10,7 +10,9 @@ import torch
 
 from common.experience import Batch
 from common.losses import clipped_value_loss, masked_mean
-from common.model import load_model
+from common.fsdp import prepare_model
+from common.model import hidden_states, load_model
+from common.packing import batch_micro_batches, micro_batches
 from common.parallel import DataParallel
 
 
@@ -29,10 +31,8 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as sequence_logprobs: padding-proof
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state[:, :-1]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        hidden = hidden_states(self.body, input_ids, attention_mask, packed)[:, :-1]  # as sequence_logprobs
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -43,6 +43,7 @@ class Critic:
         name = args.critic_model or args.model
         self.model = ValueModel(name, device, dtype, args.seed, "--critic-model" if args.critic_model else "--model")
         self.model.train()
+        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, FSDP2 (common/fsdp.py)
         if self.model.vocab_size != policy_vocab_size:
             raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
                              f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")
@@ -52,10 +53,10 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """V before this step's update at every position ([B, T-1]; 0 where the response mask is 0): the baseline of
         GAE and the anchor of value clipping."""
-        mbs = self.args.micro_batch_size
-        parts = [self.model(batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs])
-                 for i in range(0, len(batch), mbs)]
-        return torch.cat(parts) * batch.response_mask
+        args, out = self.args, torch.zeros_like(batch.response_mask)
+        for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
+            out[idx] = self.model(batch.input_ids[idx], batch.attention_mask[idx], args.max_tokens_per_micro_batch > 0)
+        return out * batch.response_mask
 
     # ALGO LOGIC: one critic optimizer step on a minibatch, micro-batched like the actor's (token-mean weighting).
     def update(self, batch: Batch, idx: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, stats: dict):
@@ -63,10 +64,11 @@ class Critic:
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)
-        for start in range(0, len(local), args.micro_batch_size):
-            mb_idx = local[start: start + args.micro_batch_size]
+        for mb_idx in micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+                                    args.max_tokens_per_micro_batch):
             mask = batch.response_mask[mb_idx]
-            values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx])
+            values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx],
+                                args.max_tokens_per_micro_batch > 0)
             loss, clip_frac = clipped_value_loss(values, old_values[mb_idx], returns[mb_idx], mask,
                                                  args.value_clip_eps)
             (loss * mask.sum() / total_tokens).backward()

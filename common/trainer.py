@@ -22,7 +22,9 @@ from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
 from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, gae_advantages, group_advantages,
                            kl_estimate, kl_penalized_rewards, masked_mean, masked_whiten, opmd_loss)
+from common.fsdp import prepare_model
 from common.model import load_model, load_tokenizer, sequence_logprobs
+from common.packing import batch_micro_batches, micro_batches
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
 from common.weight_sync import weights_hash
@@ -55,11 +57,13 @@ class Trainer:
         self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
         self.model.config.use_cache = False
         self.model.train()
+        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, LoRA, FSDP2 (common/fsdp.py)
         # The reference model only exists when something uses it (KL term): saves memory and a forward pass.
         self.ref_model = None
         if args.kl_coef > 0:
             self.ref_model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed).eval()
             self.ref_model.requires_grad_(False)
+            self.ref_model = prepare_model(self.ref_model, args, self.dp, trainable=False)
         self.critic = None
         if args.algo == "ppo":
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
@@ -153,12 +157,13 @@ class Trainer:
         total_units = batch.response_mask[idx].sum().clamp(min=1) if per_token else len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
-        for start in range(0, len(local), args.micro_batch_size):
-            mb_idx = local[start: start + args.micro_batch_size]
+        for mb_idx in micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+                                    args.max_tokens_per_micro_batch):
             mb = batch.select(mb_idx)
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
                                                   mb.response_mask, with_entropy=True,
-                                                  entropy_grad=args.entropy_coef > 0)
+                                                  entropy_grad=args.entropy_coef > 0,
+                                                  packed=args.max_tokens_per_micro_batch > 0)
             old, weights = mb.old_logprobs, None
             if correcting:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
@@ -192,11 +197,11 @@ class Trainer:
 
     @torch.no_grad()
     def _logprobs(self, model, batch: Batch) -> torch.Tensor:
-        mbs = self.args.micro_batch_size
-        parts = [sequence_logprobs(model, batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs],
-                                   self.args.temperature, batch.response_mask[i:i + mbs])
-                 for i in range(0, len(batch), mbs)]
-        return torch.cat(parts)
+        args, out = self.args, torch.zeros_like(batch.response_mask)
+        for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
+            out[idx] = sequence_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], args.temperature,
+                                         batch.response_mask[idx], packed=args.max_tokens_per_micro_batch > 0)
+        return out
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())
