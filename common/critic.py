@@ -10,10 +10,11 @@ import torch
 
 from common.experience import Batch
 from common.losses import clipped_value_loss, masked_mean
-from common.fsdp import prepare_model
+from common.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
 from common.model import hidden_states, load_model
 from common.packing import batch_micro_batches, micro_batches
 from common.parallel import DataParallel
+from common.weight_sync import full_tensor
 
 
 class ValueModel(torch.nn.Module):
@@ -64,8 +65,11 @@ class Critic:
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)
-        for mb_idx in micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
-                                    args.max_tokens_per_micro_batch):
+        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+                                                     args.max_tokens_per_micro_batch)):
+            if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
+                (self.model(batch.input_ids[:1], batch.attention_mask[:1]).sum() * 0).backward()
+                continue
             mask = batch.response_mask[mb_idx]
             values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx],
                                 args.max_tokens_per_micro_batch > 0)
@@ -77,18 +81,22 @@ class Critic:
             stats.setdefault("value/mean", []).append(masked_mean(values.detach(), mask).item())
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("value_grad_norm", []).append(grad_norm.item())
+        stats.setdefault("value_grad_norm", []).append(full_tensor(grad_norm).item())
         self.optimizer.step()
 
     # ---------------------------------------------------------------- checkpoint part: <checkpoint>/critic/
-    def save(self, checkpoint_dir: str):
+    def state(self) -> tuple[dict, dict]:
+        """(whole weights, optimizer state) to save; a collective when sharded (common/fsdp.py)."""
+        return full_state_dict(self.model), optimizer_state(self.model, self.optimizer)
+
+    def save(self, checkpoint_dir: str, state: tuple[dict, dict] | None = None):
         from safetensors.torch import save_file
 
+        weights, optimizer = state or self.state()
         folder = os.path.join(checkpoint_dir, "critic")
         os.makedirs(folder, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
-                  os.path.join(folder, "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, os.path.join(folder, "model.safetensors"))
+        torch.save(optimizer, os.path.join(folder, "optimizer.pt"))
 
     def load(self, checkpoint_dir: str):
         from safetensors.torch import load_file
@@ -96,10 +104,11 @@ class Critic:
         folder = os.path.join(checkpoint_dir, "critic")
         if not os.path.exists(os.path.join(folder, "model.safetensors")):
             raise SystemExit(f"error: --resume {checkpoint_dir}: no critic/ in the checkpoint (not an --algo ppo run?)")
-        device = next(self.model.parameters()).device
+        device = "cpu" if self.dp.sharded else next(self.model.parameters()).device
         try:
-            self.model.load_state_dict(load_file(os.path.join(folder, "model.safetensors"), device=str(device)))
+            load_full_state_dict(self.model, load_file(os.path.join(folder, "model.safetensors"), device=str(device)))
         except RuntimeError as e:
             raise SystemExit(f"error: --resume {folder}: critic weights do not match the critic model "
                              f"({str(e).splitlines()[0]})") from None
-        self.optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu"))
+        load_optimizer_state(self.model, self.optimizer, torch.load(os.path.join(folder, "optimizer.pt"),
+                                                                    map_location="cpu"))

@@ -213,6 +213,13 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     rows padding-free (`hidden_states`). The explorer's behaviour log-probs are checked against this.
     Entropy (same shape) is computed without a graph unless `entropy_grad` (an entropy bonus needs one).
     """
+    sharded_forward = getattr(model, "tandem_sequence_logprobs", None)  # FSDP2: the root gathers around it
+    if sharded_forward is not None:
+        return sharded_forward(input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed)
+    return _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed)
+
+
+def _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed):
     hidden = hidden_states(model.base_model, input_ids, attention_mask, packed)[:, :-1]
     selected = (attention_mask[:, 1:] if mask is None else mask).bool()
     softcap = getattr(model.config, "final_logit_softcapping", None)

@@ -25,6 +25,7 @@ class DataParallel:
     group: Any = None              # the trainers' process group
     device: torch.device = torch.device("cpu")  # where the collectives run (the GPU under NCCL)
     src: int = 0                   # global rank of trainer 0
+    sharded: bool = False          # --trainer-shard fsdp: FSDP2 reduces the gradients itself (common/fsdp.py)
 
     @classmethod
     def from_context(cls, ctx) -> "DataParallel":
@@ -49,7 +50,7 @@ class DataParallel:
     @torch.no_grad()
     def all_reduce_gradients(self, params: list[torch.nn.Parameter], bucket_mb: int = 256) -> None:
         """Sum every parameter's gradient over the trainers (a missing gradient counts as zero)."""
-        if not self.enabled:
+        if not self.enabled or self.sharded:
             return
         from common.weight_sync import tensor_buckets
 
@@ -63,3 +64,12 @@ class DataParallel:
             for g in bucket:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def even_out(self, micro_batches: list) -> list:
+        """Sharded trainers: every forward/backward pass is a collective, so each trainer runs as many as the busiest
+        one; the missing ones are None (an idle pass that contributes zero gradient)."""
+        if not (self.enabled and self.sharded):
+            return micro_batches
+        most = torch.tensor([len(micro_batches)], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return micro_batches + [None] * (int(most.item()) - len(micro_batches))

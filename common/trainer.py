@@ -22,12 +22,13 @@ from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
 from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, gae_advantages, group_advantages,
                            kl_estimate, kl_penalized_rewards, masked_mean, masked_whiten, opmd_loss)
-from common.fsdp import prepare_model
+from common.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model,
+                         save_hf_folder)
 from common.model import load_model, load_tokenizer, sequence_logprobs
 from common.packing import batch_micro_batches, micro_batches
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
-from common.weight_sync import weights_hash
+from common.weight_sync import full_tensor, weights_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,6 +54,7 @@ class Trainer:
     def __init__(self, args, device: torch.device, dp: DataParallel | None = None):
         self.args, self.device = args, device
         self.dp = dp or DataParallel()  # one trainer unless --trainer-devices lists several
+        self.dp.sharded = args.trainer_shard == "fsdp"
         self.tokenizer = load_tokenizer(args.model)
         self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
         self.model.config.use_cache = False
@@ -119,7 +121,7 @@ class Trainer:
         self.step += 1
         self.version += 1
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
-            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.load_state_dict(self.model.state_dict())  # sharded: shard to shard, same layout
             stats["ref_reset"] = [1.0]
         tokens = batch.response_mask.sum().item()
         out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, **filtered}  # what a step without an update reports
@@ -157,8 +159,11 @@ class Trainer:
         total_units = batch.response_mask[idx].sum().clamp(min=1) if per_token else len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
-        for mb_idx in micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
-                                    args.max_tokens_per_micro_batch):
+        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+                                                     args.max_tokens_per_micro_batch)):
+            if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
+                (sequence_logprobs(self.model, batch.input_ids[:1], batch.attention_mask[:1]).sum() * 0).backward()
+                continue
             mb = batch.select(mb_idx)
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
                                                   mb.response_mask, with_entropy=True,
@@ -192,7 +197,7 @@ class Trainer:
                 stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask).item())
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("grad_norm", []).append(grad_norm.item())
+        stats.setdefault("grad_norm", []).append(full_tensor(grad_norm).item())
         self.optimizer.step()
 
     @torch.no_grad()
@@ -207,21 +212,32 @@ class Trainer:
         return list(self.model.named_parameters())
 
     # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str:
-        """HF folder + trainer_state.pt, written to a temp folder and renamed: a checkpoint is whole or absent."""
+    def save_checkpoint(self, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str | None:
+        """HF folder + trainer_state.pt, written to a temp folder and renamed: a checkpoint is whole or absent.
+        Sharded trainers all call it (the full state is gathered onto trainer 0, common/fsdp.py); trainer 0 writes."""
+        sharded = self.dp.sharded
+        weights = full_state_dict(self.model) if sharded else None
+        optimizer = optimizer_state(self.model, self.optimizer)
+        critic = self.critic.state() if self.critic is not None else None
+        reference = full_state_dict(self.ref_model) if self.args.ref_reset_every else None
+        if self.dp.rank != 0:
+            return None
         name = name or f"step_{self.step}"
         parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
         os.makedirs(parent, exist_ok=True)
         final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
+        if sharded:
+            save_hf_folder(self.model, weights, tmp)
+        else:
+            self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         if self.critic is not None:
-            self.critic.save(tmp)
+            self.critic.save(tmp, critic)
         if self.args.ref_reset_every:  # the reference is no longer the initial model: keep it
-            self.ref_model.save_pretrained(os.path.join(tmp, "reference"))
+            save_hf_folder(self.ref_model, reference, os.path.join(tmp, "reference"))
         torch.save({
-            "step": self.step, "version": self.version, "optimizer": self.optimizer.state_dict(),
+            "step": self.step, "version": self.version, "optimizer": optimizer, "sharded_optimizer": sharded,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             **(extra_state or {}),
         }, os.path.join(tmp, "trainer_state.pt"))
@@ -241,7 +257,10 @@ class Trainer:
         if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
             self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("sharded_optimizer", False) != self.dp.sharded:  # keyed by name vs by index
+            raise SystemExit(f"error: --resume {path}: optimizer state saved with --trainer-shard "
+                             f"{'fsdp' if state.get('sharded_optimizer') else 'none'}; resume with the same")
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
@@ -253,8 +272,8 @@ class Trainer:
 
         weights = {}
         for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            weights.update(load_file(f, device=str(self.device)))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+            weights.update(load_file(f, device="cpu" if self.dp.sharded else str(self.device)))
+        missing, unexpected = load_full_state_dict(model, weights, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
@@ -323,7 +342,7 @@ class TrainerRun:
             self.checkpoint()
 
     def checkpoint(self, name: str | None = None):
-        if not self.is_main:  # the replicas are identical: one writer
+        if not self.is_main and not self.trainer.dp.sharded:  # the replicas are identical: one writer
             return None
         with self.timeline.phase("checkpoint", step=self.trainer.step):
             return self.trainer.save_checkpoint(self.args.out_dir, name, {**self.summary,
@@ -331,6 +350,9 @@ class TrainerRun:
 
     def finish(self, final_eval: dict):
         if not self.is_main:
+            if self.trainer.dp.sharded:  # the gathers of trainer 0's checkpoints need every shard
+                self.checkpoint()
+                self.checkpoint("final")
             return
         self.checkpoint()
         self.checkpoint("final")
