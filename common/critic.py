@@ -34,7 +34,7 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
         hidden = hidden_states(self.body, input_ids, attention_mask, packed)[:, :-1]  # as sequence_logprobs
-        return self.value_head(hidden).squeeze(-1).float()
+        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # not a view (FSDP2's hooks)
 
 
 class Critic:
