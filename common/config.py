@@ -327,6 +327,11 @@ class CommonArgs:
             raise ConfigError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
         if self.lora_rank and not [m for m in self.lora_target_modules.split(",") if m.strip()]:
             raise ConfigError("--lora-target-modules must name at least one module")
+        if self.lora_rank and self.trainer_shard == "fsdp":
+            raise ConfigError("--lora-rank with --trainer-shard fsdp is not supported (LoRA trains replicas: the "
+                              "frozen base is small next to full fine-tuning's gradients and AdamW state)")
+        if self.lora_rank and self.ref_reset_every:
+            raise ConfigError("--ref-reset-every with --lora-rank is not supported (the reference is the base model)")
 
     def _validate_algo_extras(self) -> None:
         """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""

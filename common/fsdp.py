@@ -34,7 +34,9 @@ def enable_gradient_checkpointing(model) -> None:
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The transformer blocks of a causal LM (or of the critic's body): one FSDP unit each."""
-    body = model.body if hasattr(model, "body") else model.base_model
+    from common.model import lm_body
+
+    body = model.body if hasattr(model, "body") else lm_body(model)
     for attr in ("layers", "h", "blocks"):
         if isinstance(getattr(body, attr, None), torch.nn.ModuleList):
             return list(getattr(body, attr))
@@ -67,11 +69,49 @@ def shard(model, dp, dtype: torch.dtype, cpu_offload: bool = False):
     return model
 
 
+def add_lora(model, rank: int, alpha: float, target_modules: str):
+    """peft LoRA adapters on `target_modules`; every other weight is frozen (no gradient, no optimizer state)."""
+    from peft import LoraConfig, get_peft_model
+
+    modules = [m.strip() for m in target_modules.split(",") if m.strip()]
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if not set(modules) & present:
+        raise SystemExit(f"error: --lora-target-modules {target_modules}: none of these modules is in the model")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=modules)
+    return get_peft_model(model, config)
+
+
+def merged_named_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """LoRA: the base model's weights with every adapter merged in (W + scale * B @ A), in the HF names and
+    named_parameters order the explorers hold; new tensors for the adapted matrices, the others as they are."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            deltas[f"{name}.base_layer.weight"] = (f"{name}.weight", module)
+    out = []
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if ".lora_" in name:
+                continue
+            if name in deltas:
+                hf_name, module = deltas[name]
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+                out.append((hf_name, p.detach() + delta.to(p.dtype)))
+            else:
+                out.append((name.replace(".base_layer.", "."), p.detach()))
+    return out
+
+
 def prepare_model(model, args, dp=None, trainable: bool = True):
-    """The model as the trainer uses it: checkpointed when --gradient-checkpointing (trainable models only),
-    sharded over the trainers when --trainer-shard fsdp."""
+    """The model as the trainer uses it: checkpointed when --gradient-checkpointing and with LoRA adapters when
+    --lora-rank (trainable models only), sharded over the trainers when --trainer-shard fsdp."""
     if trainable and args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if trainable and args.lora_rank and not hasattr(model, "body"):  # the critic is trained in full
+        model = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
     if args.trainer_shard == "fsdp":
         if dp is None or dp.group is None:
             raise RuntimeError("--trainer-shard fsdp: the model must be prepared inside a trainer worker")

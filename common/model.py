@@ -148,6 +148,11 @@ LOGPROB_CHUNK_TOKENS = 1024
 """Tokens per vocabulary projection in `sequence_logprobs`: peak logits memory is this x vocab x 4 bytes (fp32)."""
 
 
+def lm_body(model):
+    """The transformer body of a causal LM (the part before the LM head), also through a peft LoRA wrapper."""
+    return model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
+
+
 def hidden_states(body, input_ids, attention_mask, packed: bool = False):
     """Last hidden states [B, T, H] of a causal LM body (`model.base_model`), in the padded layout.
 
@@ -220,7 +225,7 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
 
 
 def _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed):
-    hidden = hidden_states(model.base_model, input_ids, attention_mask, packed)[:, :-1]
+    hidden = hidden_states(lm_body(model), input_ids, attention_mask, packed)[:, :-1]
     selected = (attention_mask[:, 1:] if mask is None else mask).bool()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     token_logprobs, token_entropy = token_logprobs_chunked(

@@ -54,6 +54,7 @@ class DataParallel:
             return
         from common.weight_sync import tensor_buckets
 
+        params = [p for p in params if p.requires_grad]  # LoRA: the frozen base has no gradient to reduce
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

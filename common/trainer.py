@@ -22,8 +22,8 @@ from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
 from common.losses import (behaviour_weights, clipped_surrogate_loss, dr_grpo_loss, gae_advantages, group_advantages,
                            kl_estimate, kl_penalized_rewards, masked_mean, masked_whiten, opmd_loss)
-from common.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model,
-                         save_hf_folder)
+from common.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, merged_named_weights,
+                         optimizer_state, prepare_model, save_hf_folder)
 from common.model import load_model, load_tokenizer, sequence_logprobs
 from common.packing import batch_micro_batches, micro_batches
 from common.parallel import DataParallel
@@ -209,6 +209,10 @@ class Trainer:
         return out
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What the explorers get, in HF names: the parameters (DTensor shards when sharded: the sync gathers
+        them), or with LoRA the base weights with the adapters merged in."""
+        if self.args.lora_rank:
+            return merged_named_weights(self.model)
         return list(self.model.named_parameters())
 
     # ---------------------------------------------------------------- checkpoints
@@ -229,6 +233,9 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         if sharded:
             save_hf_folder(self.model, weights, tmp)
+        elif self.args.lora_rank:  # a plain HF folder of the merged weights, plus the adapter to resume from
+            save_hf_folder(self.model.get_base_model(), dict(merged_named_weights(self.model)), tmp)
+            self.model.save_pretrained(os.path.join(tmp, "adapter"))
         else:
             self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
@@ -251,7 +258,10 @@ class Trainer:
         path = latest_checkpoint(out_dir)
         if path is None:
             return {}
-        self._load_weights(self.model, path)
+        if self.args.lora_rank:
+            self._load_adapter(path)
+        else:
+            self._load_weights(self.model, path)
         if self.critic is not None:
             self.critic.load(path)
         if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
@@ -266,6 +276,18 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         return state
+
+    def _load_adapter(self, path: str):
+        """LoRA: the base stays the initial model; the trained adapter comes back from <checkpoint>/adapter."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        file = os.path.join(path, "adapter", "adapter_model.safetensors")
+        if not os.path.exists(file):
+            raise SystemExit(f"error: --resume {path}: no LoRA adapter in the checkpoint (saved without --lora-rank?)")
+        result = set_peft_model_state_dict(self.model, load_file(file, device=str(self.device)))
+        if result.unexpected_keys:
+            raise SystemExit(f"error: --resume {file}: adapter does not match --lora-* ({result.unexpected_keys[:3]})")
 
     def _load_weights(self, model, path: str):
         from safetensors.torch import load_file
