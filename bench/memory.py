@@ -30,6 +30,7 @@ SETTINGS = {
     "fsdp+ckpt": ["--trainer-shard", "fsdp", "--gradient-checkpointing"],
     "fsdp+ckpt+packing": ["--trainer-shard", "fsdp", "--gradient-checkpointing", "--max-tokens-per-micro-batch", "PACK"],
     "replica+lora": ["--lora-rank", "16", "--lora-alpha", "32"],
+    "replica+packing": ["--max-tokens-per-micro-batch", "PACK"],
 }
 
 
@@ -100,21 +101,20 @@ MODELS = {  # params, hidden, layers, vocab, intermediate (public configs)
 }
 
 
-def trainer_gib(params, hidden, layers, vocab, inter, trainers, shard, ckpt, tokens, bytes_per_param=2,
+def trainer_gib(params, hidden, layers, vocab, inter, trainers, shard, ckpt, tokens, state_bytes=16,
                 chunk=1024) -> float:
-    """Per-GPU bytes of one trainer (GiB), bf16 parameters, gradients and AdamW moments (torch AdamW keeps its
-    moments in the parameter dtype: 8 B/param; fp32 would be 16).
+    """Per-GPU bytes of one trainer (GiB) with fp32 parameters, gradients and AdamW moments (16 B/param, what
+    FSDP recipes keep as master state) and bf16 compute.
 
-    states: 4 x params x 2 B, divided by `trainers` when sharded, plus two gathered layers (current + prefetch).
+    states: params x 16 B, divided by `trainers` when sharded, plus two gathered bf16 layers (current + prefetch).
     activations per micro-batch of `tokens` tokens (bf16): with checkpointing one hidden state per layer plus one
     layer's working set recomputed in the backward; without, every layer's working set (~ (10 hidden + 3
     intermediate) values per token, flash attention: no T x T scores). Log-probs: one chunk of fp32 logits
     (x3: logits, softmax, gradient), never [tokens, vocab]. Plus ~2 GiB CUDA context and allocator slack.
     """
-    per_param = 4 * bytes_per_param
     layer_params = (params - 2 * vocab * hidden) / layers
-    states = params * per_param / (trainers if shard else 1)
-    gathered = 2 * layer_params * bytes_per_param if shard else 0
+    states = params * state_bytes / (trainers if shard else 1)
+    gathered = 2 * layer_params * 2 if shard else 0
     layer_working = tokens * (10 * hidden + 3 * inter) * 2
     acts = tokens * hidden * 2 * layers + layer_working if ckpt else layer_working * layers
     logits = 3 * chunk * vocab * 4
@@ -124,7 +124,7 @@ def trainer_gib(params, hidden, layers, vocab, inter, trainers, shard, ckpt, tok
 def estimate_table(tokens: int = 16384) -> str:
     cols = [("replica+ckpt", 1, False, True), ("fsdp x8", 8, True, False), ("fsdp x4+ckpt", 4, True, True),
             ("fsdp x6+ckpt", 6, True, True), ("fsdp x8+ckpt", 8, True, True)]
-    rows = [f"Per-GPU memory of one trainer (GiB; estimate: bf16, AdamW, {tokens} tokens per packed micro-batch), "
+    rows = [f"Per-GPU memory of one trainer (GiB; estimate: fp32 states 16 B/param, bf16 compute, AdamW, {tokens} tokens per packed micro-batch), "
             "80 GB GPUs:", f"{'model':14s} " + " ".join(f"{c[0]:>13s}" for c in cols)]
     for name, (p, h, l, v, i) in MODELS.items():
         cells = [trainer_gib(p, h, l, v, i, n, shard, ckpt, tokens) for _, n, shard, ckpt in cols]

@@ -89,10 +89,26 @@ def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def _sharded(algo):
+    return [*FLAGS[algo], "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """One sharded run per algorithm (2 trainers + an explorer), shared by the tests below."""
+    cache = {}
+
+    def get(algo):
+        if algo not in cache:
+            cache[algo] = tmp_path_factory.mktemp(f"fsdp-{algo}")
+            run_workers(cache[algo] / "fsdp", _sharded(algo))
+        return cache[algo]
+    return get
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_fsdp_trainers_equal_one_trainer_and_sync_exact_weights(tmp_path, algo):
-    flags = [*FLAGS[algo], "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"]
-    run_workers(tmp_path / "fsdp", flags)
+def test_fsdp_trainers_equal_one_trainer_and_sync_exact_weights(fsdp_runs, algo):
+    tmp_path = fsdp_runs(algo)
     one_trainer(tmp_path / "one", FLAGS[algo])
 
     sent = json.load(open(tmp_path / "fsdp" / "hashes-trainer0.json"))
@@ -109,16 +125,16 @@ def test_fsdp_trainers_equal_one_trainer_and_sync_exact_weights(tmp_path, algo):
         assert _max_diff(*critic) < 1e-5
 
 
-def test_resume_from_sharded_checkpoint_continues_exactly(tmp_path):
-    flags = [*FLAGS["ppo"], "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"]
-    run_workers(tmp_path / "full", flags, explorer=False)
+def test_resume_from_sharded_checkpoint_continues_exactly(fsdp_runs, tmp_path):
+    """ppo: policy, critic and both optimizers come back from the step-2 checkpoint of the sharded run."""
+    full_dir = fsdp_runs("ppo") / "fsdp"
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
-    run_workers(tmp_path / "resumed", flags, explorer=False, resume=True)
-    full = json.load(open(tmp_path / "full" / "hashes-trainer0.json"))
+    shutil.copytree(full_dir / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
+    run_workers(tmp_path / "resumed", _sharded("ppo"), explorer=False, resume=True)
+    full = json.load(open(full_dir / "hashes-trainer0.json"))
     resumed = json.load(open(tmp_path / "resumed" / "hashes-trainer0.json"))
     assert resumed["2"] == full["2"]  # the same weights at the same step ...
     assert resumed["3"] == full["3"]  # ... and the same next step: optimizer state (AdamW moments) came back too
     for name in ("model.safetensors", "critic/model.safetensors"):
-        a, b = (load_file(tmp_path / d / "final" / name) for d in ("full", "resumed"))
+        a, b = (load_file(d / "final" / name) for d in (full_dir, tmp_path / "resumed"))
         assert _max_diff(a, b) == 0

@@ -57,3 +57,23 @@ def test_packed_and_checkpointed_equal_padded(algo):
             assert torch.allclose(p[k], p_ref[k], atol=1e-5), (name, k)
         for k in c_ref:
             assert torch.allclose(c[k], c_ref[k], atol=1e-5), (name, k)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--trainer-shard", "zero3"], "--trainer-shard must be none or fsdp"),
+    (["--fsdp-cpu-offload"], "--fsdp-cpu-offload needs --trainer-shard fsdp"),
+    (["--max-tokens-per-micro-batch", "-1"], "--max-tokens-per-micro-batch must be >= 0"),
+    (["--lora-rank", "4", "--trainer-shard", "fsdp"], "--lora-rank with --trainer-shard fsdp is not supported"),
+    (["--lora-rank", "4", "--lora-target-modules", " , "], "--lora-target-modules must name at least one module"),
+])
+def test_memory_flags_are_one_line_errors(flags, message):
+    from common.config import ConfigError
+    from train_sync import Args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args(Args, [*TINY, *flags])
+
+
+def test_lora_target_modules_must_exist():
+    with pytest.raises(SystemExit, match="--lora-target-modules nope: none of these modules is in the model"):
+        make_trainer("--lora-rank", "4", "--lora-target-modules", "nope")
