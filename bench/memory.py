@@ -5,8 +5,9 @@
 
 Each setting runs 2 data-parallel trainer processes (common.launcher, gloo) on the same fixed batch of synthetic
 experiences whose response lengths spread 10x, for --steps train steps (the first is a warm-up). Every trainer
-reports its peak resident memory (VmHWM) above what it held before the model was built (imports, tokenizer), and
-the time of its last step. Settings: replica (full copies, all-reduce), fsdp (FSDP2), fsdp+ckpt (activation
+reports its peak resident memory during the training steps (VmHWM, reset after the model was built, freed heap
+handed back first) above what it held before the model was built (imports, tokenizer), the peak while building
+it (every trainer loads the whole model before sharding it), and the time of its last step. Settings: replica (full copies, all-reduce), fsdp (FSDP2), fsdp+ckpt (activation
 checkpointing), fsdp+ckpt+packing (--max-tokens-per-micro-batch), replica+lora (rank 16). CPU figures: the
 accounting is the same on a GPU, the absolute numbers and step times are not (see README "Big models").
 
@@ -42,6 +43,15 @@ def _rss_mb(field: str) -> float:
     return float("nan")
 
 
+def _reset_peak() -> None:
+    """Hand freed heap back to the OS, then restart the peak-RSS count (Linux: clear_refs 5 resets VmHWM)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def experiences(n: int, prompt_len: int, shortest: int, vocab: int, seed: int = 0):
     """n samples, response lengths spread evenly from `shortest` to 10x `shortest` tokens, 2 per group."""
     import random
@@ -69,6 +79,8 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
     before = _rss_mb("VmRSS")
     trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
     batch = experiences(args.rollout_batch_size, prompt_len, shortest, trainer.model.config.vocab_size)
+    load_peak = _rss_mb("VmHWM") - before
+    _reset_peak()  # from here on: the training steps' own peak (loading the full model is a separate, first peak)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -76,7 +88,7 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
         times.append(time.perf_counter() - start)
     tokens = sum(len(e.response_ids) for e in batch)
     with open(os.path.join(result_dir, f"{setting}-{ctx.name}.json"), "w") as f:
-        json.dump({"peak_mb": _rss_mb("VmHWM") - before, "step_s": times[-1], "tokens": tokens,
+        json.dump({"peak_mb": _rss_mb("VmHWM") - before, "load_peak_mb": load_peak, "step_s": times[-1], "tokens": tokens,
                    "grad_norm": metrics["grad_norm"], "threads": torch.get_num_threads()}, f)
 
 
@@ -159,13 +171,14 @@ def main():
                 print(f"{setting:18s} peak/trainer {max(x['peak_mb'] for x in r):7.0f} MB  "
                       f"step {max(x['step_s'] for x in r):6.2f} s", flush=True)
         base = results.get("replica")
-        print(f"\n{'setting':18s} {'peak MB':>8s} {'x replica':>9s} {'step s':>7s} {'x replica':>9s} {'tokens/s':>9s}")
+        print(f"\n{'setting':18s} {'peak MB':>8s} {'x replica':>9s} {'step s':>7s} {'x replica':>9s} {'tokens/s':>9s}"
+              f" {'load peak MB':>12s}")
         for setting, r in results.items():
             peak, step = max(x["peak_mb"] for x in r), max(x["step_s"] for x in r)
             ratio = (lambda a, b: f"{a / b:9.2f}") if base else (lambda a, b: f"{'':9s}")
             print(f"{setting:18s} {peak:8.0f} {ratio(peak, max(x['peak_mb'] for x in base)) if base else '':>9s} "
                   f"{step:7.2f} {ratio(step, max(x['step_s'] for x in base)) if base else '':>9s} "
-                  f"{r[0]['tokens'] / step:9.1f}")
+                  f"{r[0]['tokens'] / step:9.1f} {max(x['load_peak_mb'] for x in r):12.0f}")
         if opts.json:
             with open(opts.json, "w") as f:
                 json.dump({"options": vars(opts), "results": results}, f, indent=2)

@@ -318,6 +318,9 @@ class CommonArgs:
             raise ConfigError(f"--trainer-shard must be none or fsdp (got {self.trainer_shard!r})")
         if self.fsdp_cpu_offload and self.trainer_shard != "fsdp":
             raise ConfigError("--fsdp-cpu-offload needs --trainer-shard fsdp")
+        if self.fsdp_cpu_offload and not all(d.startswith("cuda") for d in self.trainer_device_list):
+            raise ConfigError("--fsdp-cpu-offload needs cuda --trainer-devices (CPU trainers hold everything in "
+                              "CPU memory already)")
         if self.max_tokens_per_micro_batch < 0:
             raise ConfigError(f"--max-tokens-per-micro-batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
                               "0 = off)")

@@ -62,6 +62,7 @@ def test_packed_and_checkpointed_equal_padded(algo):
 @pytest.mark.parametrize("flags, message", [
     (["--trainer-shard", "zero3"], "--trainer-shard must be none or fsdp"),
     (["--fsdp-cpu-offload"], "--fsdp-cpu-offload needs --trainer-shard fsdp"),
+    (["--fsdp-cpu-offload", "--trainer-shard", "fsdp"], "--fsdp-cpu-offload needs cuda --trainer-devices"),
     (["--max-tokens-per-micro-batch", "-1"], "--max-tokens-per-micro-batch must be >= 0"),
     (["--lora-rank", "4", "--trainer-shard", "fsdp"], "--lora-rank with --trainer-shard fsdp is not supported"),
     (["--lora-rank", "4", "--lora-target-modules", " , "], "--lora-target-modules must name at least one module"),
