@@ -41,7 +41,10 @@ def worker(ctx, out_dir, flags, resume):
     timeline = Timeline(out_dir, ctx.name)
     hashes = {}
     if ctx.role == "explorer":
-        engine = HFEngine(load_model("tiny", seed=7), build_tiny_tokenizer())  # other weights until the first sync
+        from common.trainer import DTYPES
+
+        # other weights than the trainers' until the first sync; the run's dtype, as the explorer of a run
+        engine = HFEngine(load_model("tiny", dtype=DTYPES[args.dtype], seed=7), build_tiny_tokenizer())
         receiver = WeightReceiver(ctx, args, engine, timeline)
         for step in range(STEPS + 1):
             version = receiver.pull(step, SYNC.get(step, "broadcast"))

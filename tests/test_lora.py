@@ -16,7 +16,7 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
 
 
 def test_lora_trains_adapters_only_and_merges_like_peft():
-    trainer = make_trainer(*LORA)
+    trainer = make_trainer(*LORA, "--gradient-checkpointing", "--max-tokens-per-micro-batch", "80")
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
