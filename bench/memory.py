@@ -7,7 +7,8 @@ Each setting runs 2 data-parallel trainer processes (common.launcher, gloo) on t
 experiences whose response lengths spread 10x, for --steps train steps (the first is a warm-up). Every trainer
 reports its peak resident memory during the training steps (VmHWM, reset after the model was built, freed heap
 handed back first) above what it held before the model was built (imports, tokenizer), the peak while building
-it (every trainer loads the whole model before sharding it), and the time of its last step. Settings: replica (full copies, all-reduce), fsdp (FSDP2), fsdp+ckpt (activation
+it (every trainer loads the whole model before sharding it), what it holds between steps (weights, gradients,
+optimizer state: no activations) and the time of its last step. Settings: replica (full copies, all-reduce), fsdp (FSDP2), fsdp+ckpt (activation
 checkpointing), fsdp+ckpt+packing (--max-tokens-per-micro-batch), replica+lora (rank 16). CPU figures: the
 accounting is the same on a GPU, the absolute numbers and step times are not (see README "Big models").
 
@@ -76,6 +77,13 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
     from train_sync import Args
 
     args = parse_args(Args, argv)
+    # what every setting loads anyway (code, not data), so the figures below are the model's and the step's own
+    import peft  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from common.model import load_tokenizer
+
+    load_tokenizer(args.model)
     before = _rss_mb("VmRSS")
     trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
     batch = experiences(args.rollout_batch_size, prompt_len, shortest, trainer.model.config.vocab_size)
@@ -87,8 +95,13 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
         metrics = trainer.train_step(batch)
         times.append(time.perf_counter() - start)
     tokens = sum(len(e.response_ids) for e in batch)
+    import gc
+
+    gc.collect()
+    _reset_peak()
+    held = _rss_mb("VmRSS") - before  # between steps: weights, gradients, optimizer state (no activations)
     with open(os.path.join(result_dir, f"{setting}-{ctx.name}.json"), "w") as f:
-        json.dump({"peak_mb": _rss_mb("VmHWM") - before, "load_peak_mb": load_peak, "step_s": times[-1], "tokens": tokens,
+        json.dump({"peak_mb": _rss_mb("VmHWM") - before, "load_peak_mb": load_peak, "held_mb": held, "step_s": times[-1], "tokens": tokens,
                    "grad_norm": metrics["grad_norm"], "threads": torch.get_num_threads()}, f)
 
 
@@ -172,13 +185,15 @@ def main():
                       f"step {max(x['step_s'] for x in r):6.2f} s", flush=True)
         base = results.get("replica")
         print(f"\n{'setting':18s} {'peak MB':>8s} {'x replica':>9s} {'step s':>7s} {'x replica':>9s} {'tokens/s':>9s}"
-              f" {'load peak MB':>12s}")
+              f" {'held MB':>8s} {'x replica':>9s} {'load peak MB':>12s}")
         for setting, r in results.items():
             peak, step = max(x["peak_mb"] for x in r), max(x["step_s"] for x in r)
             ratio = (lambda a, b: f"{a / b:9.2f}") if base else (lambda a, b: f"{'':9s}")
             print(f"{setting:18s} {peak:8.0f} {ratio(peak, max(x['peak_mb'] for x in base)) if base else '':>9s} "
                   f"{step:7.2f} {ratio(step, max(x['step_s'] for x in base)) if base else '':>9s} "
-                  f"{r[0]['tokens'] / step:9.1f} {max(x['load_peak_mb'] for x in r):12.0f}")
+                  f"{r[0]['tokens'] / step:9.1f} {max(x['held_mb'] for x in r):8.0f} "
+                  f"{ratio(max(x['held_mb'] for x in r), max(x['held_mb'] for x in base)) if base else '':>9s} "
+                  f"{max(x['load_peak_mb'] for x in r):12.0f}")
         if opts.json:
             with open(opts.json, "w") as f:
                 json.dump({"options": vars(opts), "results": results}, f, indent=2)
