@@ -95,13 +95,14 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
         metrics = trainer.train_step(batch)
         times.append(time.perf_counter() - start)
     tokens = sum(len(e.response_ids) for e in batch)
+    peak = _rss_mb("VmHWM") - before
     import gc
 
     gc.collect()
     _reset_peak()
     held = _rss_mb("VmRSS") - before  # between steps: weights, gradients, optimizer state (no activations)
     with open(os.path.join(result_dir, f"{setting}-{ctx.name}.json"), "w") as f:
-        json.dump({"peak_mb": _rss_mb("VmHWM") - before, "load_peak_mb": load_peak, "held_mb": held, "step_s": times[-1], "tokens": tokens,
+        json.dump({"peak_mb": peak, "load_peak_mb": load_peak, "held_mb": held, "step_s": times[-1], "tokens": tokens,
                    "grad_norm": metrics["grad_norm"], "threads": torch.get_num_threads()}, f)
 
 
