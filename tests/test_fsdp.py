@@ -14,7 +14,7 @@ from conftest import TINY
 from test_scale_trainer import uneven_experiences
 
 pytestmark = pytest.mark.timeout(300)
-FLAGS = {"grpo": ["--kl-coef", "0.1"],
+FLAGS = {"grpo": ["--kl-coef", "0.1", "--ref-reset-every", "2"],
          "ppo": ["--algo", "ppo", "--kl-coef", "0.1", "--kl-mode", "reward", "--critic-lr", "1e-3"]}
 STEPS, SYNC = 3, {1: "broadcast", 2: "checkpoint", 3: "broadcast"}
 
