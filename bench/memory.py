@@ -173,6 +173,10 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--estimates-only", action="store_true")
     opts = parser.parse_args()
+    # Tensors above 128 KB get their own mmap and go back to the OS when freed, so a trainer's resident memory
+    # follows what it allocates (glibc otherwise keeps freed blocks of up to 32 MB in its heap, and the peak RSS
+    # would count fragmentation). Inherited by the spawned trainers.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     if not opts.estimates_only:
         from common.model import resolve_model
 
