@@ -227,7 +227,7 @@ class CommonArgs:
     arith: levels 1..--difficulty; files: each task's 'difficulty' field."""
 
     # --- the researcher's day: LR schedule, logged completions, W&B run, Hub datasets (README "Running") ---------
-    lr_scheduler: str = "constant"
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule over --steps trainer steps: constant, linear (to 0 at the last step) or cosine (to 0),
     each after --warmup-steps of linear warm-up from 0 (transformers.get_scheduler; saved in checkpoints)."""
     warmup_steps: int = 0
@@ -261,6 +261,26 @@ class CommonArgs:
     \\boxed{}.' (rows that already are tandem tasks are used as they are)."""
     default_reward: str = "math"
     """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
+
+    # --- memory: big models on one node (common/fsdp.py, common/packing.py, README "Big models") --------------
+    trainer_shard: Literal["none", "fsdp"] = "none"
+    """none: every data-parallel trainer holds the whole model, gradients and AdamW state (replicas); fsdp: FSDP2
+    shards them over the trainers (each decoder layer and the root), policy, reference and critic alike."""
+    fsdp_cpu_offload: bool = False
+    """--trainer-shard fsdp: keep the parameter shards, their gradients and the optimizer state in CPU memory
+    (FSDP2 CPUOffloadPolicy), for models whose shards do not fit next to the activations."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of storing them (policy and critic)."""
+    max_tokens_per_micro_batch: int = 0
+    """Padding-free packing: micro-batches hold whole sequences up to this many tokens, run with padding removed
+    (position ids restart per sequence, attention never crosses them); replaces --micro-batch-size (0: off)."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank (peft) on --lora-target-modules: the trainer trains only them and the explorers
+    get the merged weights (0: off, full fine-tuning)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the adapter's update is scaled by alpha / rank)."""
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated module names that get LoRA adapters."""
 
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
@@ -325,6 +345,7 @@ class CommonArgs:
         self._validate_kimi()
         self._validate_plugins()
         self._validate_day()
+        self._validate_memory()
         check_placement(self.explorer_device_list, self.trainer_device_list)
 
     def resolve_coupled(self) -> None:
@@ -336,8 +357,6 @@ class CommonArgs:
             self.micro_batch_size = min(8, self.minibatch_size)
 
     def _validate_day(self) -> None:
-        if self.lr_scheduler not in ("constant", "linear", "cosine"):
-            raise ConfigError(f"--lr-scheduler must be constant, linear or cosine (got {self.lr_scheduler!r})")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         for name in ("log_samples_every", "log_samples"):
@@ -351,6 +370,10 @@ class CommonArgs:
                     raise ConfigError(f"--answer-regex {self.answer_regex!r} needs a group: (...) marks the answer")
             except re.error as e:
                 raise ConfigError(f"--answer-regex {self.answer_regex!r}: not a valid regular expression ({e})") from None
+        from rewards.base import KINDS
+
+        if self.default_reward not in KINDS:
+            raise ConfigError(f"--default-reward must be one of {', '.join(KINDS)} (got {self.default_reward!r})")
         if "{prompt}" not in self.prompt_template:
             raise ConfigError(f"--prompt-template {self.prompt_template!r} must contain {{prompt}}")
 
@@ -379,6 +402,28 @@ class CommonArgs:
             for spec in specs:
                 if spec:
                     load_object(spec, flag)
+
+    def _validate_memory(self) -> None:
+        """Sharding, packing and LoRA fields (one-line errors naming the field)."""
+        if self.fsdp_cpu_offload and self.trainer_shard != "fsdp":
+            raise ConfigError("--fsdp-cpu-offload needs --trainer-shard fsdp")
+        if self.fsdp_cpu_offload and not all(d.startswith("cuda") for d in self.trainer_device_list):
+            raise ConfigError("--fsdp-cpu-offload needs cuda --trainer-devices (CPU trainers hold everything in "
+                              "CPU memory already)")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"--max-tokens-per-micro-batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
+                              "0 = off)")
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (got {self.lora_rank}; 0 = off)")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ConfigError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
+        if self.lora_rank and not [m for m in self.lora_target_modules.split(",") if m.strip()]:
+            raise ConfigError("--lora-target-modules must name at least one module")
+        if self.lora_rank and self.trainer_shard == "fsdp":
+            raise ConfigError("--lora-rank with --trainer-shard fsdp is not supported (LoRA trains replicas: the "
+                              "frozen base is small next to full fine-tuning's gradients and AdamW state)")
+        if self.lora_rank and self.ref_reset_every:
+            raise ConfigError("--ref-reset-every with --lora-rank is not supported (the reference is the base model)")
 
     def _validate_algo_extras(self) -> None:
         """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""

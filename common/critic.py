@@ -10,8 +10,11 @@ import torch
 
 from common.experience import Batch
 from common.losses import clipped_value_loss, masked_mean
-from common.model import load_model
+from common.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
+from common.model import hidden_states, load_model
+from common.packing import batch_micro_batches, micro_batches
 from common.parallel import DataParallel
+from common.weight_sync import full_tensor
 
 
 class ValueModel(torch.nn.Module):
@@ -29,11 +32,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as sequence_logprobs: padding-proof
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state[:, :-1]
-        return self.value_head(hidden).squeeze(-1).float()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        hidden = hidden_states(self.body, input_ids, attention_mask, packed)[:, :-1]  # as sequence_logprobs
+        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # not a view (FSDP2's hooks)
 
 
 class Critic:
@@ -43,6 +44,7 @@ class Critic:
         name = args.critic_model or args.model
         self.model = ValueModel(name, device, dtype, args.seed, "--critic-model" if args.critic_model else "--model")
         self.model.train()
+        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, FSDP2 (common/fsdp.py)
         if self.model.vocab_size != policy_vocab_size:
             raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
                              f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")
@@ -52,10 +54,10 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """V before this step's update at every position ([B, T-1]; 0 where the response mask is 0): the baseline of
         GAE and the anchor of value clipping."""
-        mbs = self.args.micro_batch_size
-        parts = [self.model(batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs])
-                 for i in range(0, len(batch), mbs)]
-        return torch.cat(parts) * batch.response_mask
+        args, out = self.args, torch.zeros_like(batch.response_mask)
+        for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
+            out[idx] = self.model(batch.input_ids[idx], batch.attention_mask[idx], args.max_tokens_per_micro_batch > 0)
+        return out * batch.response_mask
 
     # ALGO LOGIC: one critic optimizer step on a minibatch, micro-batched like the actor's (token-mean weighting).
     def update(self, batch: Batch, idx: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, stats: dict):
@@ -63,10 +65,14 @@ class Critic:
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)
-        for start in range(0, len(local), args.micro_batch_size):
-            mb_idx = local[start: start + args.micro_batch_size]
+        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+                                                     args.max_tokens_per_micro_batch)):
+            if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
+                (self.model(batch.input_ids[:1], batch.attention_mask[:1]).sum() * 0).backward()
+                continue
             mask = batch.response_mask[mb_idx]
-            values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx])
+            values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx],
+                                args.max_tokens_per_micro_batch > 0)
             loss, clip_frac = clipped_value_loss(values, old_values[mb_idx], returns[mb_idx], mask,
                                                  args.value_clip_eps)
             (loss * mask.sum() / total_tokens).backward()
@@ -75,7 +81,7 @@ class Critic:
             stats.setdefault("value/mean", []).append(masked_mean(values.detach(), mask).item())
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("value_grad_norm", []).append(grad_norm.item())
+        stats.setdefault("value_grad_norm", []).append(full_tensor(grad_norm).item())
         self.optimizer.step()
 
     @torch.no_grad()
@@ -88,14 +94,18 @@ class Critic:
                 "value/explained_var": (1 - residual_var / returns_var).item() if returns_var > 0 else 0.0}
 
     # ---------------------------------------------------------------- checkpoint part: <checkpoint>/critic/
-    def save(self, checkpoint_dir: str):
+    def state(self) -> tuple[dict, dict]:
+        """(whole weights, optimizer state) to save; a collective when sharded (common/fsdp.py)."""
+        return full_state_dict(self.model), optimizer_state(self.model, self.optimizer)
+
+    def save(self, checkpoint_dir: str, state: tuple[dict, dict] | None = None):
         from safetensors.torch import save_file
 
+        weights, optimizer = state or self.state()
         folder = os.path.join(checkpoint_dir, "critic")
         os.makedirs(folder, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
-                  os.path.join(folder, "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, os.path.join(folder, "model.safetensors"))
+        torch.save(optimizer, os.path.join(folder, "optimizer.pt"))
 
     def load(self, checkpoint_dir: str):
         from safetensors.torch import load_file
@@ -103,10 +113,11 @@ class Critic:
         folder = os.path.join(checkpoint_dir, "critic")
         if not os.path.exists(os.path.join(folder, "model.safetensors")):
             raise SystemExit(f"error: --resume {checkpoint_dir}: no critic/ in the checkpoint (not an --algo ppo run?)")
-        device = next(self.model.parameters()).device
+        device = "cpu" if self.dp.sharded else next(self.model.parameters()).device
         try:
-            self.model.load_state_dict(load_file(os.path.join(folder, "model.safetensors"), device=str(device)))
+            load_full_state_dict(self.model, load_file(os.path.join(folder, "model.safetensors"), device=str(device)))
         except RuntimeError as e:
             raise SystemExit(f"error: --resume {folder}: critic weights do not match the critic model "
                              f"({str(e).splitlines()[0]})") from None
-        self.optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu"))
+        load_optimizer_state(self.model, self.optimizer, torch.load(os.path.join(folder, "optimizer.pt"),
+                                                                    map_location="cpu"))

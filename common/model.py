@@ -145,33 +145,96 @@ def chat_prompt_ids(tokenizer, task: dict) -> list[int]:
     return tokenizer(messages[-1]["content"])["input_ids"]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, mask=None,
-                      with_entropy: bool = False, entropy_grad: bool = False):
-    """Log-prob of every token given the ones before it, at `temperature`: [B, T-1] (the first token has none).
+LOGPROB_CHUNK_TOKENS = 1024
+"""Tokens per vocabulary projection in `sequence_logprobs`: peak logits memory is this x vocab x 4 bytes (fp32)."""
 
-    Only positions where `mask` ([B, T-1], default: every real token) is 1 go through the vocabulary projection,
-    so prompt tokens cost no [V]-wide logits; other positions are 0. Position ids come from the attention mask,
-    so left and right padding give the same numbers. The explorer's behaviour log-probs are checked against this.
-    Entropy (same shape) is computed without a graph unless `entropy_grad` (an entropy bonus needs one).
+
+def lm_body(model):
+    """The transformer body of a causal LM (the part before the LM head), also through a peft LoRA wrapper."""
+    return model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
+
+
+def hidden_states(body, input_ids, attention_mask, packed: bool = False):
+    """Last hidden states [B, T, H] of a causal LM body (`model.base_model`), in the padded layout.
+
+    Position ids come from the attention mask, so left and right padding give the same numbers. `packed`: padding
+    is removed first and the real tokens of every row run as one sequence of N tokens with position ids restarting
+    per row; with no 2D mask transformers builds a block-diagonal causal mask from them (flash-attention varlen on
+    GPU), so attention never crosses rows and the padding costs no compute. The result is scattered back to the
+    padded layout (zeros at padding), so callers see the same tensors either way.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state[:, :-1]
-    selected = (attention_mask[:, 1:] if mask is None else mask).bool()
-    logits = model.get_output_embeddings()(hidden[selected]).float()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if not packed:
+        return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False).last_hidden_state
+    real = attention_mask.bool()
+    flat = body(input_ids=input_ids[real][None], attention_mask=None, position_ids=position_ids[real][None],
+                use_cache=False).last_hidden_state[0]
+    hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])
+    return hidden.masked_scatter(real[..., None], flat)
+
+
+def _head_chunk(head, hidden, targets, temperature: float, softcap, with_entropy: bool, entropy_grad: bool):
+    """Log-prob of `targets` (and entropy) for one chunk of hidden states [C, H]: the only [C, V] logits alive."""
+    logits = head(hidden).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature
-    targets = input_ids[:, 1:][selected]
     token_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    logprobs = torch.zeros(selected.shape, dtype=torch.float32, device=logits.device)
-    logprobs = logprobs.masked_scatter(selected, token_logprobs)
     if not with_entropy:
-        return logprobs
+        return token_logprobs, None
     from common.losses import entropy_from_logits
 
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        token_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    entropy = torch.zeros(selected.shape, dtype=torch.float32, device=logits.device)
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return token_logprobs, entropy
+
+
+def token_logprobs_chunked(head, hidden, targets, temperature: float = 1.0, softcap=None, with_entropy: bool = False,
+                           entropy_grad: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    """`_head_chunk` over [N, H] hidden states `chunk_tokens` at a time. With a graph, each chunk is
+    activation-checkpointed: its logits are freed after the forward and recomputed in the backward, so memory
+    holds one chunk's [C, V] logits at a time and never a [N, V] tensor, in either pass."""
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    logprobs, entropies = [], []
+    for start in range(0, max(len(targets), 1), chunk_tokens):
+        args = (head, hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens], temperature, softcap,
+                with_entropy, entropy_grad)
+        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
+        logprobs.append(lp)
+        entropies.append(ent)
+    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, mask=None,
+                      with_entropy: bool = False, entropy_grad: bool = False, packed: bool = False):
+    """Log-prob of every token given the ones before it, at `temperature`: [B, T-1] (the first token has none).
+
+    Only positions where `mask` ([B, T-1], default: every real token) is 1 go through the vocabulary projection,
+    so prompt tokens cost no [V]-wide logits; other positions are 0. The projection runs in chunks of
+    LOGPROB_CHUNK_TOKENS tokens (`token_logprobs_chunked`): no [B, T, V] tensor exists in the forward or backward.
+    Position ids come from the attention mask, so left and right padding give the same numbers; `packed` runs the
+    rows padding-free (`hidden_states`). The explorer's behaviour log-probs are checked against this.
+    Entropy (same shape) is computed without a graph unless `entropy_grad` (an entropy bonus needs one).
+    """
+    sharded_forward = getattr(model, "tandem_sequence_logprobs", None)  # FSDP2: the root gathers around it
+    if sharded_forward is not None:
+        return sharded_forward(input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed)
+    return _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed)
+
+
+def _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed):
+    hidden = hidden_states(lm_body(model), input_ids, attention_mask, packed)[:, :-1]
+    selected = (attention_mask[:, 1:] if mask is None else mask).bool()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    token_logprobs, token_entropy = token_logprobs_chunked(
+        model.get_output_embeddings(), hidden[selected], input_ids[:, 1:][selected], temperature, softcap,
+        with_entropy, entropy_grad)
+    logprobs = torch.zeros(selected.shape, dtype=torch.float32, device=hidden.device)
+    logprobs = logprobs.masked_scatter(selected, token_logprobs)
+    if not with_entropy:
+        return logprobs
+    entropy = torch.zeros(selected.shape, dtype=torch.float32, device=hidden.device)
     return logprobs, entropy.masked_scatter(selected, token_entropy)

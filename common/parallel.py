@@ -25,6 +25,7 @@ class DataParallel:
     group: Any = None              # the trainers' process group
     device: torch.device = torch.device("cpu")  # where the collectives run (the GPU under NCCL)
     src: int = 0                   # global rank of trainer 0
+    sharded: bool = False          # --trainer-shard fsdp: FSDP2 reduces the gradients itself (common/fsdp.py)
 
     @classmethod
     def from_context(cls, ctx) -> "DataParallel":
@@ -57,10 +58,11 @@ class DataParallel:
     @torch.no_grad()
     def all_reduce_gradients(self, params: list[torch.nn.Parameter], bucket_mb: int = 256) -> None:
         """Sum every parameter's gradient over the trainers (a missing gradient counts as zero)."""
-        if not self.enabled:
+        if not self.enabled or self.sharded:
             return
         from common.weight_sync import pack, tensor_buckets, unpack  # the weight sync's bucket packing, reused
 
+        params = [p for p in params if p.requires_grad]  # LoRA: the frozen base has no gradient to reduce
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -68,3 +70,12 @@ class DataParallel:
             flat = pack(bucket, self.device)
             dist.all_reduce(flat, group=self.group)
             unpack(flat, bucket)
+
+    def even_out(self, micro_batches: list) -> list:
+        """Sharded trainers: every forward/backward pass is a collective, so each trainer runs as many as the busiest
+        one; the missing ones are None (an idle pass that contributes zero gradient)."""
+        if not (self.enabled and self.sharded):
+            return micro_batches
+        most = torch.tensor([len(micro_batches)], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return micro_batches + [None] * (int(most.item()) - len(micro_batches))

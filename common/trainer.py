@@ -25,27 +25,33 @@ from common.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.metrics import MetricsLogger, Timeline
 from common.losses import ALGOS, MicroBatch, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
+from common.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, merged_named_weights,
+                         optimizer_state, prepare_model, save_hf_folder)
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
+from common.packing import batch_micro_batches, micro_batches
 from common.processors import build_processors, process
 from common.lr_schedule import build_lr_scheduler
 from common.parallel import DataParallel
 from common.replay import ReplayBuffer
 from common.samples import SamplesLog, sample_rows, samples_due
-from common.weight_sync import weights_hash
+from common.weight_sync import full_tensor, weights_hash
 
 class Trainer:
     def __init__(self, args, device: torch.device, dp: DataParallel | None = None):
         self.args, self.device = args, device
         self.dp = dp or DataParallel()  # one trainer unless --trainer-devices lists several
+        self.dp.sharded = args.trainer_shard == "fsdp"
         self.tokenizer = load_tokenizer(args.model)
         self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
         self.model.config.use_cache = False
         self.model.train()
+        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, LoRA, FSDP2 (common/fsdp.py)
         # The reference model only exists when something uses it (KL term): saves memory and a forward pass.
         self.ref_model = None
         if args.kl_coef > 0:
             self.ref_model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed).eval()
             self.ref_model.requires_grad_(False)
+            self.ref_model = prepare_model(self.ref_model, args, self.dp, trainable=False)
         self.algo = resolve_algo(args)  # ALGO LOGIC: the loss and the advantage estimator, chosen once
         self.processors = build_processors(args.processors)
         self.critic = None
@@ -97,7 +103,7 @@ class Trainer:
         self.step += 1
         self.version += 1
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
-            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.load_state_dict(self.model.state_dict())  # sharded: shard to shard, same layout
             stats["ref_reset"] = [1.0]
         out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **filtered}  # a step without an update
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
@@ -142,12 +148,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
         total = 0.0
-        for start in range(0, len(local), args.micro_batch_size):
-            mb_idx = local[start: start + args.micro_batch_size]
+        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+                                                     args.max_tokens_per_micro_batch)):
+            if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
+                (sequence_logprobs(self.model, batch.input_ids[:1], batch.attention_mask[:1]).sum() * 0).backward()
+                continue
             mb = batch.select(mb_idx)
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
                                                   mb.response_mask, with_entropy=True,
-                                                  entropy_grad=args.entropy_coef > 0)
+                                                  entropy_grad=args.entropy_coef > 0,
+                                                  packed=args.max_tokens_per_micro_batch > 0)
             old, weights = mb.old_logprobs, None
             if correcting:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
@@ -172,18 +182,22 @@ class Trainer:
         stats.setdefault("loss", []).append(self.dp.sum_scalar(total))  # the minibatch's loss, all trainers
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("grad_norm", []).append(grad_norm.item())
+        stats.setdefault("grad_norm", []).append(full_tensor(grad_norm).item())
         self.optimizer.step()
 
     @torch.no_grad()
     def _logprobs(self, model, batch: Batch) -> torch.Tensor:
-        mbs = self.args.micro_batch_size
-        parts = [sequence_logprobs(model, batch.input_ids[i:i + mbs], batch.attention_mask[i:i + mbs],
-                                   self.args.temperature, batch.response_mask[i:i + mbs])
-                 for i in range(0, len(batch), mbs)]
-        return torch.cat(parts)
+        args, out = self.args, torch.zeros_like(batch.response_mask)
+        for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
+            out[idx] = sequence_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], args.temperature,
+                                         batch.response_mask[idx], packed=args.max_tokens_per_micro_batch > 0)
+        return out
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What the explorers get, in HF names: the parameters (DTensor shards when sharded: the sync gathers
+        them), or with LoRA the base weights with the adapters merged in."""
+        if self.args.lora_rank:
+            return merged_named_weights(self.model)
         return list(self.model.named_parameters())
 
     # ---------------------------------------------------------------- checkpoints
@@ -200,12 +214,22 @@ class Trainer:
             total += tensor_bytes(list(self.ref_model.parameters()))
         return total
 
-    def save_checkpoint(self, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str:
+    def save_checkpoint(self, out_dir: str, name: str | None = None,
+                        extra_state: dict | None = None) -> str | None:
         """Written to a temp folder and renamed: a checkpoint is whole or absent (common/checkpoints.py).
         step_N: HF folder + trainer_state.pt (+ critic/, reference/), then older ones beyond --keep-checkpoints go.
-        final: the model and tokenizer only (hard links to step_N's files when that exists)."""
+        final: the model and tokenizer only (hard links to step_N's files when that exists).
+        Sharded trainers all call it (the full state is gathered onto trainer 0, common/fsdp.py); trainer 0 writes."""
         name = name or f"step_{self.step}"
         weights_only = name == "final"
+        sharded = self.dp.sharded  # every gather below is a collective: each trainer takes the same branches
+        gathered = {"weights": full_state_dict(self.model) if sharded else None,
+                    "optimizer": None if weights_only else optimizer_state(self.model, self.optimizer),
+                    "critic": self.critic.state() if self.critic is not None and not weights_only else None,
+                    "reference": (full_state_dict(self.ref_model) if self.args.ref_reset_every and not weights_only
+                                  else None)}
+        if self.dp.rank != 0:
+            return None
         parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
         os.makedirs(parent, exist_ok=True)
         final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
@@ -218,7 +242,7 @@ class Trainer:
             if source:
                 ckpt.link_weights(source, tmp)
             else:
-                self._write_checkpoint(tmp, weights_only, extra_state)
+                self._write_checkpoint(tmp, weights_only, extra_state, gathered)
             ckpt.write_manifest(tmp)
             ckpt.replace_folder(tmp, final)
         except BaseException as e:
@@ -230,18 +254,25 @@ class Trainer:
             ckpt.prune(out_dir, self.args.keep_checkpoints)
         return final
 
-    def _write_checkpoint(self, tmp: str, weights_only: bool, extra_state: dict | None) -> None:
-        self.model.save_pretrained(tmp)
+    def _write_checkpoint(self, tmp: str, weights_only: bool, extra_state: dict | None, gathered: dict) -> None:
+        if self.dp.sharded:
+            save_hf_folder(self.model, gathered["weights"], tmp)
+        elif self.args.lora_rank:  # a plain HF folder of the merged weights, plus the adapter to resume from
+            save_hf_folder(self.model.get_base_model(), dict(merged_named_weights(self.model)), tmp)
+            if not weights_only:
+                self.model.save_pretrained(os.path.join(tmp, "adapter"))
+        else:
+            self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         if weights_only:
             return
         if self.critic is not None:
-            self.critic.save(tmp)
+            self.critic.save(tmp, gathered["critic"])
         if self.args.ref_reset_every:  # the reference is no longer the initial model: keep it
-            self.ref_model.save_pretrained(os.path.join(tmp, "reference"))
+            save_hf_folder(self.ref_model, gathered["reference"], os.path.join(tmp, "reference"))
         torch.save({
-            "step": self.step, "version": self.version, "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "step": self.step, "version": self.version, "optimizer": gathered["optimizer"],
+            "sharded_optimizer": self.dp.sharded, "lr_scheduler": self.lr_scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             **(extra_state or {}),
         }, os.path.join(tmp, "trainer_state.pt"))
@@ -251,7 +282,10 @@ class Trainer:
         path = latest_checkpoint(out_dir)
         if path is None:
             return {}
-        self._load_weights(self.model, path)
+        if self.args.lora_rank:
+            self._load_adapter(path)
+        else:
+            self._load_weights(self.model, path)
         if self.critic is not None:
             self.critic.load(path)
         if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
@@ -260,7 +294,10 @@ class Trainer:
             state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
         except (RuntimeError, EOFError, OSError) as e:  # a checkpoint from before manifests existed
             raise SystemExit(f"error: --resume: {path}/trainer_state.pt is unreadable ({str(e).splitlines()[0]})")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("sharded_optimizer", False) != self.dp.sharded:  # keyed by name vs by index
+            raise SystemExit(f"error: --resume {path}: optimizer state saved with --trainer-shard "
+                             f"{'fsdp' if state.get('sharded_optimizer') else 'none'}; resume with the same")
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         if "lr_scheduler" in state:  # checkpoints from before --lr-scheduler have none (they ran at a constant lr)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]
@@ -269,13 +306,25 @@ class Trainer:
         np.random.set_state(state["rng"]["numpy"])
         return state
 
+    def _load_adapter(self, path: str):
+        """LoRA: the base stays the initial model; the trained adapter comes back from <checkpoint>/adapter."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        file = os.path.join(path, "adapter", "adapter_model.safetensors")
+        if not os.path.exists(file):
+            raise SystemExit(f"error: --resume {path}: no LoRA adapter in the checkpoint (saved without --lora-rank?)")
+        result = set_peft_model_state_dict(self.model, load_file(file, device=str(self.device)))
+        if result.unexpected_keys:
+            raise SystemExit(f"error: --resume {file}: adapter does not match --lora-* ({result.unexpected_keys[:3]})")
+
     def _load_weights(self, model, path: str):
         from safetensors.torch import load_file
 
         weights = {}
         for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            weights.update(load_file(f, device=str(self.device)))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+            weights.update(load_file(f, device="cpu" if self.dp.sharded else str(self.device)))
+        missing, unexpected = load_full_state_dict(model, weights, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
@@ -372,11 +421,17 @@ class TrainerRun:
             self.checkpoint()
 
     def checkpoint(self, name: str | None = None):
-        if not self.is_main:  # the replicas are identical: one writer
+        if not self.is_main and not self.trainer.dp.sharded:  # the replicas are identical: one writer
             return None
         with self.timeline.phase("checkpoint", step=self.trainer.step):
             return self.trainer.save_checkpoint(self.args.out_dir, name, {**self.summary,
                                                                           "elapsed": time.time() - self.start_time})
+
+    def _final_checkpoints(self):
+        every = self.args.checkpoint_every
+        if not every or self.trainer.step % every == 0:  # the last step on the --checkpoint-every grid (as TRL)
+            self.checkpoint()
+        self.checkpoint("final")  # model + tokenizer (hard links to the step checkpoint's when there is one)
 
     def _evaluations(self) -> dict:
         """The evaluation results that arrived on the control channel since the last row (the newest wins)."""
@@ -390,12 +445,11 @@ class TrainerRun:
     def finish(self):
         """Wait for the final evaluation on the control channel, then final/, the last checkpoint, summary.json."""
         if not self.is_main:
+            if self.trainer.dp.sharded:  # the gathers of trainer 0's checkpoints need every shard
+                self._final_checkpoints()
             return
         final_eval, _ = self.control.wait_final(self.args.timeout_s)
-        every = self.args.checkpoint_every
-        if not every or self.trainer.step % every == 0:  # the last step on the --checkpoint-every grid (as TRL)
-            self.checkpoint()
-        self.checkpoint("final")  # model + tokenizer (hard links to the step checkpoint's when there is one)
+        self._final_checkpoints()  # model + tokenizer (hard links to the step checkpoint's when there is one)
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)
         if not self.args.eval_every:

@@ -4,6 +4,11 @@ Parameters are packed into flat buckets of `bucket_mb` per dtype so one sync is 
 than one per tensor. The same code runs on both sides: the sender packs from its parameters, receivers unpack into
 theirs (`RolloutEngine.weight_buffers()`), so shapes and order must match: both are the HF named_parameters order.
 A version number travels with the weights.
+
+Sharded trainers (`--trainer-shard fsdp`) hand over DTensor shards: trainer 0 gathers each whole tensor
+(`full_tensor`, a collective over the trainers) as it packs a bucket, so it never holds more than about a bucket of
+gathered weights on its device; the other trainers join those gathers in the same order
+(`WeightSender.push` -> `join_gathers`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,30 @@ import time
 
 import torch
 import torch.distributed as dist
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor shard is all-gathered (every rank of its mesh must call this in the same order);
+    a plain tensor is returned as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def is_sharded(named_tensors) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for _, t in named_tensors)
+
+
+def join_gathers(named_tensors, passes: int = 1) -> None:
+    """A trainer other than 0 takes part in trainer 0's `passes` gathers of sharded weights (results dropped)."""
+    from torch.distributed.tensor import DTensor
+
+    for _ in range(passes):
+        for _, t in named_tensors:
+            if isinstance(t, DTensor):
+                t.full_tensor()
 
 
 def tensor_buckets(tensors: list[torch.Tensor], bucket_bytes: int):
@@ -63,8 +92,8 @@ def broadcast_weights(named_tensors: list[tuple[str, torch.Tensor]], version: in
     tensors = [t.detach() for _, t in named_tensors]
     for bucket in tensor_buckets(tensors, bucket_mb << 20):
         sender = dist.get_rank() == src
-        flat = pack(bucket, device) if sender else torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype,
-                                                                device=device)
+        flat = (pack([full_tensor(t).detach() for t in bucket], device) if sender  # sharded: gathered bucket by bucket
+                else torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device))
         dist.broadcast(flat, src=src, group=group)
         if not sender:
             unpack(flat, bucket)
@@ -76,7 +105,7 @@ def weights_hash(named_tensors) -> str:
     h = hashlib.sha256()
     for name, t in named_tensors:
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(full_tensor(t).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -92,7 +121,9 @@ def write_sync_checkpoint(sync_dir: str, named_tensors, version: int, keep: int 
     final = os.path.join(sync_dir, f"v{version}")
     tmp = os.path.join(sync_dir, f".tmp-v{version}-{os.getpid()}")
     os.makedirs(tmp, exist_ok=True)
-    save_file({name: t.detach().cpu().contiguous() for name, t in named_tensors}, os.path.join(tmp, "model.safetensors"))
+    # sharded: gathered one tensor at a time into host memory (the file is written whole)
+    save_file({name: full_tensor(t).detach().cpu().contiguous() for name, t in named_tensors},
+              os.path.join(tmp, "model.safetensors"))
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     with open(os.path.join(sync_dir, ".LATEST.tmp"), "w") as f:
@@ -136,6 +167,8 @@ class WeightSender:
 
     def push(self, named_tensors, version: int, step: int, method: str = "broadcast", in_flight: bool = False):
         if self.ctx.index != 0:  # data-parallel trainers other than rank 0 are not in the sync group
+            if is_sharded(named_tensors):  # ... but trainer 0 gathers from their shards: hash, then send/snapshot
+                join_gathers(named_tensors, 1 + bool(self.args.verify_sync))
             return
         self.wait()  # collectives must not interleave: the previous in-flight broadcast finishes first
         check = {"hash": weights_hash(named_tensors)} if self.args.verify_sync else {}
@@ -148,7 +181,9 @@ class WeightSender:
                 self._broadcast(named_tensors, version)
             return
         start = time.time()
-        snapshot = [(n, t.detach().clone()) for n, t in named_tensors]
+        # sharded: the gathered snapshot goes to host memory (the device keeps only the shards)
+        snapshot = [(n, full_tensor(t).detach().to("cpu" if is_sharded(named_tensors) else t.device, copy=True))
+                    for n, t in named_tensors]
         self.timeline.record("sync", start, time.time(), step=step, version=version, snapshot=True, **check)
         self.announced.value = version
         self._thread = threading.Thread(target=self._run_in_flight, args=(snapshot, version, step), daemon=True)

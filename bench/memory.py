@@ -1,0 +1,210 @@
+"""Peak memory per trainer and step time across the memory levers, plus an estimate table for big models.
+
+    python bench/memory.py                         # default model (SmolLM2-135M), 2 CPU trainers over gloo
+    python bench/memory.py --model tiny --steps 2  # quick smoke run
+
+Each setting runs 2 data-parallel trainer processes (common.launcher, gloo) on the same fixed batch of synthetic
+experiences whose response lengths spread 10x, for --steps train steps (the first is a warm-up). Every trainer
+reports its peak resident memory during the training steps (VmHWM, reset after the model was built, freed heap
+handed back first) above what it held before the model was built (imports, tokenizer), the peak while building
+it (every trainer loads the whole model before sharding it), what it holds between steps (weights, gradients,
+optimizer state: no activations) and the time of its last step. Settings: replica (full copies, all-reduce), fsdp (FSDP2), fsdp+ckpt (activation
+checkpointing), fsdp+ckpt+packing (--max-tokens-per-micro-batch), replica+lora (rank 16). CPU figures: the
+accounting is the same on a GPU, the absolute numbers and step times are not (see README "Big models").
+
+Then prints `estimate_table()`: per-GPU memory of a trainer on 8 x 80 GB from the same accounting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SETTINGS = {
+    "replica": [],
+    "fsdp": ["--trainer-shard", "fsdp"],
+    "fsdp+ckpt": ["--trainer-shard", "fsdp", "--gradient-checkpointing"],
+    "fsdp+ckpt+packing": ["--trainer-shard", "fsdp", "--gradient-checkpointing", "--max-tokens-per-micro-batch", "PACK"],
+    "replica+lora": ["--lora-rank", "16", "--lora-alpha", "32"],
+    "replica+packing": ["--max-tokens-per-micro-batch", "PACK"],
+}
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    """Hand freed heap back to the OS, then restart the peak-RSS count (Linux: clear_refs 5 resets VmHWM)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def experiences(n: int, prompt_len: int, shortest: int, vocab: int, seed: int = 0):
+    """n samples, response lengths spread evenly from `shortest` to 10x `shortest` tokens, 2 per group."""
+    import random
+
+    from common.experience import Experience
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        r = shortest + (9 * shortest * i) // max(n - 1, 1)
+        out.append(Experience([rng.randrange(vocab) for _ in range(prompt_len)], [rng.randrange(vocab) for _ in range(r)],
+                              [-1.0] * r, [1] * r, float(i % 2), i // 2, f"t{i}", 0))
+    return out
+
+
+def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
+    import torch
+
+    from common.config import parse_args
+    from common.parallel import DataParallel
+    from common.trainer import Trainer
+    from train_sync import Args
+
+    args = parse_args(Args, argv)
+    # what every setting loads anyway (code, not data), so the figures below are the model's and the step's own
+    import peft  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from common.model import load_tokenizer
+
+    load_tokenizer(args.model)
+    before = _rss_mb("VmRSS")
+    trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
+    batch = experiences(args.rollout_batch_size, prompt_len, shortest, trainer.model.config.vocab_size)
+    load_peak = _rss_mb("VmHWM") - before
+    _reset_peak()  # from here on: the training steps' own peak (loading the full model is a separate, first peak)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(e.response_ids) for e in batch)
+    peak = _rss_mb("VmHWM") - before
+    import gc
+
+    gc.collect()
+    _reset_peak()
+    held = _rss_mb("VmRSS") - before  # between steps: weights, gradients, optimizer state (no activations)
+    with open(os.path.join(result_dir, f"{setting}-{ctx.name}.json"), "w") as f:
+        json.dump({"peak_mb": peak, "load_peak_mb": load_peak, "held_mb": held, "step_s": times[-1], "tokens": tokens,
+                   "grad_norm": metrics["grad_norm"], "threads": torch.get_num_threads()}, f)
+
+
+def measure(setting, flags, opts, result_dir):
+    from common.launcher import WorkerSpec, launch
+
+    argv = ["--model", opts.model, "--tasks-per-step", str(opts.samples // 2), "--samples-per-task", "2",
+            "--minibatch-size", str(opts.samples), "--micro-batch-size", str(opts.micro_batch_size),
+            "--no-drop-zero-signal-groups", "--trainer-devices", "cpu,cpu", "--max-new-tokens", str(10 * opts.shortest + 1),
+            *[str(opts.pack_tokens) if f == "PACK" else f for f in flags]]
+    specs = [WorkerSpec(f"trainer{i}", "trainer", "cpu", worker,
+                        (argv, opts.steps, opts.prompt_len, opts.shortest, result_dir, setting)) for i in range(2)]
+    launch(specs, num_threads=opts.threads, timeout_s=1800)
+    return [json.load(open(os.path.join(result_dir, f"{setting}-trainer{i}.json"))) for i in range(2)]
+
+
+# ----------------------------------------------------------------------------- estimates for big models
+MODELS = {  # params, hidden, layers, vocab, intermediate (public configs)
+    "Qwen2.5-1.5B": (1.54e9, 1536, 28, 151936, 8960),
+    "Qwen2.5-7B": (7.62e9, 3584, 28, 152064, 18944),
+    "Llama-3.1-8B": (8.03e9, 4096, 32, 128256, 14336),
+}
+
+
+def trainer_gib(params, hidden, layers, vocab, inter, trainers, shard, ckpt, tokens, state_bytes=16,
+                chunk=1024) -> float:
+    """Per-GPU bytes of one trainer (GiB) with fp32 parameters, gradients and AdamW moments (16 B/param, what
+    FSDP recipes keep as master state) and bf16 compute.
+
+    states: params x 16 B, divided by `trainers` when sharded, plus two gathered bf16 layers (current + prefetch).
+    activations per micro-batch of `tokens` tokens (bf16): with checkpointing one hidden state per layer plus one
+    layer's working set recomputed in the backward; without, every layer's working set (~ (10 hidden + 3
+    intermediate) values per token, flash attention: no T x T scores). Log-probs: one chunk of fp32 logits
+    (x3: logits, softmax, gradient), never [tokens, vocab]. Plus ~2 GiB CUDA context and allocator slack.
+    """
+    layer_params = (params - 2 * vocab * hidden) / layers
+    states = params * state_bytes / (trainers if shard else 1)
+    gathered = 2 * layer_params * 2 if shard else 0
+    layer_working = tokens * (10 * hidden + 3 * inter) * 2
+    acts = tokens * hidden * 2 * layers + layer_working if ckpt else layer_working * layers
+    logits = 3 * chunk * vocab * 4
+    return (states + gathered + acts + logits) / 2**30 + 2
+
+
+def estimate_table(tokens: int = 16384) -> str:
+    cols = [("replica+ckpt", 1, False, True), ("fsdp x8", 8, True, False), ("fsdp x4+ckpt", 4, True, True),
+            ("fsdp x6+ckpt", 6, True, True), ("fsdp x8+ckpt", 8, True, True)]
+    rows = [f"Per-GPU memory of one trainer (GiB; estimate: fp32 states 16 B/param, bf16 compute, AdamW, {tokens} tokens per packed micro-batch), "
+            "80 GB GPUs:", f"{'model':14s} " + " ".join(f"{c[0]:>13s}" for c in cols)]
+    for name, (p, h, l, v, i) in MODELS.items():
+        cells = [trainer_gib(p, h, l, v, i, n, shard, ckpt, tokens) for _, n, shard, ckpt in cols]
+        rows.append(f"{name:14s} " + " ".join(f"{c:12.0f}{'!' if c > 80 else ' '}" for c in cells))
+    rows.append("! = does not fit in 80 GB. An explorer GPU (vLLM) holds the bf16 weights (2 B/param) + KV cache.")
+    return "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=8, help="sequences per step (one minibatch)")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--shortest", type=int, default=12, help="shortest response; the longest is 10x")
+    parser.add_argument("--pack-tokens", type=int, default=512, help="--max-tokens-per-micro-batch of the packing run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per trainer")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--estimates-only", action="store_true")
+    opts = parser.parse_args()
+    # Tensors above 128 KB get their own mmap and go back to the OS when freed, so a trainer's resident memory
+    # follows what it allocates (glibc otherwise keeps freed blocks of up to 32 MB in its heap, and the peak RSS
+    # would count fragmentation). Inherited by the spawned trainers.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if not opts.estimates_only:
+        from common.model import resolve_model
+
+        resolve_model(opts.model)  # convert the default model once, before workers start
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for setting in opts.settings.split(","):
+                results[setting] = measure(setting, SETTINGS[setting], opts, tmp)
+                r = results[setting]
+                print(f"{setting:18s} peak/trainer {max(x['peak_mb'] for x in r):7.0f} MB  "
+                      f"step {max(x['step_s'] for x in r):6.2f} s", flush=True)
+        base = results.get("replica")
+        print(f"\n{'setting':18s} {'peak MB':>8s} {'x replica':>9s} {'step s':>7s} {'x replica':>9s} {'tokens/s':>9s}"
+              f" {'held MB':>8s} {'x replica':>9s} {'load peak MB':>12s}")
+        for setting, r in results.items():
+            peak, step = max(x["peak_mb"] for x in r), max(x["step_s"] for x in r)
+            ratio = (lambda a, b: f"{a / b:9.2f}") if base else (lambda a, b: f"{'':9s}")
+            print(f"{setting:18s} {peak:8.0f} {ratio(peak, max(x['peak_mb'] for x in base)) if base else '':>9s} "
+                  f"{step:7.2f} {ratio(step, max(x['step_s'] for x in base)) if base else '':>9s} "
+                  f"{r[0]['tokens'] / step:9.1f} {max(x['held_mb'] for x in r):8.0f} "
+                  f"{ratio(max(x['held_mb'] for x in r), max(x['held_mb'] for x in base)) if base else '':>9s} "
+                  f"{max(x['load_peak_mb'] for x in r):12.0f}")
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump({"options": vars(opts), "results": results}, f, indent=2)
+    print()
+    print(estimate_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""--trainer-shard fsdp: two FSDP2 trainers over gloo (real processes, common.launcher) against one trainer; the
+weight sync from shards; resume from a checkpoint written by sharded trainers."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.launcher import WorkerSpec, launch
+from conftest import TINY
+from test_scale_trainer import uneven_experiences
+
+pytestmark = pytest.mark.timeout(300)
+FLAGS = {"grpo": ["--kl-coef", "0.1", "--ref-reset-every", "2"],
+         "ppo": ["--algo", "ppo", "--kl-coef", "0.1", "--kl-mode", "reward", "--critic-lr", "1e-3"]}
+STEPS, SYNC = 3, {1: "broadcast", 2: "checkpoint", 3: "broadcast"}
+
+
+def _args(out_dir, *flags):
+    from common.config import parse_args
+    from train_sync import Args
+
+    return parse_args(Args, [*TINY, "--minibatch-size", "8", "--micro-batch-size", "3", "--out-dir", str(out_dir),
+                             "--ppo-epochs", "2", *flags])
+
+
+def worker(ctx, out_dir, flags, resume):
+    """Trainers: (resume,) train to step 3 on fixed experiences, syncing after every step and saving a checkpoint
+    at step 2 and final/. The explorer (an HF engine) pulls every version and records the checksum it holds."""
+    from common.engine import HFEngine
+    from common.metrics import Timeline
+    from common.model import build_tiny_tokenizer, load_model
+    from common.parallel import DataParallel
+    from common.trainer import Trainer
+    from common.weight_sync import WeightReceiver, WeightSender, weights_hash
+
+    args = _args(out_dir, *flags)
+    timeline = Timeline(out_dir, ctx.name)
+    hashes = {}
+    if ctx.role == "explorer":
+        from common.trainer import DTYPES
+
+        # other weights than the trainers' until the first sync; the run's dtype, as the explorer of a run
+        engine = HFEngine(load_model("tiny", dtype=DTYPES[args.dtype], seed=7), build_tiny_tokenizer())
+        receiver = WeightReceiver(ctx, args, engine, timeline)
+        for step in range(STEPS + 1):
+            version = receiver.pull(step, SYNC.get(step, "broadcast"))
+            hashes[version] = engine.weights_checksum()
+    else:
+        trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
+        sender = WeightSender(ctx, args, timeline) if ctx.explorer_ranks else None
+        if resume:
+            trainer.resume(out_dir)
+        if sender:
+            sender.push(trainer.named_weights(), trainer.version, 0)
+        hashes[trainer.version] = weights_hash(trainer.named_weights())  # gathered: every trainer joins
+        while trainer.step < STEPS:
+            metrics = trainer.train_step(uneven_experiences(seed=trainer.step))
+            assert metrics["grad_norm"] > 0
+            hashes[trainer.version] = weights_hash(trainer.named_weights())
+            if sender:
+                sender.push(trainer.named_weights(), trainer.version, trainer.step, SYNC[trainer.step])
+            if trainer.step == 2:
+                trainer.save_checkpoint(out_dir)
+        trainer.save_checkpoint(out_dir, "final")
+    with open(os.path.join(out_dir, f"hashes-{ctx.name}.json"), "w") as f:
+        json.dump(hashes, f)
+
+
+def run_workers(out_dir, flags, trainers=2, explorer=True, resume=False):
+    os.makedirs(out_dir, exist_ok=True)
+    specs = [WorkerSpec(f"trainer{i}", "trainer", "cpu", worker, (str(out_dir), flags, resume)) for i in range(trainers)]
+    if explorer:
+        specs.append(WorkerSpec("explorer0", "explorer", "cpu", worker, (str(out_dir), flags, resume)))
+    launch(specs, num_threads=1, timeout_s=120)
+
+
+def one_trainer(out_dir, flags):
+    from common.trainer import Trainer
+
+    trainer = Trainer(_args(out_dir, *flags), torch.device("cpu"))
+    while trainer.step < STEPS:
+        trainer.train_step(uneven_experiences(seed=trainer.step))
+    trainer.save_checkpoint(str(out_dir), "final")
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _sharded(algo):
+    return [*FLAGS[algo], "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """One sharded run per algorithm (2 trainers + an explorer), shared by the tests below."""
+    cache = {}
+
+    def get(algo):
+        if algo not in cache:
+            cache[algo] = tmp_path_factory.mktemp(f"fsdp-{algo}")
+            run_workers(cache[algo] / "fsdp", _sharded(algo))
+        return cache[algo]
+    return get
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_fsdp_trainers_equal_one_trainer_and_sync_exact_weights(fsdp_runs, algo):
+    tmp_path = fsdp_runs(algo)
+    one_trainer(tmp_path / "one", FLAGS[algo])
+
+    sent = json.load(open(tmp_path / "fsdp" / "hashes-trainer0.json"))
+    assert sent == json.load(open(tmp_path / "fsdp" / "hashes-trainer1.json"))
+    got = json.load(open(tmp_path / "fsdp" / "hashes-explorer0.json"))
+    assert sorted(got, key=int) == ["0", "1", "2", "3"] and got == sent  # broadcast and checkpoint sync alike
+
+    init = load_file(tmp_path / "fsdp" / "checkpoints" / "step_2" / "model.safetensors")
+    fsdp, one = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("fsdp", "one"))
+    assert _max_diff(fsdp, init) > 1e-4  # it trained
+    assert _max_diff(fsdp, one) < 1e-5, _max_diff(fsdp, one)  # final/ is a plain HF folder: same keys
+    if algo == "ppo":
+        critic = [load_file(tmp_path / d / "final" / "critic" / "model.safetensors") for d in ("fsdp", "one")]
+        assert _max_diff(*critic) < 1e-5
+
+
+def test_resume_from_sharded_checkpoint_continues_exactly(fsdp_runs, tmp_path):
+    """ppo: policy, critic and both optimizers come back from the step-2 checkpoint of the sharded run."""
+    full_dir = fsdp_runs("ppo") / "fsdp"
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full_dir / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
+    run_workers(tmp_path / "resumed", _sharded("ppo"), explorer=False, resume=True)
+    full = json.load(open(full_dir / "hashes-trainer0.json"))
+    resumed = json.load(open(tmp_path / "resumed" / "hashes-trainer0.json"))
+    assert resumed["2"] == full["2"]  # the same weights at the same step ...
+    assert resumed["3"] == full["3"]  # ... and the same next step: optimizer state (AdamW moments) came back too
+    for name in ("model.safetensors", "critic/model.safetensors"):
+        a, b = (load_file(d / "final" / name) for d in (full_dir, tmp_path / "resumed"))
+        assert _max_diff(a, b) == 0

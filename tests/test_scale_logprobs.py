@@ -1,0 +1,93 @@
+"""Chunked log-probs and padding-free packing (common/model.py): same numbers and gradients as the one-shot, padded
+computation, and no [tokens, vocab] tensor in either pass."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common.losses import entropy_from_logits
+from common.model import hidden_states, load_model, sequence_logprobs, token_logprobs_chunked
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def one_shot_logprobs(model, input_ids, attention_mask, temperature, mask):
+    """The textbook version: full [B, T, V] logits, log_softmax, gather."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logp * mask, entropy_from_logits(logits) * mask
+
+
+def _batch(lengths, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), T), generator=g)
+    attn = torch.zeros(len(lengths), T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        attn[i, :n] = 1
+    mask = attn[:, 1:].float()
+    mask[:, :2] = 0  # a 3-token "prompt"
+    return ids, attn, mask
+
+
+class MaxTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_chunked_equals_one_shot_values_and_gradients():
+    model = load_model("tiny", seed=3)
+    ids, attn, mask = _batch([20, 9, 31, 4])
+    ref_lp, ref_ent = one_shot_logprobs(model, ids, attn, 0.7, mask)
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    import common.model as m
+    old, m.LOGPROB_CHUNK_TOKENS = m.LOGPROB_CHUNK_TOKENS, 7  # many chunks, a ragged last one
+    try:
+        lp, ent = sequence_logprobs(model, ids, attn, 0.7, mask, with_entropy=True, entropy_grad=True)
+    finally:
+        m.LOGPROB_CHUNK_TOKENS = old
+    (lp.sum() + ent.sum()).backward()
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5), n
+
+
+def test_logprob_head_memory_does_not_grow_with_vocab_times_tokens():
+    """The head over N=512 tokens: the largest tensor in forward + backward is one chunk's logits (plus the
+    [V, H] weight gradient), and nothing vocabulary-sized is saved for the backward."""
+    N, H, chunk = 512, 32, 64
+    for V in (1000, 4000):
+        head = torch.nn.Linear(H, V, bias=False)
+        hidden = torch.randn(N, H, requires_grad=True)
+        targets = torch.randint(0, V, (N,))
+        saved = []
+        with MaxTensor() as probe, torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel()) or t, lambda t: t):
+            lp, ent = token_logprobs_chunked(head, hidden, targets, 1.0, None, True, True, chunk_tokens=chunk)
+            (lp.sum() + ent.sum()).backward()
+        assert probe.max_numel <= max(chunk * V, V * H), (V, probe.max_numel)
+        assert sum(saved) < N * V // 8, (V, sum(saved))  # one-shot would save [N, V] logits several times
+
+
+def test_packed_hidden_states_equal_padded_on_uneven_lengths():
+    model = load_model("tiny", seed=2)
+    ids, attn, _ = _batch([3, 57, 5, 40, 2])  # very uneven
+    with torch.no_grad():
+        padded = hidden_states(model.base_model, ids, attn, packed=False)
+        packed = hidden_states(model.base_model, ids, attn, packed=True)
+    real = attn.bool()
+    assert (packed[~real] == 0).all()
+    assert torch.allclose(packed[real], padded[real], atol=1e-5)
