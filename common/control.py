@@ -22,22 +22,29 @@ class ControlChannel:
 
     def __init__(self, ctx):
         self._q = ctx.Queue()
+        self._final: Control | None = None  # a final message that arrived while polling for evaluations
 
     def send(self, kind: str, metrics: dict, explorer: int = 0) -> None:
         self._q.put(Control(kind, explorer, metrics))
 
     def poll(self) -> list[Control]:
-        """Every message that has arrived, without waiting."""
+        """The evaluations that have arrived, without waiting (a final message is kept for `wait_final`)."""
         out = []
         while True:
             try:
-                out.append(self._q.get_nowait())
+                msg = self._q.get_nowait()
             except queue.Empty:
                 return out
+            if msg.kind == "final":
+                self._final = msg
+            else:
+                out.append(msg)
 
     def wait_final(self, timeout: float, who: str = "trainer") -> tuple[dict, list[Control]]:
         """Block until the final evaluation arrives: (its metrics, the other messages that came meanwhile)."""
         deadline, others = time.time() + timeout, []
+        if self._final is not None:  # it came while the trainer was polling for evaluations
+            return self._final.metrics, others
         while True:
             try:
                 msg = self._q.get(timeout=max(0.0, deadline - time.time()))
