@@ -159,6 +159,34 @@ def estimate_table(tokens: int = 16384) -> str:
     return "\n".join(rows)
 
 
+def packing_throughput(model_name: str, repeats: int = 3, micro_batch_size: int = 4, pack_tokens: int = 512,
+                       prompt_len: int = 16, shortest: int = 12) -> tuple[float, float]:
+    """Trained tokens/s of the policy's forward+backward over one batch of 8 sequences whose responses spread 10x,
+    padded micro-batches vs packed ones, in one process, alternating (best of `repeats` each), so a shared
+    machine's load drifts over both alike."""
+    import torch
+
+    from common.experience import collate
+    from common.model import load_model, sequence_logprobs
+    from common.packing import batch_micro_batches
+
+    model = load_model(model_name)
+    model.config.use_cache = False
+    batch = collate(experiences(8, prompt_len, shortest, model.config.vocab_size), 0)
+    tokens = batch.response_mask.sum().item()
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(repeats):
+        for packed in (False, True):
+            start = time.perf_counter()
+            for idx in batch_micro_batches(batch, micro_batch_size, pack_tokens if packed else 0):
+                lp = sequence_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], 1.0,
+                                       batch.response_mask[idx], packed=packed)
+                lp.sum().backward()
+            best[packed] = min(best[packed], time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return tokens / best[False], tokens / best[True]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -172,11 +200,19 @@ def main():
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--json", default=None)
     parser.add_argument("--estimates-only", action="store_true")
+    parser.add_argument("--packing-only", action="store_true", help="only the padded vs packed tokens/s figure")
     opts = parser.parse_args()
     # Tensors above 128 KB get their own mmap and go back to the OS when freed, so a trainer's resident memory
     # follows what it allocates (glibc otherwise keeps freed blocks of up to 32 MB in its heap, and the peak RSS
     # would count fragmentation). Inherited by the spawned trainers.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if opts.packing_only:
+        padded, packed = packing_throughput(opts.model, micro_batch_size=opts.micro_batch_size,
+                                            pack_tokens=opts.pack_tokens, prompt_len=opts.prompt_len,
+                                            shortest=opts.shortest)
+        print(f"forward+backward, responses spread 10x: padded {padded:.1f} tokens/s, packed {packed:.1f} "
+              f"tokens/s ({packed / padded:.2f}x)")
+        return
     if not opts.estimates_only:
         from common.model import resolve_model
 
