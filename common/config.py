@@ -455,7 +455,7 @@ def load_yaml_defaults(cls, path: str):
         name = str(key).replace("-", "_")
         if name not in fields:
             raise ConfigError(f"--config {path}: unknown key {key!r} (not a field of {cls.__name__})")
-        clean[name] = value
+        clean[name] = tuple(value) if isinstance(value, list) else value  # YAML lists -> tuple fields (--wandb-tags)
     try:
         return dataclasses.replace(cls(), **clean)
     except TypeError as e:
