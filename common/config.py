@@ -576,7 +576,8 @@ def load_yaml_defaults(cls, path: str, base=None):
             raise ConfigError(f"--config {path}: unknown key {key!r} (not a field of {cls.__name__})")
         if name in allowed:
             check_choice(name, value, allowed[name], where=f"--config {path}: ")
-        clean[name] = coerce_value(value, types_[name], f"--config {path}: {key}")
+        value = coerce_value(value, types_[name], f"--config {path}: {key}")
+        clean[name] = tuple(value) if isinstance(value, list) else value  # YAML lists -> tuple fields (--wandb-tags)
     try:
         return dataclasses.replace(base if base is not None else cls(), **clean)
     except TypeError as e:
