@@ -11,6 +11,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from common.workflows.config import WorkflowArgs, validate_workflow_args
+
 
 class ConfigError(SystemExit):
     """A one-line, user-facing configuration error: Python prints the message and exits with status 1."""
@@ -20,7 +22,7 @@ class ConfigError(SystemExit):
 
 
 @dataclass
-class CommonArgs:
+class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflows/config.py)
     # --- run -----------------------------------------------------------------------------------------------
     config: str | None = None
     """YAML file of defaults for these fields (underscores or dashes); command-line flags override it."""
@@ -271,6 +273,7 @@ class CommonArgs:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
                               f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size})")
         self._validate_kimi()
+        validate_workflow_args(self)
         check_placement(self.explorer_device_list, self.trainer_device_list)
 
     def _validate_kimi(self) -> None:

@@ -24,7 +24,7 @@ def prepare_run(args, schedule: str) -> None:
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum)  # bad rows fail here
-    if not args.rm_model and any(t["reward"] == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
+    if not args.rm_model and any(t.get("reward") == "rm" and not t.get("rm_model") for t in (train.tasks or []) + held_out):
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume and latest_checkpoint(args.out_dir) is None:
         raise ConfigError(f"--resume: no checkpoint in {args.out_dir}/checkpoints")

@@ -21,8 +21,10 @@ import importlib
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from common.engine import RolloutEngine, SamplingConfig
+if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
+    from common.engine import RolloutEngine, SamplingConfig
 
 WORKFLOWS = {
     "single_turn": "common.workflows.single_turn:SingleTurn",
