@@ -83,6 +83,8 @@ def call_with_timeout(fn, kwargs: dict, timeout_s: float):
         raise ToolError("timeout", f"tool did not answer within {timeout_s:g}s")
     if "error" in box:
         e = box["error"]
+        if isinstance(e, ToolError):  # the tool's own verdict (e.g. the sandbox's timeout)
+            raise e
         raise ToolError("exception", f"{type(e).__name__}: {e}")
     return box.get("value")
 
