@@ -34,10 +34,11 @@ def evaluate_arithmetic(expression: str) -> float | int:
 
 
 def calculator_task(rng: random.Random, index: int, difficulty: int) -> dict:
-    from common.tasks import arithmetic_task
+    from common.tasks import ANSWER_FORMAT, arithmetic_task
 
     task = arithmetic_task(rng, difficulty)
-    return {**task, "id": f"calc-{index}", "env": "calculator"}  # keeps reward "math": the verifier
+    question = task["prompt"].replace(ANSWER_FORMAT, "Use a tool if it helps, then reply 'Answer: <number>'.")
+    return {**task, "prompt": question, "id": f"calc-{index}", "env": "calculator"}  # reward "math": the verifier
 
 
 class Calculator(ToolEnv):
@@ -51,16 +52,16 @@ class Calculator(ToolEnv):
         """Evaluate an arithmetic expression.
 
         Args:
-            expression: numbers with + - * / // % ** and parentheses, e.g. "3 * (4 + 5)"
+            expression: e.g. "3 * (4 + 5)"
         """
         value = evaluate_arithmetic(expression)
         return str(int(value) if isinstance(value, float) and value.is_integer() else value)
 
     def python(self, code: str) -> str:
-        """Run a Python program in a sandbox and return what it printed.
+        """Run Python code in a sandbox; returns what it printed.
 
         Args:
-            code: the program; print the result
+            code: a program that prints the result
         """
         from rewards.sandbox import Limits, run
 

@@ -147,7 +147,7 @@ class ToolEnv(Env):
 
 def tools_system_prompt(schemas: list[dict]) -> str:
     """The Hermes-style tool instructions, for chat templates that do not render `tools=` themselves."""
-    lines = "\n".join(json.dumps(s) for s in schemas)
-    return ("You may call tools. Their signatures, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
-            "To call one, write <tool_call>{\"name\": <tool name>, \"arguments\": <JSON object>}</tool_call> and "
-            "wait for its result. When you know the final answer, reply without a tool call.")
+    lines = "\n".join(json.dumps({k: v for k, v in s.items() if k != "return"}, separators=(",", ":"))
+                      for s in schemas)
+    return ("Tools (JSON schemas):\n<tools>\n" + lines + "\n</tools>\nCall one with <tool_call>{\"name\": ..., "
+            "\"arguments\": {...}}</tool_call>. Give the final answer without a tool call.")
