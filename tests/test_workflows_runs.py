@@ -58,5 +58,16 @@ def test_mixed_single_and_multi_turn_trains_with_vllm(tmp_path, script):
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(out)
     sent = {e["version"]: e["hash"] for e in read_timeline(str(out))
-            if e["process"] == "trainer0" and e["phase"].startswith("sync") and "version" in e}
+            if e["process"] == "trainer0" and "hash" in e and "version" in e}
     assert sent[0] != sent[2], "the trainer's weights did not change"
+
+
+def test_mixed_taskset_with_ppo_data_parallel_and_score_behind(tmp_path):
+    """PPO (GAE over the sampled tokens only), two data-parallel trainers and --score-behind with episodes."""
+    out = tmp_path / "run"
+    proc = run_script("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
+                      "--score-behind", "--steps", "2", "--out-dir", str(out), timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(out))
+    assert len(rows) == 2 and any(r.get("rollout/episodes", 0) > 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows)

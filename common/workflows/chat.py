@@ -14,8 +14,6 @@ policy never chose (TRL #5224). What is tokenised is only template text *after* 
 
 from __future__ import annotations
 
-import json
-
 SENTINEL = "TANDEMSENTINEL7"
 
 
@@ -81,7 +79,3 @@ class ChatRenderer:
         if sampled_stop is not None and glue and glue[0] == sampled_stop:
             glue = glue[1:]
         return list(glue) + after_ids[len(before_ids):]
-
-
-def messages_text(messages: list[dict]) -> str:
-    return json.dumps(messages, ensure_ascii=False)
