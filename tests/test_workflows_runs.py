@@ -23,6 +23,7 @@ def _check(out, steps=2):
         assert sum(v for k, v in r.items() if k.startswith("rollout/end/")) == r["rollout/episodes"]
 
 
+@pytest.mark.timeout(600)  # three processes on a shared 2-core machine
 @pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
 def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
     out = tmp_path / "run"
@@ -31,6 +32,7 @@ def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
     _check(out)
 
 
+@pytest.mark.timeout(600)
 def test_jsonl_rows_pick_their_env(tmp_path):
     rows = [{"prompt": f"{i} + 1 = ? Answer: <n>", "answer": str(i + 1)} for i in range(6)]
     rows += [{"env": "guess_number", "secret": i % 8 + 1, "high": 8} for i in range(6)]
@@ -50,11 +52,12 @@ def test_jsonl_rows_pick_their_env(tmp_path):
 
 
 @pytest.mark.skipif(not ok, reason=why)
+@pytest.mark.timeout(900)  # each run starts vLLM
 @pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
 def test_mixed_single_and_multi_turn_trains_with_vllm(tmp_path, script):
     out = tmp_path / "run"
     proc = run_script(script, *TINY, *MIXED, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
-                      "--verify-sync", "--out-dir", str(out), timeout=500)
+                      "--verify-sync", "--out-dir", str(out), timeout=850)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(out)
     sent = {e["version"]: e["hash"] for e in read_timeline(str(out))
@@ -62,6 +65,7 @@ def test_mixed_single_and_multi_turn_trains_with_vllm(tmp_path, script):
     assert sent[0] != sent[2], "the trainer's weights did not change"
 
 
+@pytest.mark.timeout(600)
 def test_mixed_taskset_with_ppo_data_parallel_and_score_behind(tmp_path):
     """PPO (GAE over the sampled tokens only), two data-parallel trainers and --score-behind with episodes."""
     out = tmp_path / "run"
