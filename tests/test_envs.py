@@ -191,3 +191,17 @@ def test_readme_worked_example_env_runs(tmp_path, monkeypatch):
     e = groups[0].responses[0]
     assert e.end_reason == "done" and e.turn_rewards == [1.0, 1.0, 1.0] and e.success
     sys.modules.pop("countdown_example", None)
+
+
+def test_env_rows_are_checked_when_loaded(tmp_path):
+    import json
+
+    from common.tasks import load_jsonl
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"env": "guess_number", "secret": 3}) + "\n" + json.dumps({"env": "guess_number"}))
+    with pytest.raises(SystemExit, match=rf"^error: {path}:2: missing field 'secret' \(needed by env 'guess_number'\)$"):
+        load_jsonl(str(path))
+    path.write_text(json.dumps({"env": "retry", "answer": "4", "prompt": "2+2", "reward": "nope"}))
+    with pytest.raises(SystemExit, match=r":1: unknown reward 'nope'"):
+        load_jsonl(str(path))

@@ -37,6 +37,8 @@ class StepResult:
 class Env:
     """Base class. One instance runs one episode (a fresh one per episode: nothing is shared between episodes)."""
 
+    required_fields: tuple[str, ...] = ()  # task fields reset() needs: a row without one is a one-line load error
+
     def reset(self, task: dict) -> list[dict]:
         """Start an episode for `task`; return the first messages (e.g. [{"role": "user", "content": ...}])."""
         raise NotImplementedError

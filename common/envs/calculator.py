@@ -43,6 +43,7 @@ def calculator_task(rng: random.Random, index: int, difficulty: int) -> dict:
 
 class Calculator(ToolEnv):
     tools = ("calculate", "python")
+    required_fields = ("prompt",)
     sandbox_timeout_s = 5.0
 
     def reset(self, task: dict) -> list[dict]:

@@ -20,6 +20,8 @@ def guess_number_task(rng: random.Random, index: int, difficulty: int) -> dict:
 
 
 class GuessNumber(Env):
+    required_fields = ("secret",)
+
     def reset(self, task: dict) -> list[dict]:
         self.secret, self.high = int(task["secret"]), int(task.get("high", 16))
         self.guesses = 0

@@ -37,6 +37,8 @@ def final_answer(text: str) -> str:
 
 
 class ReasoningGym(Env):
+    required_fields = ("entry", "prompt")
+
     def reset(self, task: dict) -> list[dict]:
         import reasoning_gym
 

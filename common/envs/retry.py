@@ -37,6 +37,7 @@ def retry_task(rng: random.Random, index: int, difficulty: int) -> dict:
 
 
 class Retry(Env):
+    required_fields = ("answer",)
     retry_discount = 0.5
 
     def reset(self, task: dict) -> list[dict]:

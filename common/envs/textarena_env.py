@@ -13,6 +13,8 @@ def textarena_task(game: str, seed: int, index: int) -> dict:
 
 
 class TextArena(Env):
+    required_fields = ("game",)
+
     def reset(self, task: dict) -> list[dict]:
         import textarena as ta
 

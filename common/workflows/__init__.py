@@ -51,6 +51,11 @@ def validate_env_task(task: dict, where: str) -> dict:
         raise SystemExit(f"error: {where}: unknown env {task['env']!r} (one of {', '.join(sorted(ENVS))})")
     if workflow_name(task) not in WORKFLOWS:
         raise SystemExit(f"error: {where}: unknown workflow {task['workflow']!r} (one of {', '.join(WORKFLOWS)})")
+    from common.envs import env_class
+
+    for name in env_class(task["env"]).required_fields:
+        if name not in task:
+            raise SystemExit(f"error: {where}: missing field {name!r} (needed by env {task['env']!r})")
     if "reward" in task:
         from rewards import KINDS
 
