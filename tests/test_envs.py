@@ -84,7 +84,7 @@ def test_tool_errors_are_observations_and_the_episode_goes_on(monkeypatch):
         "rollout/tool_error/malformed": 1, "rollout/tool_error/unknown_tool": 1,
         "rollout/tool_error/bad_arguments": 1, "rollout/tool_error/timeout": 1}
     # The schemas reached the model: SmolLM2-style templates ignore tools=, so they are in the system message.
-    assert e.messages[0]["role"] == "system" and '"name": "add"' in e.messages[0]["content"]
+    assert e.messages[0]["role"] == "system" and '"name":"add"' in e.messages[0]["content"]
 
 
 def test_calculator_python_tool_runs_in_the_sandbox_and_a_hang_is_a_timeout():
