@@ -14,6 +14,8 @@ from typing import Literal
 
 from common.knobs import check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
+from common.workflows.config import WorkflowArgs, validate_workflow_args
+
 
 class ConfigError(SystemExit):
     """A one-line, user-facing configuration error: Python prints the message and exits with status 1."""
@@ -23,7 +25,7 @@ class ConfigError(SystemExit):
 
 
 @dataclass
-class CommonArgs:
+class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflows/config.py)
     # --- run -----------------------------------------------------------------------------------------------
     config: str | None = None
     """YAML file of defaults for these fields (underscores or dashes); command-line flags override it."""
@@ -346,6 +348,7 @@ class CommonArgs:
         self._validate_plugins()
         self._validate_day()
         self._validate_memory()
+        validate_workflow_args(self)
         check_placement(self.explorer_device_list, self.trainer_device_list)
 
     def resolve_coupled(self) -> None:

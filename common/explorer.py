@@ -1,7 +1,9 @@
 """The explorer side shared by every schedule: sample tasks, generate with the rollout engine, score with the
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
-Generation goes through `PartialRollouts` (common/replay.py): with --rollout-token-budget 0 every group ends in the
+Generation goes through the tasks' workflows (common/workflows: single_turn, or multi_turn for tasks that name an
+environment), all advanced together by `Rollouts`. Single-turn responses are partial rollouts (common/replay.py):
+with --rollout-token-budget 0 every group ends in the
 step it started; with a budget, unfinished responses are continued in later steps (Kimi k1.5 partial rollouts).
 """
 
@@ -16,9 +18,10 @@ from common.engine import HFEngine, RolloutEngine, SamplingConfig
 from common.experience import Experience
 from common.hub_tasks import DatasetOptions
 from common.metrics import Timeline
-from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer
-from common.replay import PartialRollouts
+from common.model import DTYPES, load_model, load_tokenizer
 from common.tasks import build_tasksets
+from common.workflows import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes
+from common.workflows.processors import apply_task_processors
 from rewards import RewardFuture, RewardPool, UserReward, score
 from rewards.shaping import shape_batch
 
@@ -55,7 +58,7 @@ class _Round:
     groups: list
     flat: list                 # (group, response) per sample, in the order submitted for scoring
     future: RewardFuture
-    generated: dict            # PartialRollouts.generate's counts
+    generated: dict            # Rollouts.generate's counts (+ the task processors')
     generated_s: float         # seconds of generation
 
 
@@ -69,7 +72,8 @@ class Explorer:
                                                            args.task_sampling, args.curriculum,
                                                            DatasetOptions.from_args(args), args.dataset_split,
                                                            args.eval_dataset_split)
-        self.in_flight = PartialRollouts(args.rollout_token_budget, args.max_new_tokens)
+        self.workflow_ctx = Context.from_args(self.tokenizer, args)
+        self.in_flight = Rollouts(self.workflow_ctx)  # the tasks' workflows in flight (common/workflows)
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
                                   rm_model=args.rm_model, judge_model=args.judge_model)
@@ -100,16 +104,19 @@ class Explorer:
 
     def _generate_and_submit(self, step: int) -> "_Round":
         args = self.args
-        for task in self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps):
-            self.in_flight.start(task, self.next_group, chat_prompt_ids(self.tokenizer, task), args.samples_per_task)
+        tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
+        tasks, task_counts = apply_task_processors(tasks, args.task_processors, args)
+        for task in tasks:
+            self.in_flight.start(task, self.next_group, args.samples_per_task)
             self.next_group += 1
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
             generated = self.in_flight.generate(self.engine, self.sampling, self.version)
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
-        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in flat]
-        future = self.rewards.submit(texts, [g.task for g, _ in flat])  # scored in the pool's worker processes
+        # verifiers run in the pool's worker processes; episodes add their environment's reward
+        future = ScoreFuture(self.rewards, flat, self.tokenizer, args.env_reward)
+        generated["tasks"] = task_counts
         return _Round(step, groups, flat, future, generated, time.time() - t0)
 
     def _finish(self, round_: "_Round") -> tuple[list[Experience], dict]:
@@ -138,6 +145,7 @@ class Explorer:
             "rollout/tokens_per_s": generated["tokens"] / max(round_.generated_s, 1e-9),
             "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
+            **rollout_metrics(flat), **generated.get("tasks", {}),
         }
         modes = sorted({r.info["sandbox"] for r in scores if r.info.get("sandbox")})  # code rewards: isolation in force
         if modes:
@@ -168,12 +176,13 @@ class Explorer:
     def evaluate(self, step: int) -> dict:
         """Greedy accuracy on the held-out tasks (a score of 1 counts as correct)."""
         with self.timeline.phase("eval", step=step, version=self.version):
-            prompts = [chat_prompt_ids(self.tokenizer, t) for t in self.eval_tasks]
             greedy = SamplingConfig(temperature=0, max_new_tokens=self.args.max_new_tokens, n=1)
-            generations = [gs[0] for gs in self.engine.generate(prompts, greedy)]
-            texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in generations]
-            scores = self.rewards.score_batch(texts, self.eval_tasks)
-        return {"eval/accuracy": sum(r.score >= 1.0 for r in scores) / len(scores), "eval/version": self.version}
+            tasks, _ = apply_task_processors(self.eval_tasks, self.args.task_processors, self.args)
+            groups, _ = run_episodes(self.engine, self.workflow_ctx, tasks, greedy, self.version)
+            flat = [(g, r) for g in groups for r in g.responses]
+            scores = ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward).result(self.args.timeout_s)
+        return {"eval/accuracy": sum(r.score >= 1.0 for r in scores) / len(scores), "eval/version": self.version,
+                "eval/turns_mean": rollout_metrics(flat).get("rollout/turns_mean", 0.0)}
 
     def close(self):
         self.rewards.close()

@@ -31,7 +31,7 @@ def prepare_run(args, schedule: str) -> None:
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
                                      args.dataset_split, args.eval_dataset_split)  # bad rows fail here
     check_prompt_lengths(args, (train.tasks or []) + held_out)
-    needs_rm = [t for t in (train.tasks or []) + held_out if t["reward"] == "rm" and not t.get("rm_model")]
+    needs_rm = [t for t in (train.tasks or []) + held_out if t.get("reward") == "rm" and not t.get("rm_model")]
     if needs_rm and not args.rm_model and not args.reward_fn:
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
     if args.resume:

@@ -87,6 +87,10 @@ def parity_split(seed: int, difficulty: int, eval_size: int,
 def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     if not isinstance(task, dict):
         raise SystemExit(f"error: {where}: a task must be a JSON object, got {type(task).__name__}")
+    if "env" in task:  # a multi-turn row: its environment makes the prompt (common/workflows)
+        from common.workflows import validate_env_task
+
+        return validate_env_task(task, where)
     if "prompt" not in task and "messages" not in task:
         raise SystemExit(f"error: {where}: missing field 'prompt' (or 'messages')")
     check_prompt_type(task, where)
@@ -238,10 +242,14 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                    eval_split: str = "test"):
     """(training TaskStream, held-out list) from the config fields of the same names; `options`
     (common/hub_tasks.DatasetOptions) maps dataset columns, `split` / `eval_split` pick the datasets' splits."""
+    from common.workflows.tasksets import is_named_taskset, named_taskset
+
     if taskset == "arith":
         train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
     elif taskset == "parity":
         train, held_out = parity_split(seed, difficulty, eval_size, curriculum)
+    elif is_named_taskset(taskset):  # environments' tasksets and mixtures A+B (common/workflows/tasksets.py)
+        train, held_out = named_taskset(taskset, eval_taskset, difficulty, eval_size, seed, sampling, curriculum)
     else:
         tasks = load_tasks(taskset, options, split)
         if eval_taskset is None:  # hold out a seeded sample of the file itself

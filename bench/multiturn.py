@@ -1,0 +1,84 @@
+"""Multi-turn vs single-turn rollouts at equal total generated tokens, side by side in one run (HF engine).
+
+    python bench/multiturn.py                                  # default model, 16 samples x 4 turns x 32 tokens
+    python bench/multiturn.py --model tiny --turn-tokens 64    # quick run
+
+Single-turn: 16 prompts, one response of turns x turn-tokens new tokens each. Multi-turn: 16 episodes of `turns`
+turns of turn-tokens each in an environment that never ends an episode early (it answers every turn with a short
+user message), all episodes advanced together (one engine call per turn, common/workflows.Rollouts). Reports
+sampled tokens / second of each (observation tokens are not counted as generated), best of --repeats alternating
+runs, and the ratio multi / single. A model that emits its stop token early makes the two generate different
+totals; the tiny random model almost never does, so --model tiny measures the machinery at exactly equal tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.envs import ENVS, Env, StepResult  # noqa: E402
+
+
+class Chatter(Env):
+    """Never done: every turn gets a short reply, so an episode lasts exactly --max-turns turns."""
+
+    def reset(self, task):
+        return [{"role": "user", "content": task["prompt"]}]
+
+    def step(self, action):
+        return StepResult([{"role": "user", "content": "Go on."}], 0.0, False, {})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turn-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    import torch
+
+    from common.engine import HFEngine, SamplingConfig
+    from common.model import load_model, load_tokenizer
+    from common.workflows import Context, run_episodes
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ENVS["bench_chatter"] = "__main__:Chatter"
+    tok = load_tokenizer(args.model)
+    engine = HFEngine(load_model(args.model), tok)
+    prompts = [f"Tell me a long story about the number {i}." for i in range(args.samples)]
+    total = args.turns * args.turn_tokens
+    single_ctx = Context(tok, max_new_tokens=total)
+    multi_ctx = Context(tok, max_new_tokens=args.turn_tokens, max_turns=args.turns, episode_token_budget=4 * total + 512)
+    runs = {"single": ([{"id": str(i), "prompt": q} for i, q in enumerate(prompts)], single_ctx),
+            "multi": ([{"id": str(i), "env": "bench_chatter", "prompt": q} for i, q in enumerate(prompts)], multi_ctx)}
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=total, n=1)
+    run_episodes(engine, single_ctx, runs["single"][0][:2], SamplingConfig(1.0, 1.0, 8, 1))  # warm-up
+    best = {}
+    for r in range(args.repeats):
+        for name, (tasks, ctx) in runs.items():
+            torch.manual_seed(r)
+            t0 = time.perf_counter()
+            groups, counts = run_episodes(engine, ctx, tasks, sampling)
+            seconds = time.perf_counter() - t0
+            rate = counts["tokens"] / seconds
+            print(f"  {name:6s} repeat {r}: {counts['tokens']} sampled tokens in {seconds:.1f}s = {rate:.1f} tok/s "
+                  f"({counts['engine_calls']} engine calls)", flush=True)
+            if name not in best or rate > best[name][0]:
+                best[name] = (rate, counts["tokens"], seconds)
+    print(f"model {args.model}, {args.samples} samples, {args.turns} turns x {args.turn_tokens} tokens, "
+          f"torch threads {torch.get_num_threads()}")
+    for name, (rate, tokens, seconds) in best.items():
+        print(f"{name}-turn: {rate:.1f} generated tokens/s ({tokens} tokens, {seconds:.1f}s)")
+    print(f"ratio multi/single: {best['multi'][0] / best['single'][0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

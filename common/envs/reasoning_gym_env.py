@@ -1,0 +1,54 @@
+"""reasoning-gym (pip reasoning-gym==0.1.25) as a taskset source: `--taskset reasoning_gym:NAME[,NAME]` draws
+procedural questions from its datasets; the library's own `score_answer` (by the entry's source dataset) is the
+verifier of the final answer. One attempt by default (a single-turn episode); a task with "attempts" > 1 gets
+"not correct, try again" feedback like the retry environment."""
+
+from __future__ import annotations
+
+from common.envs import Env, StepResult
+
+INSTRUCTION = "Think briefly, then end with 'Answer: <answer>'."
+
+
+def reasoning_gym_tasks(names: list[str], size: int, seed: int, prefix: str) -> list[dict]:
+    """`size` questions of each dataset, as env rows (the entry travels with the task)."""
+    import reasoning_gym
+
+    tasks = []
+    for name in names:
+        try:
+            data = reasoning_gym.create_dataset(name, size=size, seed=seed)
+        except (KeyError, ValueError) as e:
+            raise SystemExit(f"error: --taskset reasoning_gym:{name}: {e}") from None
+        for i in range(size):
+            entry = data[i]
+            tasks.append({"id": f"{prefix}{name}-{i}", "env": "reasoning_gym", "dataset": name,
+                          "prompt": f"{entry['question']}\n{INSTRUCTION}",
+                          "entry": {"question": entry["question"], "answer": entry["answer"],
+                                    "metadata": entry["metadata"]}})
+    return tasks
+
+
+def final_answer(text: str) -> str:
+    from rewards.math import extract_answer
+
+    answer = extract_answer(text)
+    return (answer if answer is not None else text).strip()
+
+
+class ReasoningGym(Env):
+    required_fields = ("entry", "prompt")
+
+    def reset(self, task: dict) -> list[dict]:
+        import reasoning_gym
+
+        self.entry, self.attempts, self.tries = task["entry"], int(task.get("attempts", 1)), 0
+        self.score_answer = reasoning_gym.get_score_answer_fn(self.entry["metadata"]["source_dataset"])
+        return [{"role": "user", "content": task["prompt"]}]
+
+    def step(self, action: str) -> StepResult:
+        self.tries += 1
+        score = float(self.score_answer(final_answer(action), self.entry))
+        if score >= 1.0 or self.tries >= self.attempts:
+            return StepResult([], score, True, {"success": score >= 1.0})
+        return StepResult([{"role": "user", "content": "That is not correct. Try again."}], 0.0, False, {})

@@ -1,0 +1,53 @@
+"""Retry (`--taskset retry`): an arithmetic word problem; a wrong answer gets "not correct, try again" and another
+attempt (up to the task's "attempts", default 3, and --max-turns). Reward 1 for a correct answer, discounted by
+`retry_discount` per earlier wrong attempt (so answering right the first time is worth the most)."""
+
+from __future__ import annotations
+
+import random
+
+from common.envs import Env, StepResult
+
+
+def numbers_match(response: str, answer: str) -> bool:
+    """The last 'Answer: x' (or \\boxed{x}, or last number) of `response` equals the numeric `answer`."""
+    import re
+
+    from rewards.math import extract_answer
+
+    pred = extract_answer(response)
+    if pred is None:
+        found = re.findall(r"-?\d+(?:\.\d+)?", response)
+        pred = found[-1] if found else None
+    if pred is None:
+        return False
+    pred = pred.strip().rstrip(".").replace(",", "")
+    try:
+        return abs(float(pred) - float(answer)) < 1e-9
+    except ValueError:
+        return pred == str(answer).strip()
+
+
+def retry_task(rng: random.Random, index: int, difficulty: int) -> dict:
+    from common.tasks import arithmetic_task
+
+    task = arithmetic_task(rng, difficulty)
+    task.pop("reward")  # the environment scores the answer itself
+    return {**task, "id": f"retry-{index}", "env": "retry", "attempts": 3}
+
+
+class Retry(Env):
+    required_fields = ("answer",)
+    retry_discount = 0.5
+
+    def reset(self, task: dict) -> list[dict]:
+        self.answer, self.attempts, self.tries = str(task["answer"]), int(task.get("attempts", 3)), 0
+        return list(task.get("messages") or [{"role": "user", "content": task["prompt"]}])
+
+    def step(self, action: str) -> StepResult:
+        self.tries += 1
+        if numbers_match(action, self.answer):
+            return StepResult([], self.retry_discount ** (self.tries - 1), True, {"success": True})
+        if self.tries >= self.attempts:
+            return StepResult([], 0.0, True, {"success": False})
+        return StepResult([{"role": "user", "content": "That is not correct. Try again."}], 0.0, False, {})

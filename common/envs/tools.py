@@ -1,0 +1,153 @@
+"""Tools: an environment's public methods exposed to the model, with JSON schemas and the Hermes/Qwen call format.
+
+The model calls a tool by writing (Hermes / Qwen 2.5+ format, what their chat templates teach):
+
+    <tool_call>{"name": "calculate", "arguments": {"expression": "3 * (4 + 5)"}}</tool_call>
+
+`parse_tool_calls` finds those blocks; each result goes back as a `{"role": "tool", "content": ...}` message. A
+malformed call, an unknown tool, bad arguments, a tool that raises or one that hangs past its timeout gives an
+error observation ("error: <reason>: ...") and the episode goes on; the reason is counted in the step's metrics
+(rollout/tool_error/<reason>). A turn without any tool call is the model's answer: `ToolEnv.answer` decides.
+
+Tools run in this process (they are the environment's own code). A tool that runs model-written code must hand it
+to rewards/sandbox.py (see common/envs/calculator.py's `python` tool), never exec it here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import threading
+
+from common.envs import Env, StepResult
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
+
+
+class ToolError(Exception):
+    """A tool call that cannot be served; `reason` is a short metric-friendly name."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
+    """The tool calls in `text`: None when there is none (the turn is an answer); otherwise one entry per
+    `<tool_call>` block, either {"name", "arguments"} or a ToolError("malformed", ...)."""
+    if OPEN_TAG not in text:
+        return None
+    calls: list[dict | ToolError] = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append(ToolError("malformed", f"tool call is not valid JSON ({e.msg})"))
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ToolError("malformed", 'tool call needs {"name": ..., "arguments": {...}}'))
+            continue
+        args = call.get("arguments", {})
+        if isinstance(args, str):  # some models emit the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(args, dict):
+            calls.append(ToolError("malformed", "tool call arguments must be a JSON object"))
+            continue
+        calls.append({"name": call["name"], "arguments": args})
+    if not calls or text.count(OPEN_TAG) > len(calls):  # an opened block that never closed
+        calls.append(ToolError("malformed", "<tool_call> without a closing </tool_call>"))
+    return calls
+
+
+def call_with_timeout(fn, kwargs: dict, timeout_s: float):
+    """fn(**kwargs) in a daemon thread, waited on for at most `timeout_s`. A tool that hangs past it gives a
+    ToolError("timeout"); its thread cannot be killed and is left behind (daemon: it dies with the process), which
+    is why tools that run model code use the sandbox (a process that is killed) instead."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(**kwargs)
+        except Exception as e:  # noqa: BLE001  (a tool's failure is the model's observation, not our crash)
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'fn')}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise ToolError("timeout", f"tool did not answer within {timeout_s:g}s")
+    if "error" in box:
+        e = box["error"]
+        if isinstance(e, ToolError):  # the tool's own verdict (e.g. the sandbox's timeout)
+            raise e
+        raise ToolError("exception", f"{type(e).__name__}: {e}")
+    return box.get("value")
+
+
+def tool_schema(fn) -> dict:
+    """transformers' JSON schema of a function (from its type hints and Google-style docstring)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
+class ToolEnv(Env):
+    """An environment whose public methods (those named in `tools`, default: all public methods that are not part
+    of the Env API) are the model's tools. Subclasses write `reset`, the tool methods and `answer`."""
+
+    tools: tuple[str, ...] | None = None
+    tool_timeout_s: float = 10.0
+    API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "API"}
+
+    def tool_names(self) -> list[str]:
+        if self.tools is not None:
+            return list(self.tools)
+        return [n for n, m in inspect.getmembers(type(self), inspect.isfunction)
+                if not n.startswith("_") and n not in self.API]
+
+    def tool_schemas(self) -> list[dict]:
+        return [tool_schema(getattr(self, n)) for n in self.tool_names()]
+
+    def answer(self, text: str) -> StepResult:
+        """A turn without a tool call: the model's answer. Default: the episode ends, reward 0 (a verifier named
+        by the task's "reward" field scores the final answer)."""
+        return StepResult([], 0.0, True, {})
+
+    def step(self, action: str) -> StepResult:
+        calls = parse_tool_calls(action)
+        if calls is None:
+            return self.answer(action)
+        messages, errors = [], []
+        for call in calls:
+            try:
+                if isinstance(call, ToolError):
+                    raise call
+                content = self._run(call["name"], call["arguments"])
+            except ToolError as e:
+                errors.append(e.reason)
+                content = f"error: {e.reason}: {e}"
+            messages.append({"role": "tool", "content": content})
+        return StepResult(messages, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors})
+
+    def _run(self, name: str, arguments: dict) -> str:
+        if name not in self.tool_names():
+            raise ToolError("unknown_tool", f"no tool named {name!r} (tools: {', '.join(self.tool_names())})")
+        fn = getattr(self, name)
+        try:
+            inspect.signature(fn).bind(**arguments)
+        except TypeError as e:
+            raise ToolError("bad_arguments", str(e)) from None
+        return str(call_with_timeout(fn, arguments, self.tool_timeout_s))
+
+
+def tools_system_prompt(schemas: list[dict]) -> str:
+    """The Hermes-style tool instructions, for chat templates that do not render `tools=` themselves."""
+    lines = "\n".join(json.dumps({k: v for k, v in s.items() if k != "return"}, separators=(",", ":"))
+                      for s in schemas)
+    return ("Tools (JSON schemas):\n<tools>\n" + lines + "\n</tools>\nCall one with <tool_call>{\"name\": ..., "
+            "\"arguments\": {...}}</tool_call>. Give the final answer without a tool call.")

