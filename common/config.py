@@ -579,8 +579,7 @@ def load_yaml_defaults(cls, path: str, base=None):
             raise ConfigError(f"--config {path}: unknown key {key!r} (not a field of {cls.__name__})")
         if name in allowed:
             check_choice(name, value, allowed[name], where=f"--config {path}: ")
-        value = coerce_value(value, types_[name], f"--config {path}: {key}")
-        clean[name] = tuple(value) if isinstance(value, list) else value  # YAML lists -> tuple fields (--wandb-tags)
+        clean[name] = coerce_value(value, types_[name], f"--config {path}: {key}")
     try:
         return dataclasses.replace(base if base is not None else cls(), **clean)
     except TypeError as e:

@@ -106,7 +106,10 @@ def coerce_value(value, tp, where: str):
         if value in options:
             return value
         raise SystemExit(f"error: {where}: must be one of {', '.join(map(str, options))} (got {value!r})")
-    if tp is bool:
+    if origin is tuple:  # JSON / YAML lists -> tuple fields (--wandb-tags, --processors)
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+    elif tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:

@@ -65,6 +65,7 @@ def worker(ctx, out_dir, flags, resume):
                 sender.push(trainer.named_weights(), trainer.version, trainer.step, SYNC[trainer.step])
             if trainer.step == 2:
                 trainer.save_checkpoint(out_dir)
+        trainer.save_checkpoint(out_dir)  # step_3: everything (final/ holds the model and tokenizer only)
         trainer.save_checkpoint(out_dir, "final")
     with open(os.path.join(out_dir, f"hashes-{ctx.name}.json"), "w") as f:
         json.dump(hashes, f)
@@ -84,6 +85,7 @@ def one_trainer(out_dir, flags):
     trainer = Trainer(_args(out_dir, *flags), torch.device("cpu"))
     while trainer.step < STEPS:
         trainer.train_step(uneven_experiences(seed=trainer.step))
+    trainer.save_checkpoint(str(out_dir))
     trainer.save_checkpoint(str(out_dir), "final")
 
 
@@ -124,7 +126,7 @@ def test_fsdp_trainers_equal_one_trainer_and_sync_exact_weights(fsdp_runs, algo)
     assert _max_diff(fsdp, init) > 1e-4  # it trained
     assert _max_diff(fsdp, one) < 1e-5, _max_diff(fsdp, one)  # final/ is a plain HF folder: same keys
     if algo == "ppo":
-        critic = [load_file(tmp_path / d / "final" / "critic" / "model.safetensors") for d in ("fsdp", "one")]
+        critic = [load_file(tmp_path / d / "checkpoints" / "step_3" / "critic" / "model.safetensors") for d in ("fsdp", "one")]
         assert _max_diff(*critic) < 1e-5
 
 
@@ -139,5 +141,5 @@ def test_resume_from_sharded_checkpoint_continues_exactly(fsdp_runs, tmp_path):
     assert resumed["2"] == full["2"]  # the same weights at the same step ...
     assert resumed["3"] == full["3"]  # ... and the same next step: optimizer state (AdamW moments) came back too
     for name in ("model.safetensors", "critic/model.safetensors"):
-        a, b = (load_file(d / "final" / name) for d in (full_dir, tmp_path / "resumed"))
+        a, b = (load_file(d / "checkpoints" / "step_3" / name) for d in (full_dir, tmp_path / "resumed"))
         assert _max_diff(a, b) == 0
