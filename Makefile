@@ -25,7 +25,7 @@ $(VLLM_STAMP): $(STAMP)
 install: $(STAMP)
 install-vllm: $(VLLM_STAMP)
 
-demo: $(STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic with the synchronous schedule (CPU)
+demo: $(VLLM_STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic, synchronous schedule, vLLM rollouts (CPU)
 	$(PY) train_sync.py --config configs/sync_default.yaml $(ARGS)
 
 test: $(VLLM_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included

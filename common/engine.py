@@ -6,6 +6,10 @@ recomputes with `common.model.sequence_logprobs` (top-p truncation is not part o
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -106,3 +110,39 @@ class HFEngine(RolloutEngine):
 
     def weight_buffers(self):
         return list(self.model.named_parameters())
+
+
+# ----------------------------------------------------------------------------- which engine (--engine auto)
+def vllm_available() -> tuple[bool, str]:
+    """(True, version) when vLLM imports here, else (False, the reason in one line).
+
+    Where vLLM is not imported yet (the launcher, which only checks), the warnings its import prints (e.g. "Triton
+    is installed, but doesn't include CPU backend") are dropped, so they do not come before the run's first line.
+    """
+    first = "vllm" not in sys.modules
+    last_resort, logging.lastResort = logging.lastResort, (None if first else logging.lastResort)
+    try:
+        import vllm
+    except Exception as e:  # ImportError, or a broken torchvision next to a CPU torch
+        return False, f"vllm not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        logging.lastResort = last_resort
+    return True, vllm.__version__
+
+
+def resolve_engine(engine: str, model_path: str) -> tuple[str, str]:
+    """(hf | vllm, why) for `--engine` given the resolved model: auto is vllm where it imports and its model
+    registry knows the folder's architecture, hf otherwise; hf and vllm stay what they are."""
+    if engine != "auto":
+        return engine, f"--engine {engine}"
+    ok, why = vllm_available()
+    if not ok:
+        return "hf", f"--engine auto: {why}"
+    config = os.path.join(model_path, "config.json")
+    if os.path.exists(config):
+        from vllm import ModelRegistry
+
+        archs = json.load(open(config)).get("architectures") or []
+        if archs and not set(archs) & set(ModelRegistry.get_supported_archs()):
+            return "hf", f"--engine auto: vLLM {why} cannot serve {', '.join(archs)}"
+    return "vllm", f"--engine auto: vLLM {why} imports"

@@ -48,10 +48,12 @@ import uuid
 
 import torch
 
-from common.engine import Generation, RolloutEngine, SamplingConfig
+from common.engine import Generation, RolloutEngine, SamplingConfig, vllm_available  # noqa: F401 (re-exported)
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+# vLLM's own logging: warnings and errors only (--verbose sets INFO before vLLM is imported; see common/config.py).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
@@ -60,15 +62,6 @@ try:  # the logits processor needs vLLM's base class; everything else imports vL
     from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessorBase
 except Exception:  # vLLM missing or broken: VLLMEngine reports why when it is constructed
     _LogitsProcessorBase = object
-
-
-def vllm_available() -> tuple[bool, str]:
-    """(True, version) when vLLM imports here, else (False, the reason in one line)."""
-    try:
-        import vllm
-    except Exception as e:  # ImportError, or a broken torchvision next to a CPU torch
-        return False, f"vllm not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return True, vllm.__version__
 
 
 def hf_parameter_layout(model_path: str, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine import HFEngine, RolloutEngine, SamplingConfig
+from common.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
 from common.experience import Experience
 from common.metrics import Timeline
-from common.model import chat_prompt_ids, load_model, load_tokenizer
+from common.model import chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.replay import PartialRollouts
 from common.tasks import build_tasksets
 from common.trainer import DTYPES
@@ -26,6 +26,8 @@ from rewards.shaping import shape_batch
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model)
+    if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
+        args.engine = resolve_engine(args.engine, resolve_model(args.model))[0]
     if args.engine == "vllm":
         return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)

@@ -9,6 +9,7 @@ import shutil
 import time
 
 from common.config import ConfigError
+from common.engine import resolve_engine
 from common.metrics import plot_reward_curve, read_metrics, write_timeline
 from common.model import resolve_model
 from common.tasks import build_tasksets
@@ -19,7 +20,9 @@ def prepare_run(args, schedule: str) -> None:
     """Resolve the model (converting the default once, before any worker starts), check and create out_dir."""
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
-    resolve_model(args.model)
+    model_path = resolve_model(args.model)
+    args.engine, why = resolve_engine(args.engine, model_path)  # the workers get hf or vllm, never auto
+    print(f"[tandem] {schedule}: rollout engine {args.engine} ({why})", flush=True)
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,

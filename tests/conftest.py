@@ -9,7 +9,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny", "--tasks-per-step", "4", "--samples-per-task", "2", "--max-new-tokens", "12",
         "--minibatch-size", "8", "--micro-batch-size", "4", "--eval-size", "4", "--eval-every", "0", "--lr", "1e-3",
         # A random tiny model earns reward 0 everywhere; an entropy bonus makes every step change the weights.
-        "--entropy-coef", "0.01", "--no-drop-zero-signal-groups"]
+        "--entropy-coef", "0.01", "--no-drop-zero-signal-groups",
+        # Explicitly HF: the default (--engine auto) starts vLLM where it imports, ~25 s per run on 2 cores; the
+        # vLLM tests append --engine vllm (the last flag wins).
+        "--engine", "hf"]
 
 
 def run_script(script: str, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
