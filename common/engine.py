@@ -30,6 +30,8 @@ class Generation:
     response_ids: list[int]        # includes the stop token when the model emitted one
     logprobs: list[float]          # one per response token
     finish_reason: str             # "stop" | "length"
+    versions: list[int] | None = None  # weights version that sampled each token, where an engine takes new
+                                   # weights mid-generation (vLLM with between_steps); None: the caller's version
 
 
 class RolloutEngine(ABC):
@@ -43,8 +45,9 @@ class RolloutEngine(ABC):
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) in the trainer's HF parameter order and shapes, for weight sync to write into."""
 
-    def commit_weights(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Called after `weight_buffers()` were overwritten; engines that keep their own copy load them here."""
+    def commit_weights(self, buffers: list[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Called after `weight_buffers()` were overwritten (with weights `version`); engines that keep their own
+        copy load them here."""
 
     def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
         """Checkpoint sync: take version `version` from `sync_dir` (common.weight_sync.write_sync_checkpoint)."""
@@ -52,7 +55,7 @@ class RolloutEngine(ABC):
 
         buffers = self.weight_buffers()
         load_sync_checkpoint(sync_dir, version, buffers)
-        self.commit_weights(buffers)
+        self.commit_weights(buffers, version)
 
     def weights_checksum(self) -> str:
         """common.weight_sync.weights_hash of the weights the engine generates with (--verify-sync)."""

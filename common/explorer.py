@@ -77,6 +77,7 @@ class Explorer:
         self.next_group = 0
         self.first_step = 1
         self.scoring: _Round | None = None  # --score-behind: the round whose rewards are being computed
+        self.between_steps = None  # train_async.py with vLLM: takes new weights between decode steps
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
@@ -104,7 +105,7 @@ class Explorer:
             self.next_group += 1
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
-            generated = self.in_flight.generate(self.engine, self.sampling, self.version)
+            generated = self.in_flight.generate(self.engine, self.sampling, self.version, self.between_steps)
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
         texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for _, r in flat]
