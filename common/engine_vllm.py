@@ -122,7 +122,7 @@ def _worker_read_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     computed: dict[str, torch.Tensor] = {}
     for module_name, module in modules.items():
         weight = getattr(module, "weight", None)
-        if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor) or id(weight) not in name_of:
+        if not _computes_with_cpu_gemm(module) or not isinstance(weight, torch.Tensor) or id(weight) not in name_of:
             continue
         probed = _probe_gemm(module, weight.detach())
         name = name_of[id(weight)]
@@ -224,11 +224,20 @@ def _worker_copy_weights(model: torch.nn.Module, plan) -> None:
         for row, view in pieces:
             param.data[row: row + view.shape[0]].copy_(view)  # leading rows: vLLM may pad the vocabulary
         copied.add(param.data_ptr())
-    for module in model.modules():  # CPU layers that keep their plain weight (embeddings, a tied lm_head) but
-        weight = getattr(module, "weight", None)  # compute with a packed copy of it: re-pack from the new one
-        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel() \
+    for module in model.modules():  # CPU layers that keep their plain weight (a tied lm_head) but compute with
+        weight = getattr(module, "weight", None)  # a packed copy of it: re-pack from the new one
+        if _computes_with_cpu_gemm(module) and isinstance(weight, torch.Tensor) and weight.numel() \
                 and weight.data_ptr() in copied:
             module.quant_method.process_weights_after_loading(module)
+
+
+def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
+    """A CPU layer whose forward multiplies with its packed `cpu_linear` weight. vLLM packs an input embedding
+    too, but only looks rows up in its plain weight (the packed copy is used by a tied lm_head's own packing)."""
+    if not hasattr(module, "cpu_linear"):
+        return False
+    kind = type(module).__name__
+    return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
 
 
 def _digest(weights: dict[str, torch.Tensor], names: list[str]) -> tuple[str, dict[str, str]]:
