@@ -9,15 +9,25 @@ then builds its parallel groups from the already-initialised default group, whic
 rank (trainer included) and hangs; it is still allowed when torch.distributed is not initialised (benchmarks).
 
 Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory file (/dev/shm); the worker maps
-the same file once, so a commit moves no bytes between the processes. The load is vLLM's supported in-place
-reload, the worker method `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, reached through
-`LLM.collective_rpc` and a worker extension class (`TandemWorkerExtension`, passed as `worker_extension_cls`). It
-re-materialises each layer, runs the model's own `load_weights` (HF names in, fused qkv/gate_up out) and the
-layer's post-load processing again. That matters on CPU, where vLLM repacks every linear weight into a oneDNN
-handle and drops the plain tensor: writing into the parameters (the private `model_runner.model.load_weights`
-chain) would leave the old packed weights in use. One vLLM 0.32 CPU gap is patched after each reload: a tied
-lm_head keeps its old packed copy, so layers that keep their plain weight are re-packed. The prefix cache is
-reset after every update. `load_from_checkpoint(path)` streams a safetensors folder into the same reload.
+the same file once, so the broadcast lands in memory the worker reads without any transfer between processes. A
+commit (`TandemWorkerExtension.tandem_load_shared`, reached through `LLM.collective_rpc`) copies each tensor straight
+into the parameter vLLM computes with (`_worker_copy_plan`): 1:1 names as they are, q/k/v_proj into their rows of
+the fused qkv_proj and gate/up_proj into gate_up_proj (by the fused layer's `output_sizes`), the vocabulary into the
+leading rows of a padded embedding. On GPU that is the whole update. On CPU vLLM multiplies with a packed copy of
+each linear weight (oneDNN / sgl kernels) and drops the plain tensor, so those layers are handed the new weight (a
+view of the shared file: q/k/v and gate/up lie back to back there) and re-packed by vLLM's own
+`process_weights_after_loading`; a tied lm_head (which keeps its plain weight, shared with the embedding) is
+re-packed too. Where some name has no such home the update goes through vLLM's `reload_weights` instead (the
+previous path; `engine.fast_sync = False` forces it, bench/weight_update.py compares both). A sync checkpoint
+(`load_from_checkpoint`) is copied the same way from the safetensors file. The prefix cache is reset after every
+update, and vLLM's weight-version label is set to the new version.
+
+Mid-generation updates. `generate(..., between_steps=f)` drives vLLM's step loop here and calls f() after every
+engine step; f may commit new weights (train_async.py joins a pending broadcast there). Such a commit pauses vLLM's
+scheduler ("keep": running requests stay, the step in flight finishes first), loads the weights, resets the prefix
+cache with `reset_running_requests=True` (running requests are preempted and resume with their KV cache
+recomputed under the new weights: nothing computed with older weights is used again) and sets the version label,
+then resumes. Every token's version comes from vLLM's own labels (`CompletionOutput.weight_versions`).
 
 Behaviour log-probs. vLLM is started with `logprobs_mode="processed_logprobs"` and asked for `logprobs=0` (the
 sampled token only). "processed" means after temperature and after top-k/top-p; with top_p == 1 (tandem's default)
@@ -214,7 +224,7 @@ def _worker_copy_weights(model: torch.nn.Module, plan) -> None:
     copied = set()
     for module, pname, pieces, repack in plan:
         if repack:  # CPU: vLLM packs [N, K] for oneDNN / sgl (its own copy) from a plain weight, then drops it
-            src = _stacked(pieces)
+            src = _stacked(pieces).to(module.weight.dtype)  # a checkpoint file may hold another dtype
             module.weight = torch.nn.Parameter(src, requires_grad=False)
             module.quant_method.process_weights_after_loading(module)
             if module.weight.numel() and module.weight.data_ptr() == src.data_ptr():  # kept (torch fallback GEMM):
@@ -273,8 +283,17 @@ class TandemWorkerExtension:
         _worker_copy_weights(self.get_model(), plan)
         return time.time() - start
 
-    def tandem_load_checkpoint(self, path: str) -> float:
-        return self._tandem_reload(_safetensors_iter(path))
+    def tandem_load_checkpoint(self, path: str, fast: bool = True) -> float:
+        """Load a safetensors folder: by the same direct copy as the shared buffers where it applies."""
+        if not fast:
+            return self._tandem_reload(_safetensors_iter(path))
+        start = time.time()
+        weights = list(_safetensors_iter(path))
+        plan = _worker_copy_plan(self.get_model(), weights)
+        if plan is None:
+            return self._tandem_reload(iter(weights))
+        _worker_copy_weights(self.get_model(), plan)
+        return time.time() - start
 
     def _tandem_reload(self, weights) -> float:
         start = time.time()
@@ -523,7 +542,7 @@ class VLLMEngine(RolloutEngine):
 
     def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
         """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
-        self._update(version, "tandem_load_checkpoint", os.path.abspath(path))
+        self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
 
     def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
         """Checkpoint sync straight from the file into vLLM's reload (no copy through the shared buffers)."""
