@@ -32,7 +32,7 @@ install: $(STAMP)
 install-test: $(TEST_STAMP)
 install-vllm: $(VLLM_STAMP)
 
-demo: $(STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic with the synchronous schedule (CPU)
+demo: $(VLLM_STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic, synchronous schedule, vLLM rollouts (CPU)
 	$(PY) train_sync.py --config configs/sync_default.yaml $(ARGS)
 
 test: $(VLLM_STAMP) $(TEST_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included

@@ -32,10 +32,12 @@ PROMPTS = [
 ]
 
 
-def timed_generate(engine, prompts, sampling, repeats):
+def timed_generate(engine, prompts, sampling, repeats, before=None):
     engine.generate(prompts[:2], type(sampling)(sampling.temperature, sampling.top_p, 8, 1))  # warm-up
     best = None
     for _ in range(repeats):
+        if before:
+            before()
         start = time.perf_counter()
         out = engine.generate(prompts, sampling)
         seconds = time.perf_counter() - start
@@ -56,6 +58,10 @@ def main():
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--arith", action="store_true",
+                        help="the prompts of a train_sync.py run: the first --prompts arith tasks (seed 0, level 1)")
+    parser.add_argument("--fresh-prefix", action="store_true",
+                        help="vLLM: empty the prefix cache before every timed call, as every weight update does")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
@@ -74,7 +80,12 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = [chat_prompt_ids(tokenizer, {"prompt": PROMPTS[i % len(PROMPTS)]}) for i in range(args.prompts)]
+    if args.arith:
+        from common.tasks import arithmetic_split
+
+        prompts = [chat_prompt_ids(tokenizer, t) for t in arithmetic_split(0, 1, 48)[0].next_batch(args.prompts)]
+    else:
+        prompts = [chat_prompt_ids(tokenizer, {"prompt": PROMPTS[i % len(PROMPTS)]}) for i in range(args.prompts)]
     sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.n)
     results = {"model": args.model, "batch": args.prompts * args.n, "max_new_tokens": args.max_new_tokens,
                "temperature": args.temperature, "top_p": args.top_p, "cpu_threads": torch.get_num_threads()}
@@ -93,7 +104,8 @@ def main():
         start = time.perf_counter()
         engine = VLLMEngine(path, tokenizer=tokenizer, dtype="float32", kv_cache_gb=1.0)
         startup = time.perf_counter() - start
-        results["vllm"] = timed_generate(engine, prompts, sampling, args.repeats)
+        results["vllm"] = timed_generate(engine, prompts, sampling, args.repeats,
+                                         engine.llm.reset_prefix_cache if args.fresh_prefix else None)
         results["vllm"]["startup_s"] = round(startup, 1)
         print(f"[bench] vllm : {results['vllm']}", flush=True)
 

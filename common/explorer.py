@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine import HFEngine, RolloutEngine, SamplingConfig
+from common.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
 from common.experience import Experience
 from common.hub_tasks import DatasetOptions
 from common.metrics import Timeline
-from common.model import DTYPES, load_model, load_tokenizer
+from common.model import DTYPES, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
 from common.workflows import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes
 from common.workflows.processors import apply_task_processors
@@ -29,6 +29,8 @@ from rewards.shaping import shape_batch
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model)
+    if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
+        args.engine = resolve_engine(args.engine, resolve_model(args.model))[0]
     if args.engine == "vllm":
         return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
@@ -82,6 +84,7 @@ class Explorer:
         self.next_group = 0
         self.first_step = 1
         self.scoring: _Round | None = None  # --score-behind: the round whose rewards are being computed
+        self.between_steps = None  # train_async.py with vLLM: takes new weights between decode steps
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
@@ -111,7 +114,7 @@ class Explorer:
             self.next_group += 1
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
-            generated = self.in_flight.generate(self.engine, self.sampling, self.version)
+            generated = self.in_flight.generate(self.engine, self.sampling, self.version, self.between_steps)
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
         # verifiers run in the pool's worker processes; episodes add their environment's reward

@@ -44,7 +44,7 @@ class Response:
         ids = generation.response_ids[:room]
         self.response_ids += ids
         self.logprobs += generation.logprobs[:room]
-        self.versions += [version] * len(ids)
+        self.versions += generation.versions[:room] if generation.versions else [version] * len(ids)
         self.segments += 1
         if generation.finish_reason == "stop" and len(generation.response_ids) <= room:
             self.finish_reason = "stop"
@@ -85,14 +85,16 @@ class PartialRollouts:
     def unfinished(self) -> list[Response]:
         return [r for g in self.groups for r in g.responses if r.finish_reason is None]
 
-    def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int) -> dict:
-        """One round: every unfinished response gets its next segment from `engine` (weights `version`)."""
+    def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int, between_steps=None) -> dict:
+        """One round: every unfinished response gets its next segment from `engine` (weights `version`; an engine
+        given `between_steps` may take newer weights mid-generation and reports each token's version)."""
         todo = self.unfinished()
         if not todo:
             return {"continued": 0, "tokens": 0}
         longest = max(min(self.segment_tokens, self.max_new_tokens - len(r.response_ids)) for r in todo)
         segment = dataclasses.replace(sampling, n=1, max_new_tokens=longest)
-        generations = engine.generate([r.prompt_ids + r.response_ids for r in todo], segment)
+        hook = {"between_steps": between_steps} if between_steps is not None else {}
+        generations = engine.generate([r.prompt_ids + r.response_ids for r in todo], segment, **hook)
         continued = sum(r.segments > 0 for r in todo)
         before = sum(len(r.response_ids) for r in todo)
         for response, (generation,) in zip(todo, generations):

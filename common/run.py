@@ -10,6 +10,7 @@ import sys
 import time
 
 from common.config import ConfigError
+from common.engine import resolve_engine
 from common.hub_tasks import DatasetOptions
 from common.launcher import start_quiet_resource_tracker
 from common.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
@@ -24,7 +25,9 @@ def prepare_run(args, schedule: str) -> None:
     if not args.out_dir:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_out_dir(args.out_dir)
-    resolve_model(args.model)
+    model_path = resolve_model(args.model)
+    args.engine, why = resolve_engine(args.engine, model_path)  # the workers get hf or vllm, never auto
+    print(f"[tandem] {schedule}: rollout engine {args.engine} ({why})", flush=True)
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,

@@ -237,7 +237,7 @@ class WeightReceiver:
         buffers = self.engine.weight_buffers()
         self.version, arrived = broadcast_weights(buffers, 0, self.ctx.sync_src, self.ctx.sync_group,
                                                   self.ctx.comm_device, self.args.sync_bucket_mb)
-        self.engine.commit_weights(buffers)
+        self.engine.commit_weights(buffers, self.version)
         self.timeline.record("wait", start, arrived, step=step)
         # read back from the engine (vLLM: from its worker), so a load that went wrong shows as a mismatch
         check = {"hash": self.engine.weights_checksum()} if self.args.verify_sync else {}

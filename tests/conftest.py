@@ -12,7 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # equally long responses cancel), the second is taken after an update, so `loss` != 0 says the loss is computed.
 TINY = ["--model", "tiny", "--taskset", "parity", "--tasks-per-step", "4", "--samples-per-task", "2",
         "--max-new-tokens", "12", "--ppo-epochs", "2", "--minibatch-size", "8", "--micro-batch-size", "4",
-        "--eval-size", "4", "--eval-every", "0", "--lr", "1e-3"]
+        "--eval-size", "4", "--eval-every", "0", "--lr", "1e-3",
+        # Explicitly HF: the default (--engine auto) starts vLLM where it imports, ~25 s per run on 2 cores; the
+        # vLLM tests append --engine vllm (the last flag wins).
+        "--engine", "hf"]
 
 
 def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

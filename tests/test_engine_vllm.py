@@ -123,11 +123,14 @@ def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
     assert diff < LOGPROB_TOL
 
 
-def test_commit_weights_checksum(engine, folder):
-    """New weights pushed through weight_buffers()/commit_weights() are what the vLLM worker computes with."""
+@pytest.mark.parametrize("fast", [True, False], ids=["direct-copy", "reload_weights"])
+def test_commit_weights_checksum(engine, folder, fast):
+    """New weights pushed through weight_buffers()/commit_weights() are what the vLLM worker computes with: by the
+    direct copy into its parameters (the default) and by vLLM's reload_weights (the reference path)."""
     from common.engine import SamplingConfig
     from common.weight_sync import weights_hash
 
+    engine.fast_sync = fast
     hf = load_hf(folder)
     engine.load_from_checkpoint(folder)
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
@@ -143,7 +146,49 @@ def test_commit_weights_checksum(engine, folder):
     assert checksum == weights_hash(hf.named_parameters()), f"vLLM weights differ from the trainer's: {differ}"
     # ... and the prefix cache was reset: generation follows the new weights (same prompts as before).
     out = engine.generate(PROMPTS, SamplingConfig(temperature=0.7, max_new_tokens=8, n=2))
+    engine.fast_sync = True
     assert max_logprob_diff(hf, out, 0.7) < LOGPROB_TOL
+
+
+def test_weights_change_between_decode_steps(engine, folder):
+    """A stepwise generate takes new weights after its 4th engine step: the worker then holds exactly them, and every
+    token's recorded version is the one that sampled it. Checked by recomputing each token's log-prob under both
+    versions' weights (HF): it must equal the behaviour log-prob under its own version and not under the other
+    (the KV cache of running requests is recomputed with the new weights, so the whole prefix counts as new)."""
+    from common.engine import SamplingConfig
+    from common.model import sequence_logprobs
+    from common.weight_sync import weights_hash
+
+    old, new = load_hf(folder), load_hf(folder)
+    perturb(new, seed=7, scale=0.3)  # far apart, so the two versions' log-probs tell them apart
+    engine.load_from_checkpoint(folder, version=0)
+    buffers, steps, checks = engine.weight_buffers(), [], []
+
+    def between_steps():
+        steps.append(len(steps) + 1)
+        if len(steps) == 4:
+            with torch.no_grad():
+                for (name, t), (_, p) in zip(buffers, new.named_parameters()):
+                    t.copy_(p)
+            engine.commit_weights(buffers, version=1)
+            checks.append(engine.weights_checksum() == weights_hash(new.named_parameters()))
+
+    out = engine.generate(PROMPTS, SamplingConfig(temperature=0.8, max_new_tokens=24, n=2), between_steps)
+    assert checks == [True] and len(steps) > 4
+    gens = [g for gs in out for g in gs]
+    assert any(0 in g.versions and 1 in g.versions for g in gens), "no response spans the update"
+    told_apart = 0
+    with torch.no_grad():
+        for g in gens:
+            assert len(g.versions) == len(g.response_ids) and g.versions == sorted(g.versions)
+            ids = torch.tensor([g.prompt_ids + g.response_ids])
+            refs = {v: sequence_logprobs(m, ids, torch.ones_like(ids), temperature=0.8)[0, len(g.prompt_ids) - 1:]
+                    for v, m in ((0, old), (1, new))}
+            for j, (lp, v) in enumerate(zip(g.logprobs, g.versions)):
+                assert abs(refs[v][j].item() - lp) < LOGPROB_TOL, (j, v, refs[0][j].item(), refs[1][j].item(), lp)
+                told_apart += abs(refs[1 - v][j].item() - lp) > 100 * LOGPROB_TOL
+    assert told_apart > 0.9 * sum(len(g.response_ids) for g in gens)
+    engine.load_from_checkpoint(folder)
 
 
 def test_checkpoint_sync(engine, folder, tmp_path):

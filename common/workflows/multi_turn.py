@@ -53,11 +53,11 @@ class Episode:
             return 0.0
         return sum(self.turn_rewards) if mode == "sum" else self.turn_rewards[-1]
 
-    def _append(self, ids, logprobs, trained: int, version: int):
+    def _append(self, ids, logprobs, trained: int, version: int, versions: list[int] | None = None):
         self.response_ids += ids
         self.logprobs += logprobs
         self.mask += [trained] * len(ids)
-        self.versions += [version] * len(ids)
+        self.versions += versions[:len(ids)] if versions else [version] * len(ids)  # per token, if mid-generation
 
     def _end(self, reason: str):
         self.end_reason = reason
@@ -101,7 +101,7 @@ class MultiTurn:
         cap = self._cap(e)
         ids, logprobs = generation.response_ids[:cap], generation.logprobs[:cap]
         stopped = generation.finish_reason == "stop" and len(generation.response_ids) <= cap
-        e._append(ids, logprobs, 1, version)
+        e._append(ids, logprobs, 1, version, generation.versions)
         e.turns += 1
         if not stopped and cap < self.ctx.max_new_tokens:  # cut by the episode budget, not the per-turn limit
             e._end("budget")
