@@ -39,7 +39,8 @@ def test_default_tiny_command_outputs(tmp_path):
 
 def test_sync_schedule_hashes_and_no_overlap(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync")
+    proc = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync",
+                      "--eval-every", "10")  # evaluations before step 1 and after the last (TINY has none)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=3)
     assert all(r["filter/zero_signal_frac"] < 1 for r in rows)  # the smoke task gives groups a signal
