@@ -82,3 +82,15 @@ def test_engine_auto_is_hf_where_vllm_does_not_import(tmp_path):
         "ImportError: hidden for this test)"
     assert json.loads((out / "config.json").read_text())["engine"] == "hf"
     assert len(read_metrics(str(out))) == 1
+
+
+@pytest.mark.skipif(not ok, reason=why)
+def test_engine_auto_is_hf_for_an_architecture_vllm_cannot_serve(tmp_path):
+    from common.engine import resolve_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    assert resolve_engine("auto", str(tmp_path)) == \
+        ("hf", f"--engine auto: vLLM {why} cannot serve NoSuchModelForCausalLM")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert resolve_engine("auto", str(tmp_path)) == ("vllm", f"--engine auto: vLLM {why} imports")
+    assert resolve_engine("hf", str(tmp_path)) == ("hf", "--engine hf")
