@@ -151,7 +151,8 @@ def main():
         results.append(r)
         print(f"[vs_trl] {json.dumps(r)}", flush=True)
     base = next((r for r in results if r["run"].startswith("TRL")), None)
-    print("\n| run | s/step | samples/s | reward/sample | correct/min | vs TRL (samples/s) |\n|---|---|---|---|---|---|")
+    print("\n| run | s/step | samples/s | reward/sample | correct/min | vs TRL (samples/s) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
         print(f"| {r['run']} | {r['s_per_step']} | {r['samples_per_s']} | {r['reward_per_sample']} | "

@@ -27,6 +27,7 @@ def _synced(events, process):
                                            ("train_async.py", "broadcast"), ("train_async.py", "checkpoint")])
 def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, method):
     out = tmp_path / "run"
+    before = set(os.listdir("/dev/shm"))  # runs killed elsewhere (timeouts, SIGKILL) may have left files: not ours
     proc = run_script(script, *TINY, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
                       "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,7 +41,7 @@ def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, met
         assert {e["phase"] for e in received[1:]} == {"sync-checkpoint"}
     for e in received:  # the vLLM worker computes with exactly the weights the trainer sent
         assert e["hash"] == sent[e["version"]], f"vLLM weights differ from the trainer's at version {e['version']}"
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("tandem-vllm-")
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("tandem-vllm-")
                 and not os.path.exists(f"/proc/{f.split('-')[2]}")], "shared-memory weight buffers left behind"
     assert not [f for f in os.listdir(out) if f.startswith(".tiny-vllm-")], "temporary model folder left behind"
 
@@ -82,3 +83,15 @@ def test_engine_auto_is_hf_where_vllm_does_not_import(tmp_path):
         "ImportError: hidden for this test)"
     assert json.loads((out / "config.json").read_text())["engine"] == "hf"
     assert len(read_metrics(str(out))) == 1
+
+
+@pytest.mark.skipif(not ok, reason=why)
+def test_engine_auto_is_hf_for_an_architecture_vllm_cannot_serve(tmp_path):
+    from common.engine import resolve_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    assert resolve_engine("auto", str(tmp_path)) == \
+        ("hf", f"--engine auto: vLLM {why} cannot serve NoSuchModelForCausalLM")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert resolve_engine("auto", str(tmp_path)) == ("vllm", f"--engine auto: vLLM {why} imports")
+    assert resolve_engine("hf", str(tmp_path)) == ("hf", "--engine hf")
