@@ -53,8 +53,9 @@ def test_lora_run_explorer_holds_merged_weights_after_every_sync(run, tmp_path):
     init = dict(load_model("tiny").named_parameters())
     assert set(final) == set(init) - {"lm_head.weight"}  # tied head left out, as save_pretrained does
     assert max((final[k] - init[k]).abs().max().item() for k in final) > 1e-4
-    assert os.path.exists(out / "final" / "adapter" / "adapter_model.safetensors")
+    # final/ is the model and tokenizer only; step checkpoints keep the adapter to resume from
+    assert os.path.exists(out / "checkpoints" / "step_2" / "adapter" / "adapter_model.safetensors")
     r = run("train_sync.py", *TINY, *LORA, "--steps", "4", "--verify-sync", "--resume", "--out-dir", str(out),
-            timeout=240)  # resumes the adapter from checkpoints/step_3
+            timeout=240)  # resumes the adapter from checkpoints/step_2 (step 3 is off the --checkpoint-every grid)
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(l)["step"] for l in open(out / "metrics.jsonl")][-1] == 4
