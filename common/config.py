@@ -12,16 +12,9 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from common.knobs import check_numeric_ranges, coerce_value, field_types, read_utf8_lines
+from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
 from common.workflows.config import WorkflowArgs, validate_workflow_args
-
-
-class ConfigError(SystemExit):
-    """A one-line, user-facing configuration error: Python prints the message and exits with status 1."""
-
-    def __init__(self, message: str):
-        super().__init__(f"error: {message}")
 
 
 @dataclass

@@ -15,6 +15,13 @@ import math
 import types
 import typing
 
+
+class ConfigError(SystemExit):
+    """A one-line, user-facing configuration error: Python prints the message and exits with status 1."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+
 # field -> (low, low_inclusive, high, high_inclusive, why). None = unbounded on that side.
 RANGES: dict[str, tuple] = {
     "steps": (1, True, None, False, ""),
@@ -78,13 +85,13 @@ def check_numeric_ranges(args) -> None:
         if not _numeric(tp) or value is None or isinstance(value, bool):
             continue
         if not isinstance(value, (int, float)):
-            raise SystemExit(f"error: {_flag(name)} must be a number (got {value!r})")
+            raise ConfigError(f"{_flag(name)} must be a number (got {value!r})")
         if not math.isfinite(value):
-            raise SystemExit(f"error: {_flag(name)} must be a finite number (got {value})")
+            raise ConfigError(f"{_flag(name)} must be a finite number (got {value})")
         lo, lo_inc, hi, hi_inc, why = RANGES.get(name, DEFAULT_RANGE)
         ok = (value >= lo if lo_inc else value > lo) and (hi is None or (value <= hi if hi_inc else value < hi))
         if not ok:
-            raise SystemExit(f"error: {_flag(name)} must be {_describe(lo, lo_inc, hi, hi_inc)} (got {value}"
+            raise ConfigError(f"{_flag(name)} must be {_describe(lo, lo_inc, hi, hi_inc)} (got {value}"
                              f"{'; ' + why if why else ''})")
 
 
@@ -100,12 +107,12 @@ def coerce_value(value, tp, where: str):
                 return coerce_value(value, option, where)
             except SystemExit as e:
                 errors.append(str(e.code))
-        raise SystemExit(errors[0] if len(errors) == 1 else
-                         f"error: {where}: {value!r} is none of {', '.join(_name(o) for o in options)}")
+        raise ConfigError(errors[0].removeprefix("error: ") if len(errors) == 1 else
+                         f"{where}: {value!r} is none of {', '.join(_name(o) for o in options)}")
     if origin is typing.Literal:
         if value in options:
             return value
-        raise SystemExit(f"error: {where}: must be one of {', '.join(map(str, options))} (got {value!r})")
+        raise ConfigError(f"{where}: must be one of {', '.join(map(str, options))} (got {value!r})")
     if origin is tuple:  # JSON / YAML lists -> tuple fields (--wandb-tags, --processors)
         if isinstance(value, (list, tuple)):
             return tuple(value)
@@ -130,7 +137,7 @@ def coerce_value(value, tp, where: str):
             return value
     else:
         return value  # a type these checks do not know: tyro / the field's own validation decide
-    raise SystemExit(f"error: {where}: expected {_name(tp)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {_name(tp)}, got {value!r}")
 
 
 def _name(tp) -> str:
@@ -145,4 +152,4 @@ def read_utf8_lines(path: str) -> list[str]:
         return raw.decode("utf-8").splitlines(keepends=True)
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise SystemExit(f"error: {path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})") from None
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})") from None
