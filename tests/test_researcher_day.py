@@ -145,7 +145,7 @@ def test_samples_wandb_table_plot_trace_and_no_eval(tmp_path):
     assert [s["step"] for s in samples] == [1, 1, 3, 3]
     for s in samples:
         assert set(s) >= {"prompt", "response", "reward", "version", "task_id"}
-        assert "How many" in s["prompt"] and isinstance(s["response"], str) and s["version"] == s["step"] - 1
+        assert "characters" in s["prompt"] and isinstance(s["response"], str) and s["version"] == s["step"] - 1
     # W&B (offline): the table, the run's name and tags.
     run_dirs = glob.glob(str(out / "wandb" / "offline-run-*"))
     assert len(run_dirs) == 1
@@ -206,7 +206,9 @@ def test_trains_from_a_hub_id_offline_with_a_column_map(tmp_path):
     proc = run_script("train_sync.py", *TINY, "--steps", "2", "--out-dir", str(out), "--eval-every", "2",
                       "--taskset", "someone/gsm-like", "--dataset-config", "main", "--prompt-column", "question",
                       "--answer-regex", r"####\s*(.+)", "--prompt-template", "{prompt} Put the answer in \\boxed{}.",
-                      "--eval-taskset", "someone/gsm-like", "--log-samples-every", "1", env=env, timeout=240)
+                      "--eval-taskset", "someone/gsm-like", "--log-samples-every", "1",
+                      # the random tiny model scores 0 on math: an entropy bonus on every group makes a gradient
+                      "--entropy-coef", "0.01", "--no-drop-zero-signal-groups", env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2] and any(r["grad_norm"] > 0 for r in rows)
