@@ -67,7 +67,7 @@ def small_run(words: list[str], index: int) -> tuple[list[str], str | None, int]
 
 def same_run_key(words: list[str]) -> tuple[str, ...]:
     """What a command runs once the test's flags are in: its words less --out-dir and the flags FORCED replaces
-    (`python train_sync.py` and `python train_sync.py --model tiny --steps 3 --out-dir runs/smoke` are one run)."""
+    (e.g. `python train_sync.py` and `python train_sync.py --model tiny --steps 3 --out-dir runs/x` would be one run)."""
     line, _, _ = small_run(words, 0)
     drop = {"--out-dir", "--steps", *FORCED}
     out, skip = [], False
