@@ -223,8 +223,10 @@ def test_queue_wait_reports_stalls_until_timeout():
 
 
 def test_trainer_says_which_explorer_it_waits_for(tmp_path):
-    """End to end: with --stall-log-s 0.5 the trainer's wait for the explorer's first batch is logged."""
-    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.5", "--out-dir",
+    """End to end: with --stall-log-s 0.1 the trainer's wait for the explorer's first batch (64 new tokens a
+    response: longer than 0.1 s on any machine) is logged."""
+    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.1", "--max-new-tokens", "64",
+                      "--out-dir",
                       str(tmp_path / "run"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stalls = [line for line in proc.stderr.splitlines() if "no experience for" in line]
