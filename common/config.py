@@ -298,28 +298,12 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
         obvious value are filled in first (resolve_coupled)."""
         self.resolve_coupled()
         check_numeric_ranges(self)  # every numeric field: finite and in range (common/knobs.py)
-        positive = ["steps", "tasks_per_step", "samples_per_task", "max_new_tokens", "ppo_epochs", "minibatch_size",
-                    "micro_batch_size", "eval_size", "sync_bucket_mb"]
         if self.samples_per_task < 2 and self.algo != "ppo":
             raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
-        if self.reward_workers < 1:
-            raise ConfigError(f"--reward-workers must be >= 1 (got {self.reward_workers})")
-        if self.reward_timeout_s <= 0:
-            raise ConfigError(f"--reward-timeout-s must be > 0 (got {self.reward_timeout_s})")
-        for name in ("length_penalty", "format_reward"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (a weight; 0 switches it off)")
         for name in ("rm_model", "judge_model"):
             path = getattr(self, name)
             if path and path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
                 raise ConfigError(f"--{name.replace('_', '-')} {path}: no such folder")
-        if self.temperature <= 0:
-            raise ConfigError(f"--temperature must be > 0 for training rollouts (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
         self._validate_algo_extras()
         # vLLM reads its log level when it is first imported, in this process and in the workers spawned from it.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if self.verbose else "WARNING")
@@ -331,11 +315,6 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
                 if not ok:
                     raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
                                       "CPU: make install-vllm)")
-            if not 0 < self.vllm_gpu_memory_utilization <= 1:
-                raise ConfigError(f"--vllm-gpu-memory-utilization must be in (0, 1] "
-                                  f"(got {self.vllm_gpu_memory_utilization})")
-            if self.vllm_kv_cache_gb <= 0:
-                raise ConfigError(f"--vllm-kv-cache-gb must be > 0 (got {self.vllm_kv_cache_gb})")
         if self.micro_batch_size > self.minibatch_size:
             raise ConfigError(f"--micro-batch-size ({self.micro_batch_size}) > --minibatch-size ({self.minibatch_size}): "
                               f"pass --micro-batch-size {self.minibatch_size} or less")
@@ -359,11 +338,6 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
             self.micro_batch_size = min(8, self.minibatch_size)
 
     def _validate_day(self) -> None:
-        if self.warmup_steps < 0:
-            raise ConfigError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
-        for name in ("log_samples_every", "log_samples"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
         if self.answer_regex is not None:
             import re
 
@@ -383,10 +357,6 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
         if not 0 <= self.rollout_token_budget < self.max_new_tokens:
             raise ConfigError(f"--rollout-token-budget must be 0 (off) or in 1..--max-new-tokens - 1 "
                               f"(got {self.rollout_token_budget} with --max-new-tokens {self.max_new_tokens})")
-        if self.max_reuse < 1:
-            raise ConfigError(f"--max-reuse must be >= 1 (got {self.max_reuse}; 1 = no replay)")
-        if self.replay_groups < 0:
-            raise ConfigError(f"--replay-groups must be >= 0 (got {self.replay_groups})")
         if self.task_sampling == "prioritized" and self.taskset in ("arith", "parity"):
             raise ConfigError("--task-sampling prioritized needs a finite --taskset (.jsonl or dataset): "
                               "arith never repeats a task")
@@ -412,11 +382,6 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
         if self.fsdp_cpu_offload and not all(d.startswith("cuda") for d in self.trainer_device_list):
             raise ConfigError("--fsdp-cpu-offload needs cuda --trainer-devices (CPU trainers hold everything in "
                               "CPU memory already)")
-        if self.max_tokens_per_micro_batch < 0:
-            raise ConfigError(f"--max-tokens-per-micro-batch must be >= 0 (got {self.max_tokens_per_micro_batch}; "
-                              "0 = off)")
-        if self.lora_rank < 0:
-            raise ConfigError(f"--lora-rank must be >= 0 (got {self.lora_rank}; 0 = off)")
         if self.lora_rank and self.lora_alpha <= 0:
             raise ConfigError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
         if self.lora_rank and not [m for m in self.lora_target_modules.split(",") if m.strip()]:
@@ -434,19 +399,8 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
                 raise ConfigError("--critic-model is only used by --algo ppo")
             if self.critic_warmup_steps:
                 raise ConfigError("--critic-warmup-steps is only used by --algo ppo")
-        if self.critic_lr <= 0:
-            raise ConfigError(f"--critic-lr must be > 0 (got {self.critic_lr})")
-        if self.value_clip_eps < 0:
-            raise ConfigError(f"--value-clip-eps must be >= 0 (got {self.value_clip_eps})")
-        for name in ("gamma", "lam"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"--{name} must be in [0, 1] (got {getattr(self, name)})")
-        if self.critic_warmup_steps < 0:
-            raise ConfigError(f"--critic-warmup-steps must be >= 0 (got {self.critic_warmup_steps})")
         if self.kl_mode == "reward" and self.kl_coef <= 0:
             raise ConfigError("--kl-mode reward needs --kl-coef > 0 (there is no KL to subtract otherwise)")
-        if self.ref_reset_every < 0:
-            raise ConfigError(f"--ref-reset-every must be >= 0 (got {self.ref_reset_every})")
         if self.ref_reset_every and self.kl_coef <= 0:
             raise ConfigError("--ref-reset-every needs --kl-coef > 0 (there is no reference model otherwise)")
 
