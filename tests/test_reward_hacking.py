@@ -124,7 +124,7 @@ ATTACKS = {
                 continue
             if b"def check" in data or b"nonce" in data:
                 LEAKED = True
-        if any("check" in arg for arg in sys.argv + sys.orig_argv):
+        if any("def check" in arg or "nonce" in arg for arg in sys.argv + sys.orig_argv):
             LEAKED = True
         '''),
     "parent_proc_environ_and_fds": leaked('''
