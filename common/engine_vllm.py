@@ -431,6 +431,13 @@ class VLLMEngine(RolloutEngine):
         if not on_cpu and self.device.index is not None:
             visible = saved_visible.split(",") if saved_visible else None
             os.environ["CUDA_VISIBLE_DEVICES"] = visible[self.device.index] if visible else str(self.device.index)
+        # CPU: vLLM's automatic binding ("auto") reserves one core for its scheduler process and binds its worker's
+        # OpenMP threads to the rest: on 2 cores, 1 of 2, where HF generate uses both. The worker gets the cores
+        # this process may use, as many as its torch threads (VLLM_CPU_OMP_THREADS_BIND set by the user wins).
+        bind = on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+        if bind:
+            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         start = time.time()
         try:
             self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -438,6 +445,8 @@ class VLLMEngine(RolloutEngine):
                            enable_prefix_caching=True, logits_processors=[f"{__name__}:NormalizerProcessor"],
                            worker_extension_cls=f"{__name__}.TandemWorkerExtension", **memory, **llm_kwargs)
         finally:
+            if bind:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
             if saved_visible is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:

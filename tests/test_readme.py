@@ -2,8 +2,8 @@
 
 The copy holds what a clone holds (git's tracked and unignored files: no runs/, no caches); its `.venv` is the
 environment running this test, and each command runs through bash after the block's own activation line. To keep
-it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags it does
-not set itself; everything else stays as the README writes it. `--engine vllm` commands are skipped (and said so)
+it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags and
+`--engine hf` where it does not set them itself; everything else stays as the README writes it. `--engine vllm` commands are skipped (and said so)
 where vLLM cannot be imported.
 """
 
@@ -23,8 +23,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORCED = {"--model": "tiny"}  # always replaced (appended last: the last occurrence of a flag wins)
+# Added when the command does not set them. `--engine hf` too: starting vLLM costs ~25 s a run on 2 cores, so only
+# the commands that name `--engine vllm` start it (test_vllm_runs.py runs every schedule with vLLM).
 SMALL = {"--tasks-per-step": "2", "--samples-per-task": "2", "--max-new-tokens": "20", "--eval-size": "2",
-         "--eval-every": "0", "--lr": "1e-3", "--timeout-s": "300"}  # added when the command does not set them
+         "--eval-every": "0", "--lr": "1e-3", "--timeout-s": "300", "--engine": "hf",
+         "--num-threads": "1"}
 ENTRY = ("python", "torchrun")
 
 

