@@ -1,6 +1,7 @@
-"""Multi-turn vs single-turn rollouts at equal total generated tokens, side by side in one run (HF engine).
+"""Multi-turn vs single-turn rollouts at equal total generated tokens, side by side in one run.
 
-    python bench/multiturn.py                                  # default model, 16 samples x 4 turns x 32 tokens
+    python bench/multiturn.py                                  # default model, 16 samples x 4 turns x 32 tokens, HF
+    python bench/multiturn.py --engine vllm                    # the same with vLLM (prefix cache across turns)
     python bench/multiturn.py --model tiny --turn-tokens 64    # quick run
 
 Single-turn: 16 prompts, one response of turns x turn-tokens new tokens each. Multi-turn: 16 episodes of `turns`
@@ -41,6 +42,7 @@ def main():
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     args = p.parse_args()
     import torch
 
@@ -52,7 +54,16 @@ def main():
         torch.set_num_threads(args.threads)
     ENVS["bench_chatter"] = "__main__:Chatter"
     tok = load_tokenizer(args.model)
-    engine = HFEngine(load_model(args.model), tok)
+    if args.engine == "hf":
+        engine = HFEngine(load_model(args.model), tok)
+    else:  # vLLM keeps each episode's KV blocks in its prefix cache between turns
+        import tempfile
+
+        from common.engine_vllm import VLLMEngine, save_servable_tiny
+        from common.model import resolve_model
+
+        path = save_servable_tiny(tempfile.mkdtemp()) if args.model == "tiny" else resolve_model(args.model)
+        engine = VLLMEngine(path, tokenizer=tok, dtype="float32", kv_cache_gb=1.0)
     prompts = [f"Tell me a long story about the number {i}." for i in range(args.samples)]
     total = args.turns * args.turn_tokens
     single_ctx = Context(tok, max_new_tokens=total)
@@ -74,8 +85,8 @@ def main():
             if name not in best or rate > best[name][0]:
                 best[name] = (rate, counts["tokens"], seconds)
             paired.append(rate)
-    print(f"model {args.model}, {args.samples} samples, {args.turns} turns x {args.turn_tokens} tokens, "
-          f"torch threads {torch.get_num_threads()}")
+    print(f"model {args.model}, engine {args.engine}, {args.samples} samples, {args.turns} turns x "
+          f"{args.turn_tokens} tokens, torch threads {torch.get_num_threads()}")
     for name, (rate, tokens, seconds) in best.items():
         print(f"{name}-turn: {rate:.1f} generated tokens/s ({tokens} tokens, {seconds:.1f}s)")
     print(f"ratio multi/single: {best['multi'][0] / best['single'][0]:.2f} (best of each)")

@@ -6,14 +6,17 @@ caller. What a verifier is and which kinds exist: rewards/base.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
+import types
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -36,6 +39,22 @@ def _safe_score(score_fn, response: str, task: dict) -> Reward:
     if not isinstance(result, Reward):
         return failed(f"error: verifier returned {type(result).__name__}, not Reward")
     return result
+
+
+@contextlib.contextmanager
+def _main_hidden(score_fn):
+    """A spawn child runs the parent's `__main__` script again (for an entry script: torch, transformers, ~1.5 s of
+    CPU per worker) so that it can unpickle what was defined there. A worker needs only `_serve` and `score_fn`:
+    unless score_fn itself lives in `__main__`, the child is started as if `__main__` were an empty module."""
+    if getattr(score_fn, "__module__", None) in ("__main__", "__mp_main__"):
+        yield
+        return
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def _serve(conn, score_fn, parent_pid: int):
@@ -207,7 +226,8 @@ class RewardPool:
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_serve, args=(child, self.score_fn, os.getpid()),
                                 name="reward-worker", daemon=False)
-        proc.start()
+        with _main_hidden(self.score_fn):
+            proc.start()
         child.close()
         with self._lock:
             self._procs.add(proc)

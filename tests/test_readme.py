@@ -38,6 +38,13 @@ def running_block(readme: str) -> list[str]:
     return [line for line in block.replace("\\\n", " ").splitlines() if shlex.split(line, comments=True)]
 
 
+def flag_lines(readme: str) -> list[list[str]]:
+    """The words of each line of the ```bash block that follows the Running block (flags to add to any command)."""
+    section = readme.split("\n## Running\n", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, re.S)[1]
+    return [words for words in (shlex.split(line, comments=True) for line in block.splitlines()) if words]
+
+
 def readme_commands() -> tuple[list[str], list[list[str]]]:
     """(activation line's words, each command's words) of the Running block."""
     with open(os.path.join(ROOT, "README.md")) as f:
@@ -113,6 +120,27 @@ def test_running_block_parses_and_every_command_is_known():
     resumed = [flag_value(c, "--out-dir") for c in commands if "--resume" in c]
     made = [flag_value(c, "--out-dir") for c in commands if "--resume" not in c]
     assert all(d in made for d in resumed), "a --resume command continues a run the block made before it"
+
+
+@pytest.mark.parametrize("script", ["train_sync", "train_offpolicy", "train_async"])
+def test_every_flag_line_is_valid_for_every_schedule(script, tmp_path, monkeypatch):
+    """The flags block: each line parses and passes validation (common/knobs.py ranges, combinations) on top of the
+    tiny model's defaults, with each entry script's Args, and changes the configuration; a renamed or removed flag
+    fails here."""
+    import importlib
+
+    from common.config import parse_args
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = flag_lines(f.read())
+    assert len(lines) >= 6 and all(line[0].startswith("--") for line in lines), lines
+    monkeypatch.chdir(ROOT)  # paths in the lines are relative to the repository, as for the commands
+    cls = importlib.import_module(script).Args
+    tiny = ["--model", "tiny", "--out-dir", str(tmp_path / "run")]
+    base = parse_args(cls, tiny)
+    for line in lines:
+        args = parse_args(cls, [*tiny, *line])
+        assert args != base, f"{shlex.join(line)} changes nothing"
 
 
 @pytest.mark.timeout(1200)
