@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--fresh-prefix", action="store_true",
                         help="vLLM: empty the prefix cache before every timed call, as every weight update does")
     parser.add_argument("--json", default="")
+    parser.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: vLLM's default, 128 on CPU)")
     args = parser.parse_args()
 
     import torch
@@ -102,7 +103,8 @@ def main():
         from common.weight_sync import weights_hash, write_sync_checkpoint
 
         start = time.perf_counter()
-        engine = VLLMEngine(path, tokenizer=tokenizer, dtype="float32", kv_cache_gb=1.0)
+        engine = VLLMEngine(path, tokenizer=tokenizer, dtype="float32", kv_cache_gb=1.0,
+                            **({"block_size": args.block_size} if args.block_size else {}))
         startup = time.perf_counter() - start
         results["vllm"] = timed_generate(engine, prompts, sampling, args.repeats,
                                          engine.llm.reset_prefix_cache if args.fresh_prefix else None)

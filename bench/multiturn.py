@@ -43,6 +43,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: vLLM's default, 128 on CPU)")
     args = p.parse_args()
     import torch
 
@@ -63,7 +64,8 @@ def main():
         from common.model import resolve_model
 
         path = save_servable_tiny(tempfile.mkdtemp()) if args.model == "tiny" else resolve_model(args.model)
-        engine = VLLMEngine(path, tokenizer=tok, dtype="float32", kv_cache_gb=1.0)
+        engine = VLLMEngine(path, tokenizer=tok, dtype="float32", kv_cache_gb=1.0,
+                            **({"block_size": args.block_size} if args.block_size else {}))
     prompts = [f"Tell me a long story about the number {i}." for i in range(args.samples)]
     total = args.turns * args.turn_tokens
     single_ctx = Context(tok, max_new_tokens=total)

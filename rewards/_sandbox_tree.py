@@ -214,20 +214,24 @@ def sweep() -> int:
     return removed
 
 
-def _proc_table() -> dict[int, tuple[int, int, float]]:
-    """pid -> (ppid, rss bytes, cpu seconds) of every live process."""
-    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+def proc_stats() -> dict[int, list[bytes]]:
+    """pid -> the fields of /proc/<pid>/stat after the command name (state, ppid, ...) of every live process."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b") ", 1)[1].split()
+                table[int(entry)] = f.read().rsplit(b") ", 1)[1].split()
         except (OSError, IndexError):
             continue
-        table[int(entry)] = (int(fields[1]), int(fields[21]) * page, (int(fields[11]) + int(fields[12])) / tick)
     return table
+
+
+def _proc_table() -> dict[int, tuple[int, int, float]]:
+    """pid -> (ppid, rss bytes, cpu seconds) of every live process."""
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    return {pid: (int(f[1]), int(f[21]) * page, (int(f[11]) + int(f[12])) / tick) for pid, f in proc_stats().items()}
 
 
 def _descendants(root: int, table=None) -> list[int]:

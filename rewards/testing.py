@@ -13,17 +13,15 @@ import tempfile
 
 def _proc_table() -> dict[int, tuple[int, int, bytes, bool]]:
     """pid -> (parent pid, uid, cmdline, zombie) for every process."""
+    from rewards._sandbox_tree import proc_stats
+
     table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, fields in proc_stats().items():
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b") ", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
-            table[int(entry)] = (int(fields[1]), os.stat(f"/proc/{entry}").st_uid, cmd, fields[0] == b"Z")
-        except (OSError, IndexError, ValueError):
+            table[pid] = (int(fields[1]), os.stat(f"/proc/{pid}").st_uid, cmd, fields[0] == b"Z")
+        except OSError:  # gone since
             continue
     return table
 
