@@ -268,6 +268,8 @@ def reward_curve_points(out_dir: str) -> tuple[list[tuple[int, float]], list[tup
     if os.path.exists(summary_path):
         with open(summary_path) as f:
             summary = json.load(f)
+        # every evaluation, also those that shared a row with a later one
+        evals += [(e["eval/version"], e["eval/accuracy"]) for e in summary.get("evals", []) if "eval/version" in e]
         if summary.get("eval_after") is not None:
             evals.append((summary["steps"], summary["eval_after"]))
     return train, sorted(set(evals))

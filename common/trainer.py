@@ -358,7 +358,8 @@ class TrainerRun:
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
         self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
         state = self.trainer.resume(args.out_dir) if args.resume else {}
-        self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0)}
+        self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0),
+                        "evals": state.get("evals", [])}  # every evaluation's metrics, in the order they came
         self.start_time = time.time() - state.get("elapsed", 0.0)
         self.replay = None  # Kimi k1.5 replay: groups trained up to --max-reuse times (in memory: not resumed)
         if args.max_reuse > 1:
@@ -408,8 +409,6 @@ class TrainerRun:
     def log(self, batch, metrics: dict, **extra):
         step = self.trainer.step
         evals = self._evaluations()
-        if self.summary["eval_before"] is None and "eval/accuracy" in evals:
-            self.summary["eval_before"] = evals["eval/accuracy"]
         times = {f"time/{k}": v for k, v in self.timeline.take_totals().items()}
         if self.logger:
             self.logger.log({"step": step, **metrics, **batch.metrics, **evals, **times, **extra,
@@ -433,13 +432,18 @@ class TrainerRun:
             self.checkpoint()
         self.checkpoint("final")  # model + tokenizer (hard links to the step checkpoint's when there is one)
 
-    def _evaluations(self) -> dict:
-        """The evaluation results that arrived on the control channel since the last row (the newest wins)."""
+    def _evaluations(self, messages=None) -> dict:
+        """The evaluation results that arrived on the control channel since the last row. The row shows the newest;
+        every one is kept in summary["evals"] (two can arrive between rows: the control queue is not ordered with
+        the experience queue), and the one of the initial weights is eval_before."""
         if not (self.is_main and self.control):
             return {}
         out = {}
-        for msg in self.control.poll():
+        for msg in self.control.poll() if messages is None else messages:
             out.update(msg.metrics)
+            self.summary["evals"].append(msg.metrics)
+            if msg.metrics.get("eval/version") == 0 and self.summary["eval_before"] is None:
+                self.summary["eval_before"] = msg.metrics["eval/accuracy"]
         return out
 
     def finish(self):
@@ -448,7 +452,8 @@ class TrainerRun:
             if self.trainer.dp.sharded:  # the gathers of trainer 0's checkpoints need every shard
                 self._final_checkpoints()
             return
-        final_eval, _ = self.control.wait_final(self.args.timeout_s)
+        final_eval, late = self.control.wait_final(self.args.timeout_s)
+        self._evaluations(late)  # evaluations that came after the last row: kept in summary["evals"]
         self._final_checkpoints()  # model + tokenizer (hard links to the step checkpoint's when there is one)
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)

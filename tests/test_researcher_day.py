@@ -144,6 +144,25 @@ def test_reward_curve_puts_evaluations_at_their_step(tmp_path):
     train, evals = reward_curve_points(str(out))
     assert [x for x, _ in train] == [1, 2]
     assert [x for x, _ in evals] == [0, 1, 2]  # before training, after step 1, the final one
+    # Every evaluation is kept, also when two reach the trainer between the same two rows (timing-dependent).
+    summary = json.loads((out / "summary.json").read_text())
+    assert [e["eval/version"] for e in summary["evals"]] == [0, 1]
+    assert summary["eval_before"] == summary["evals"][0]["eval/accuracy"]
+
+
+def test_two_evaluations_between_rows_are_both_kept():
+    """The race behind a lost 'before training' point: the evaluations of versions 0 and 1 reach the trainer
+    between the same two rows. Both are kept in summary["evals"], eval_before is version 0's, the row shows the
+    newest."""
+    from common.control import Control
+    from common.trainer import TrainerRun
+
+    run = TrainerRun.__new__(TrainerRun)  # only the evaluation bookkeeping, no model
+    run.is_main, run.control, run.summary = True, object(), {"eval_before": None, "evals": []}
+    row = run._evaluations([Control("eval", 0, {"eval/accuracy": 0.25, "eval/version": 0}),
+                            Control("eval", 0, {"eval/accuracy": 0.5, "eval/version": 1})])
+    assert row == {"eval/accuracy": 0.5, "eval/version": 1}
+    assert run.summary["eval_before"] == 0.25 and [e["eval/version"] for e in run.summary["evals"]] == [0, 1]
 
 
 # ----------------------------------------------------------------------------------------------- Hub datasets
