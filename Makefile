@@ -35,6 +35,7 @@ install-vllm: $(VLLM_STAMP)
 demo: $(VLLM_STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic, synchronous schedule, vLLM rollouts (CPU)
 	$(PY) train_sync.py --config configs/sync_default.yaml $(ARGS)
 
-# Two tests at a time (pytest-xdist): most of a test is process start-up and waiting, so 2 cores take both.
+# Two test files at a time (pytest-xdist, slowest first: tests/conftest.py): most of a test is process start-up and
+# waiting, so 2 cores take both.
 test: $(VLLM_STAMP) $(TEST_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included
-	$(PY) -m pytest -q -n 2 $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)

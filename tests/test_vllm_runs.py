@@ -31,9 +31,13 @@ def _synced(events, process):
 def test_vllm_engine_trains_mixed_turns_and_holds_the_trainers_weights(tmp_path, script, method):
     out = tmp_path / "run"
     before = set(os.listdir("/dev/shm"))  # runs killed elsewhere (timeouts, SIGKILL) may have left files: not ours
-    proc = run_script(script, *TINY, *MIXED, "--engine", "vllm", "--vllm-kv-cache-gb", "0.25", "--steps", "2",
+    # The default engine (--engine auto) for the synchronous run: it must resolve to vLLM here and say so first.
+    engine = "auto" if script == "train_sync.py" else "vllm"
+    proc = run_script(script, *TINY, *MIXED, "--engine", engine, "--vllm-kv-cache-gb", "0.25", "--steps", "2",
                       "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if engine == "auto":
+        assert proc.stdout.splitlines()[0] == f"[tandem] sync: rollout engine vllm (--engine auto: vLLM {why} imports)"
     assert_trained(out, steps=2)
     check_episodes(out)
     events = read_timeline(str(out))
