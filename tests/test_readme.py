@@ -3,8 +3,9 @@
 The copy holds what a clone holds (git's tracked and unignored files: no runs/, no caches); its `.venv` is the
 environment running this test, and each command runs through bash after the block's own activation line. To keep
 it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags and
-`--engine hf` where it does not set them itself; everything else stays as the README writes it. `--engine vllm` commands are skipped (and said so)
-where vLLM cannot be imported.
+`--engine hf` where it does not set them itself; everything else stays as the README writes it. `--engine vllm`
+commands are skipped (and said so) where vLLM cannot be imported. The flag lines of the block after it are parsed
+and validated with every entry script.
 """
 
 from __future__ import annotations
@@ -31,18 +32,20 @@ SMALL = {"--tasks-per-step": "2", "--samples-per-task": "2", "--max-new-tokens":
 ENTRY = ("python", "torchrun")
 
 
-def running_block(readme: str) -> list[str]:
-    """The logical lines (continuations joined) of the first ```bash block under '## Running'."""
+def running_blocks(readme: str) -> list[list[str]]:
+    """The logical lines (continuations joined, blank and comment lines left out) of each ```bash block under
+    '## Running': the commands first, then the flag lines to add to any command."""
     section = readme.split("\n## Running\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [line for line in block.replace("\\\n", " ").splitlines() if shlex.split(line, comments=True)]
+    return [[line for line in block.replace("\\\n", " ").splitlines() if shlex.split(line, comments=True)]
+            for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def running_block(readme: str) -> list[str]:
+    return running_blocks(readme)[0]
 
 
 def flag_lines(readme: str) -> list[list[str]]:
-    """The words of each line of the ```bash block that follows the Running block (flags to add to any command)."""
-    section = readme.split("\n## Running\n", 1)[1].split("\n## ", 1)[0]
-    block = re.findall(r"```bash\n(.*?)```", section, re.S)[1]
-    return [words for words in (shlex.split(line, comments=True) for line in block.splitlines()) if words]
+    return [shlex.split(line, comments=True) for line in running_blocks(readme)[1]]
 
 
 def readme_commands() -> tuple[list[str], list[list[str]]]:

@@ -11,16 +11,16 @@ from tests.conftest import TINY, assert_trained, run_script
 
 
 def test_default_tiny_command_outputs(tmp_path):
-    """The issue's command (3 steps of the tiny model) with HF generation: metrics rows, timeline.png, a loadable
-    final/ folder. The default engine (--engine auto, vLLM where it imports) runs in tests/test_vllm_runs.py."""
+    """The issue's command (3 steps of the tiny model, default settings otherwise) with HF generation on the smoke
+    taskset, so that it trains: metrics rows, timeline.png, a loadable final/ folder. The default engine
+    (--engine auto, vLLM where it imports) runs in tests/test_vllm_runs.py."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", "--model", "tiny", "--steps", "3", "--engine", "hf", "--out-dir", str(out),
-                      timeout=300)
+    proc = run_script("train_sync.py", "--model", "tiny", "--steps", "3", "--engine", "hf", "--taskset", "parity",
+                      "--out-dir", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[0] == "[tandem] sync: rollout engine hf (--engine hf)"
     assert json.loads((out / "config.json").read_text())["engine"] == "hf"
-    rows = read_metrics(str(out))
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows = assert_trained(out, steps=3)
     for key in ("reward/mean", "loss", "time/rollout", "time/train", "time/sync", "time/wait",
                 "staleness/mean", "rollout/tokens_per_s"):
         assert key in rows[0], key
