@@ -154,16 +154,23 @@ def lm_body(model):
     return model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
 
 
-def hidden_states(body, input_ids, attention_mask, packed: bool = False):
+def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=None):
     """Last hidden states [B, T, H] of a causal LM body (`model.base_model`), in the padded layout.
 
     Position ids come from the attention mask, so left and right padding give the same numbers. `packed`: padding
     is removed first and the real tokens of every row run as one sequence of N tokens with position ids restarting
     per row; with no 2D mask transformers builds a block-diagonal causal mask from them (flash-attention varlen on
-    GPU), so attention never crosses rows and the padding costs no compute. The result is scattered back to the
-    padded layout (zeros at padding), so callers see the same tensors either way.
+    GPU), so attention never crosses rows and the padding costs no compute. Otherwise, given the trained positions
+    `mask` [B, T-1], rows that share their prompt run it once (`shared_prompt_layout`). Either way the result is
+    scattered back to the padded layout (zeros at padding), so callers see the same tensors.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    shared = None if packed or mask is None else shared_prompt_layout(body, input_ids, attention_mask, mask)
+    if shared is not None:
+        flat_ids, flat_positions, allowed, index = shared
+        flat = body(input_ids=flat_ids[None], attention_mask=allowed, position_ids=flat_positions[None],
+                    use_cache=False).last_hidden_state[0]
+        return flat[index] * attention_mask[..., None].to(flat.dtype)  # [B, T, H]; a prompt's gradients add up
     if not packed:
         return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False).last_hidden_state
@@ -172,6 +179,69 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False):
                 use_cache=False).last_hidden_state[0]
     hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])
     return hidden.masked_scatter(real[..., None], flat)
+
+
+SHARED_PROMPT_MAX_TOKENS = 2048
+"""`shared_prompt_layout` packs a micro-batch only up to this many tokens (its attention mask is a dense [N, N]);
+0 turns prompt sharing off."""
+
+
+def shared_prompt_layout(body, input_ids, attention_mask, mask):
+    """One sequence in which every distinct prompt of the micro-batch appears once, followed by the rest of each row
+    that starts with it, or None when no two rows share a prompt, or when that is not 20 % fewer tokens than the
+    padded micro-batch, or more than SHARED_PROMPT_MAX_TOKENS.
+
+    GRPO samples n responses per prompt, so a micro-batch of them holds each prompt n times; running it once cuts
+    the tokens of the forward and backward by up to (n-1) prompts per group, with the same numbers: the prompt's
+    tokens attend as before, each row's tokens attend to the shared prompt and to the row's own earlier tokens
+    (position ids continue from the prompt), and the prompt's gradients add up over the rows that read it. A row's
+    prompt is its tokens up to its first trained one (`mask` [B, T-1], 1 where the next token is trained). Rows must
+    be right-padded. Returns (ids [N], position ids [N], attention mask [1, 1, N, N] as the attention implementation
+    wants it, index [B, T] of each padded position in the N tokens).
+    """
+    implementation = getattr(getattr(body, "config", None), "_attn_implementation", None)
+    if SHARED_PROMPT_MAX_TOKENS <= 0 or implementation not in ("sdpa", "eager") or len(input_ids) < 2:
+        return None
+    lengths = attention_mask.sum(-1)
+    if not bool((attention_mask.long().cumprod(-1).sum(-1) == lengths).all()):  # left padding: not handled here
+        return None
+    trained = mask.bool().any(-1)
+    first = torch.where(trained, mask.bool().long().argmax(-1) + 1, lengths)  # prompt length of each row
+    groups: dict[tuple, list[int]] = {}
+    rows = input_ids.tolist()
+    for i, (n, p) in enumerate(zip(lengths.tolist(), first.tolist())):
+        groups.setdefault(tuple(rows[i][:p]) if p < n else ("row", i), []).append(i)
+    total = int(lengths.sum()) - sum(len(key) * (len(members) - 1) for key, members in groups.items()
+                                     if key[:1] != ("row",))
+    if len(groups) == len(rows) or total > min(SHARED_PROMPT_MAX_TOKENS, 0.8 * input_ids.numel()):
+        return None  # nothing shared, a mask too large, or under 20 % fewer tokens than the padded batch
+    ids, positions, owner, segment = [], [], [], []  # owner: group of each token; segment: -1 prompt, else its row
+    index = torch.zeros_like(input_ids)
+    for g, (key, members) in enumerate(groups.items()):
+        p = int(first[members[0]]) if key[:1] != ("row",) else 0
+        start = len(ids)
+        ids += rows[members[0]][:p]
+        positions += range(p)
+        owner += [g] * p
+        segment += [-1] * p
+        for i in members:
+            n = int(lengths[i])
+            index[i, :p] = torch.arange(start, start + p)
+            index[i, p:n] = torch.arange(len(ids), len(ids) + n - p)
+            ids += rows[i][p:n]
+            positions += range(p, n)
+            owner += [g] * (n - p)
+            segment += [i] * (n - p)
+    device = input_ids.device
+    ids, positions = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+    owner, segment = torch.tensor(owner, device=device), torch.tensor(segment, device=device)
+    # query q may read key k: same group, not later, and k is the prompt or q's own row
+    allowed = ((owner[:, None] == owner[None, :]) & (positions[None, :] <= positions[:, None])
+               & ((segment[None, :] == -1) | (segment[None, :] == segment[:, None])))[None, None]
+    if implementation == "eager":  # eager attention adds its mask to the scores
+        dtype = body.get_input_embeddings().weight.dtype
+        allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return ids, positions, allowed, index
 
 
 def _head_chunk(head, hidden, targets, temperature: float, softcap, with_entropy: bool, entropy_grad: bool):
@@ -226,8 +296,8 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
 
 
 def _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed):
-    hidden = hidden_states(lm_body(model), input_ids, attention_mask, packed)[:, :-1]
     selected = (attention_mask[:, 1:] if mask is None else mask).bool()
+    hidden = hidden_states(lm_body(model), input_ids, attention_mask, packed, selected)[:, :-1]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     token_logprobs, token_entropy = token_logprobs_chunked(
         model.get_output_embeddings(), hidden[selected], input_ids[:, 1:][selected], temperature, softcap,

@@ -36,8 +36,9 @@ class DataParallel:
         return self.size > 1
 
     def local_slice(self, idx: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a minibatch's sample indices (possibly empty: it then contributes zero gradient)."""
-        return idx[self.rank::self.size]
+        """This rank's share of a minibatch's sample indices, a contiguous run (neighbours share prompts; possibly
+        empty: it then contributes zero gradient)."""
+        return torch.tensor_split(idx, self.size)[self.rank]
 
     def share_batch(self, batch):
         """Rank 0's object reaches every trainer (pickled; rollout batches are CPU data)."""
