@@ -469,64 +469,80 @@ class VLLMEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  between_steps=None) -> list[list[Generation]]:
-        """`sampling.n` generations per prompt. With `between_steps` (a function of no arguments) this process
-        drives vLLM's step loop and calls it after every engine step: it may take new weights mid-generation
-        (`commit_weights` then swaps them between two decode steps), and each Generation's `versions` says
-        which weights sampled each token (vLLM's own weight-version labels)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        greedy = sampling.temperature == 0
-        truncated = not greedy and sampling.top_p < 1.0
-        # One request per sample (n=1 each): the prefix cache shares the prompt, and each request has its own
-        # key for the top-p correction.
-        keys = [uuid.uuid4().hex for _ in range(len(prompts) * sampling.n)]
-        params = [SamplingParams(
-            n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-            top_k=0, max_tokens=sampling.max_new_tokens, logprobs=0, stop_token_ids=self.stop_ids,
-            detokenize=False, skip_special_tokens=False,
-            extra_args={NormalizerProcessor.KEY: key} if truncated else None) for key in keys]
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(sampling.n)]
-        if between_steps is None:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        else:
-            outputs = self._generate_stepwise(requests, params, between_steps)
-        corrections = self.llm.collective_rpc("tandem_pop_logz", args=(keys,))[0] if truncated else {}
+        """`sampling.n` generations per prompt (in the order they finish), through `generate_turns`. With
+        `between_steps` (a function of no arguments), called after every engine step, new weights may land
+        mid-generation (`commit_weights` then swaps them between two decode steps), and each Generation's
+        `versions` says which weights sampled each token (vLLM's own weight-version labels)."""
+        requests = [(i, p, sampling.max_new_tokens) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         results: list[list[Generation]] = [[] for _ in prompts]
-        for i, out in enumerate(outputs):
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)]
-            if truncated:
-                logz = corrections[keys[i]]
-                if len(logz) < len(ids):
-                    raise RuntimeError(f"top-p log-prob correction missing for {len(ids) - len(logz)} tokens")
-                logprobs = [lp + z for lp, z in zip(logprobs, logz)]
-            results[i // sampling.n].append(Generation(
-                prompt_ids=list(prompts[i // sampling.n]), response_ids=ids, logprobs=logprobs,
-                finish_reason="stop" if c.finish_reason == "stop" else "length",
-                versions=_token_versions(c, len(ids)) if between_steps is not None else None))
+        self.generate_turns(requests, sampling, lambda i, generation: results[i].append(generation) or [],
+                            between_steps)
         return results
 
-    def _generate_stepwise(self, requests, params, between_steps):
-        """vLLM's LLM.generate loop, run here, with `between_steps()` after every step (weights may change)."""
-        engine = self.llm.llm_engine
-        ids = [f"tandem-{uuid.uuid4().hex}" for _ in requests]  # outputs carry these (vLLM adds its own suffix inside)
-        for request_id, request, p in zip(ids, requests, params):
-            engine.add_request(request_id, request, p)
-        finished = {}
-        self._generating = True
+    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None) -> None:
+        """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). This process drives
+        vLLM's step loop; the moment a request finishes, `on_finish(key, Generation)` runs and the requests it
+        returns (an episode's next turn) join the running batch, so no episode waits for the slowest of its turn.
+        `between_steps()`, if given, runs after every engine step (new weights may land there; each token's
+        version is then in `Generation.versions`)."""
+        from vllm.inputs import TokensPrompt
+
+        engine, truncated = self.llm.llm_engine, self._truncated(sampling)
+        live: dict[str, tuple] = {}  # vLLM request id -> (key, prompt ids)
+
+        def add(key, prompt, max_new_tokens):
+            request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+                               self._params(sampling, max_new_tokens, request_id if truncated else None))
+            live[request_id] = (key, list(prompt))
+
+        for request in requests:
+            add(*request)
+        self._generating = between_steps is not None
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                between_steps()
+                done = [out for out in engine.step() if out.finished]
+                logz = self.llm.collective_rpc("tandem_pop_logz", args=([o.request_id for o in done],))[0] \
+                    if truncated and done else {}
+                for out in done:
+                    key, prompt = live.pop(out.request_id)
+                    generation = self._generation(prompt, out.outputs[0], logz.get(out.request_id),
+                                                  between_steps is not None)
+                    for request in on_finish(key, generation):
+                        add(*request)
+                if between_steps is not None:
+                    between_steps()
         finally:
             self._generating = False
-            if len(finished) < len(ids):  # an error mid-way: leave nothing running in the engine
-                engine.abort_request([i for i in ids if i not in finished])
-        return [finished[i] for i in ids]
+            if live:  # an error mid-way: leave nothing running in the engine
+                engine.abort_request(list(live))
+
+    @staticmethod
+    def _truncated(sampling: SamplingConfig) -> bool:
+        """Top-p sampling: the behaviour log-probs need the NormalizerProcessor's correction."""
+        return sampling.temperature != 0 and sampling.top_p < 1.0
+
+    def _params(self, sampling: SamplingConfig, max_new_tokens: int, correction_key: str | None):
+        from vllm import SamplingParams
+
+        greedy = sampling.temperature == 0
+        return SamplingParams(
+            n=1, temperature=0.0 if greedy else sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=0, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.stop_ids, detokenize=False,
+            skip_special_tokens=False,
+            extra_args={NormalizerProcessor.KEY: correction_key} if correction_key else None)
+
+    @staticmethod
+    def _generation(prompt: list[int], completion, logz: list[float] | None, stepwise: bool) -> Generation:
+        ids = list(completion.token_ids)
+        logprobs = [step[t].logprob for step, t in zip(completion.logprobs, ids)]
+        if logz is not None:
+            if len(logz) < len(ids):
+                raise RuntimeError(f"top-p log-prob correction missing for {len(ids) - len(logz)} tokens")
+            logprobs = [lp + z for lp, z in zip(logprobs, logz)]
+        return Generation(prompt_ids=list(prompt), response_ids=ids, logprobs=logprobs,
+                          finish_reason="stop" if completion.finish_reason == "stop" else "length",
+                          versions=_token_versions(completion, len(ids)) if stepwise else None)
 
     # ------------------------------------------------------------------ weight sync
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:

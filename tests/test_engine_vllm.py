@@ -106,6 +106,30 @@ def test_stop_token_ends_response(engine):
     assert all(g.finish_reason == "stop" and len(g.response_ids) == 1 and len(g.logprobs) == 1 for g in gens)
 
 
+def test_next_turn_joins_the_running_batch(engine, folder):
+    """generate_turns (continuous batching across turns): a short request's follow-up is queued the moment it
+    finishes and finishes before a long first turn still decoding beside it; a follow-up's prompt is the earlier
+    turn's prompt + sampled ids, and its log-probs are the trainer's."""
+    from common.engine import SamplingConfig
+
+    engine.load_from_checkpoint(folder)  # greedy on these weights: no response of this test meets a stop token
+    finished = []
+
+    def on_finish(key, generation):
+        finished.append((key, generation))
+        if key == "short-1":
+            return [("short-2", generation.prompt_ids + generation.response_ids, 3)]
+        return []
+
+    engine.generate_turns([("short-1", PROMPTS[0], 2), ("long", PROMPTS[1], 40)], SamplingConfig(temperature=0),
+                          on_finish)
+    assert [k for k, _ in finished] == ["short-1", "short-2", "long"]
+    gens = dict(finished)
+    assert [len(gens[k].response_ids) for k in ("short-1", "short-2", "long")] == [2, 3, 40]
+    assert gens["short-2"].prompt_ids == PROMPTS[0] + gens["short-1"].response_ids
+    assert max_logprob_diff(load_hf(folder), [list(gens.values())], 0) < LOGPROB_TOL
+
+
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.8), (0.5, 0.9), (0, 1.0)])
 def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
     """vLLM's behaviour log-probs == log_softmax(logits / T) of the sampled token, recomputed by the trainer.

@@ -11,7 +11,9 @@ single_turn; a taskset may mix them. Adding a workflow is one file plus one line
 
 `Rollouts` runs the workflows of the tasks in flight on one explorer: every engine call takes the next turn of
 *every* live sample of every task (single-turn responses and episodes alike), so multi-turn episodes are batched
-turn by turn instead of run one after another.
+turn by turn instead of run one after another. With vLLM (`generate_turns`) there is one engine loop for all
+turns: an episode's next turn joins the running batch as soon as its environment has answered, so no episode waits
+for the slowest of its turn.
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ class Rollouts:
 
     def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int, between_steps=None) -> dict:
         """Engine calls until every workflow has finished (with --rollout-token-budget: one call, one segment per
-        unfinished response). Each call carries the next turn of every live sample. An engine given `between_steps`
-        (vLLM, --mid-generation-updates) may take newer weights between decode steps and reports each token's version."""
+        unfinished response). Each call carries the next turn of every live sample; an engine with `generate_turns`
+        (vLLM) runs all turns in one loop instead. An engine given `between_steps` (vLLM, --mid-generation-updates)
+        may take newer weights between decode steps and reports each token's version."""
         hook = {"between_steps": between_steps} if between_steps is not None else {}
         continued = sum(s.segments > 0 for s in self.unfinished())
         tokens = calls = 0
+        if hasattr(engine, "generate_turns") and not self.ctx.token_budget:
+            return {"continued": continued, "engine_calls": 1,
+                    "tokens": self._generate_continuously(engine, sampling, version, between_steps)}
         while True:
             todo = [(w, *req) for w in self.workflows for req in w.requests()]
             if not todo:
@@ -131,6 +137,26 @@ class Rollouts:
             if self.ctx.token_budget:
                 break
         return {"continued": continued, "tokens": tokens, "engine_calls": calls}
+
+    def _generate_continuously(self, engine, sampling: SamplingConfig, version: int, between_steps) -> int:
+        """One engine loop for every turn of every sample (vLLM): an episode's next turn is queued the moment its
+        last one finishes and the environment has answered, while the others are still decoding."""
+        owner = {}  # id(sample) -> its workflow
+        first = []
+        for workflow in self.workflows:
+            for sample, ids, cap in workflow.requests():
+                owner[id(sample)] = (workflow, sample)
+                first.append((id(sample), ids, cap))
+        tokens = 0
+
+        def on_finish(key, generation):
+            nonlocal tokens
+            workflow, sample = owner[key]
+            tokens += workflow.receive(sample, generation, version)
+            return [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
+
+        engine.generate_turns(first, dataclasses.replace(sampling, n=1), on_finish, between_steps)
+        return tokens
 
     def pop_finished(self) -> list:
         """The groups whose samples have all ended (removed from here), oldest first."""
