@@ -456,6 +456,8 @@ class TrainerRun:
             return
         final_eval, late = self.control.wait_final(self.args.timeout_s)
         self._evaluations(late)  # evaluations that came after the last row: kept in summary["evals"]
+        if final_eval:
+            self.summary["evals"].append(final_eval)
         self._final_checkpoints()  # model + tokenizer (hard links to the step checkpoint's when there is one)
         self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
                             steps=self.trainer.step)

@@ -146,8 +146,9 @@ def test_reward_curve_puts_evaluations_at_their_step(tmp_path):
     assert [x for x, _ in evals] == [0, 1, 2]  # before training, after step 1, the final one
     # Every evaluation is kept, also when two reach the trainer between the same two rows (timing-dependent).
     summary = json.loads((out / "summary.json").read_text())
-    assert [e["eval/version"] for e in summary["evals"]] == [0, 1]
+    assert [e["eval/version"] for e in summary["evals"]] == [0, 1, 2]  # the final evaluation too
     assert summary["eval_before"] == summary["evals"][0]["eval/accuracy"]
+    assert summary["eval_after"] == summary["evals"][-1]["eval/accuracy"]
 
 
 def test_two_evaluations_between_rows_are_both_kept():
