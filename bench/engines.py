@@ -63,7 +63,7 @@ def main():
     parser.add_argument("--fresh-prefix", action="store_true",
                         help="vLLM: empty the prefix cache before every timed call, as every weight update does")
     parser.add_argument("--json", default="")
-    parser.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: vLLM's default, 128 on CPU)")
+    parser.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: VLLMEngine's default, 32 on CPU)")
     args = parser.parse_args()
 
     import torch

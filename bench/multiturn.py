@@ -44,7 +44,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    p.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: vLLM's default, 128 on CPU)")
+    p.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: VLLMEngine's default, 32 on CPU)")
     args = p.parse_args()
     import torch
 

@@ -164,13 +164,13 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=No
     `mask` [B, T-1], rows that share their prompt run it once (`shared_prompt_layout`). Either way the result is
     scattered back to the padded layout (zeros at padding), so callers see the same tensors.
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     shared = None if packed or mask is None else shared_prompt_layout(body, input_ids, attention_mask, mask)
     if shared is not None:
         flat_ids, flat_positions, allowed, index = shared
         flat = body(input_ids=flat_ids[None], attention_mask=allowed, position_ids=flat_positions[None],
                     use_cache=False).last_hidden_state[0]
         return flat[index] * attention_mask[..., None].to(flat.dtype)  # [B, T, H]; a prompt's gradients add up
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     if not packed:
         return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False).last_hidden_state
@@ -205,20 +205,19 @@ def shared_prompt_layout(body, input_ids, attention_mask, mask):
     lengths = attention_mask.sum(-1)
     if not bool((attention_mask.long().cumprod(-1).sum(-1) == lengths).all()):  # left padding: not handled here
         return None
-    trained = mask.bool().any(-1)
-    first = torch.where(trained, mask.bool().long().argmax(-1) + 1, lengths)  # prompt length of each row
-    groups: dict[tuple, list[int]] = {}
+    trained = mask.bool()
+    prompt = torch.where(trained.any(-1), trained.long().argmax(-1) + 1, 0).tolist()  # 0: nothing trained, no prompt
+    groups: dict[tuple | int, list[int]] = {}  # the prompt's ids (or the row, when it has none) -> its rows
     rows = input_ids.tolist()
-    for i, (n, p) in enumerate(zip(lengths.tolist(), first.tolist())):
-        groups.setdefault(tuple(rows[i][:p]) if p < n else ("row", i), []).append(i)
-    total = int(lengths.sum()) - sum(len(key) * (len(members) - 1) for key, members in groups.items()
-                                     if key[:1] != ("row",))
+    for i, p in enumerate(prompt):
+        groups.setdefault(tuple(rows[i][:p]) if p else i, []).append(i)
+    total = int(lengths.sum()) - sum(prompt[members[0]] * (len(members) - 1) for members in groups.values())
     if len(groups) == len(rows) or total > min(SHARED_PROMPT_MAX_TOKENS, 0.8 * input_ids.numel()):
         return None  # nothing shared, a mask too large, or under 20 % fewer tokens than the padded batch
     ids, positions, owner, segment = [], [], [], []  # owner: group of each token; segment: -1 prompt, else its row
     index = torch.zeros_like(input_ids)
-    for g, (key, members) in enumerate(groups.items()):
-        p = int(first[members[0]]) if key[:1] != ("row",) else 0
+    for g, members in enumerate(groups.values()):
+        p = prompt[members[0]]
         start = len(ids)
         ids += rows[members[0]][:p]
         positions += range(p)

@@ -119,12 +119,12 @@ class Rollouts:
         unfinished response). Each call carries the next turn of every live sample; an engine with `generate_turns`
         (vLLM) runs all turns in one loop instead. An engine given `between_steps` (vLLM, --mid-generation-updates)
         may take newer weights between decode steps and reports each token's version."""
-        hook = {"between_steps": between_steps} if between_steps is not None else {}
         continued = sum(s.segments > 0 for s in self.unfinished())
-        tokens = calls = 0
         if hasattr(engine, "generate_turns") and not self.ctx.token_budget:
             return {"continued": continued, "engine_calls": 1,
                     "tokens": self._generate_continuously(engine, sampling, version, between_steps)}
+        hook = {"between_steps": between_steps} if between_steps is not None else {}
+        tokens = calls = 0
         while True:
             todo = [(w, *req) for w in self.workflows for req in w.requests()]
             if not todo:
