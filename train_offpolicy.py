@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from common.config import CommonArgs, ConfigError, parse_args
-from common.control import ControlChannel
+from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
-from common.explorer import Explorer
-from common.launcher import WorkerContext, WorkerSpec, launch
-from common.metrics import Timeline
+from common.explorer.explorer import Explorer
+from common.runtime.launcher import WorkerContext, WorkerSpec, launch
+from common.runtime.metrics import Timeline
 from common.run import finish_run, prepare_run, threads_per_worker
 from common.weight_sync import WeightReceiver
 from train_sync import trainer_main  # the trainer side is the synchronous one: get, train, send weights

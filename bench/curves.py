@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.metrics import read_metrics  # noqa: E402
+from common.runtime.metrics import read_metrics  # noqa: E402
 
 
 def curve(out_dir: str) -> dict:

@@ -68,12 +68,12 @@ def main():
 
     import torch
 
-    from common.engine import HFEngine, SamplingConfig
+    from common.explorer.engine import HFEngine, SamplingConfig
     from common.model import chat_prompt_ids, resolve_model
 
     tmp = tempfile.mkdtemp(prefix="bench-engines-")
     if args.model == "tiny-vllm":
-        from common.engine_vllm import save_servable_tiny
+        from common.explorer.engine_vllm import save_servable_tiny
 
         path = save_servable_tiny(tmp)
     else:
@@ -82,7 +82,7 @@ def main():
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if args.arith:
-        from common.tasks import arithmetic_split
+        from common.tasks.tasks import arithmetic_split
 
         prompts = [chat_prompt_ids(tokenizer, t) for t in arithmetic_split(0, 1, 48)[0].next_batch(args.prompts)]
     else:
@@ -99,7 +99,7 @@ def main():
         print(f"[bench] hf   : {results['hf']}", flush=True)
 
     if "vllm" in args.engines:
-        from common.engine_vllm import VLLMEngine
+        from common.explorer.engine_vllm import VLLMEngine
         from common.weight_sync import weights_hash, write_sync_checkpoint
 
         start = time.perf_counter()

@@ -3,7 +3,7 @@
     python bench/memory.py                         # default model (SmolLM2-135M), 2 CPU trainers over gloo
     python bench/memory.py --model tiny --steps 2  # quick smoke run
 
-Each setting runs 2 data-parallel trainer processes (common.launcher, gloo) on the same fixed batch of synthetic
+Each setting runs 2 data-parallel trainer processes (common.runtime.launcher, gloo) on the same fixed batch of synthetic
 experiences whose response lengths spread 10x, for --steps train steps (the first is a warm-up). Every trainer
 reports its peak resident memory during the training steps (VmHWM, reset after the model was built, freed heap
 handed back first) above what it held before the model was built (imports, tokenizer), the peak while building
@@ -72,8 +72,8 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
     import torch
 
     from common.config import parse_args
-    from common.parallel import DataParallel
-    from common.trainer import Trainer
+    from common.trainer.parallel import DataParallel
+    from common.trainer.trainer import Trainer
     from train_sync import Args
 
     args = parse_args(Args, argv)
@@ -107,7 +107,7 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
 
 
 def measure(setting, flags, opts, result_dir):
-    from common.launcher import WorkerSpec, launch
+    from common.runtime.launcher import WorkerSpec, launch
 
     argv = ["--model", opts.model, "--tasks-per-step", str(opts.samples // 2), "--samples-per-task", "2",
             "--minibatch-size", str(opts.samples), "--micro-batch-size", str(opts.micro_batch_size),
@@ -168,7 +168,7 @@ def packing_throughput(model_name: str, repeats: int = 3, micro_batch_size: int 
 
     from common.experience import collate
     from common.model import load_model, sequence_logprobs
-    from common.packing import batch_micro_batches
+    from common.trainer.packing import batch_micro_batches
 
     model = load_model(model_name)
     model.config.use_cache = False

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.schedules import run_entry  # noqa: E402
-from common.metrics import read_metrics, read_timeline  # noqa: E402
+from common.runtime.metrics import read_metrics, read_timeline  # noqa: E402
 
 
 def measure(out: str, label: str, total_s: float) -> dict:

@@ -48,9 +48,9 @@ def main():
     args = p.parse_args()
     import torch
 
-    from common.engine import HFEngine, SamplingConfig
+    from common.explorer.engine import HFEngine, SamplingConfig
     from common.model import load_model, load_tokenizer
-    from common.workflows import Context, run_episodes
+    from common.explorer.rollouts import Context, run_episodes
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,7 +61,7 @@ def main():
     else:  # vLLM keeps each episode's KV blocks in its prefix cache between turns
         import tempfile
 
-        from common.engine_vllm import VLLMEngine, save_servable_tiny
+        from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny
         from common.model import resolve_model
 
         path = save_servable_tiny(tempfile.mkdtemp()) if args.model == "tiny" else resolve_model(args.model)

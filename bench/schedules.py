@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.metrics import buffer_spans, draw_timeline, read_metrics, read_timeline  # noqa: E402
+from common.runtime.metrics import buffer_spans, draw_timeline, read_metrics, read_timeline  # noqa: E402
 
 SCHEDULES = [
     ("(a) sync", "train_sync.py", []),

@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.metrics import plot_reward_curve, read_metrics, read_timeline  # noqa: E402
+from common.runtime.metrics import plot_reward_curve, read_metrics, read_timeline  # noqa: E402
 
 
 def main(out_dir: str):

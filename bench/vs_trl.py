@@ -42,7 +42,7 @@ def trl_worker(steps: int, out: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from common.model import resolve_model
-    from common.tasks import arithmetic_split
+    from common.tasks.tasks import arithmetic_split
     from rewards import score
 
     start = time.time()
@@ -98,7 +98,7 @@ def run_trl(steps: int, out_dir: str, trl_path: str) -> dict:
 
 
 def run_tandem(steps: int, out_dir: str, engine: str) -> dict:
-    from common.metrics import read_metrics
+    from common.runtime.metrics import read_metrics
 
     out = os.path.join(out_dir, f"tandem-{engine}")
     flags = ["--config", os.path.join(ROOT, "configs", "sync_default.yaml"), "--steps", str(steps),

@@ -24,7 +24,7 @@ GROUPS = {
     "tasks": ("data", "tasksets, held-out evaluation and how rollouts are sampled"),
     "rollout": ("data", "tasksets, held-out evaluation and how rollouts are sampled"),
     "rewards": ("rewards", "verifiers, reward models, shaping (rewards/)"),
-    "optimisation": ("algorithm", "the loss, its advantages and the optimizer (common/losses.py)"),
+    "optimisation": ("algorithm", "the loss, its advantages and the optimizer (common/trainer/losses.py)"),
     "PPO / critic, reference model, experience filters": ("algorithm", ""),
     "weight sync": SCHEDULE,
     "Kimi k1.5: partial rollouts, replay, curriculum": ("Kimi extras", "partial rollouts, replay, "

@@ -14,11 +14,11 @@ from typing import Literal
 
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
-from common.workflows.config import WorkflowArgs, validate_workflow_args
+from common.workflow_config import WorkflowArgs, validate_workflow_args
 
 
 @dataclass
-class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflows/config.py)
+class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflow_config.py)
     # --- run -----------------------------------------------------------------------------------------------
     config: str | None = None
     """YAML file of defaults for these fields (underscores or dashes); command-line flags override it."""
@@ -125,13 +125,13 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
     algo: Literal["grpo", "dr_grpo", "opmd", "ppo"] = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
     normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
-    GAE advantages from a learned critic, see the PPO / critic fields); see common/losses.py."""
+    GAE advantages from a learned critic, see the PPO / critic fields); see common/trainer/losses.py."""
     loss_fn: str | None = None
     """Replace --algo's loss with your own function, `module:function` or `path/to/file.py:function`, with the
-    signature of common/losses.py's losses: (MicroBatch, args) -> (loss, stats dict); --algo's advantages stay."""
+    signature of common/trainer/losses.py's losses: (MicroBatch, args) -> (loss, stats dict); --algo's advantages stay."""
     processors: tuple[str, ...] = ()
     """Experience processors of your own (module:function or file.py:function), run after the built-in ones in
-    common/processors.py; each gets (experiences, args) and returns (experiences, counts for the metrics)."""
+    common/trainer/filters.py; each gets (experiences, args) and returns (experiences, counts for the metrics)."""
     opmd_tau: float = 0.1
     """tau of the opmd loss: weight of the squared log-ratio that keeps the update close to the sampling policy."""
     lr: float = 1e-5
@@ -260,7 +260,7 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
     default_reward: str = "math"
     """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
 
-    # --- memory: big models on one node (common/fsdp.py, common/packing.py, README "Big models") --------------
+    # --- memory: big models on one node (common/trainer/fsdp.py, common/trainer/packing.py, README "Big models") --------------
     trainer_shard: Literal["none", "fsdp"] = "none"
     """none: every data-parallel trainer holds the whole model, gradients and AdamW state (replicas); fsdp: FSDP2
     shards them over the trainers (each decoder layer and the root), policy, reference and critic alike."""
@@ -309,7 +309,7 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if self.verbose else "WARNING")
         if self.engine in ("auto", "vllm"):
             if self.engine == "vllm":
-                from common.engine import vllm_available
+                from common.explorer.engine import vllm_available
 
                 ok, why = vllm_available()
                 if not ok:
@@ -367,7 +367,7 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
     def _validate_plugins(self) -> None:
         """--loss-fn, --reward-fn, --processors: import them now, so a bad reference is a one-line error before any
         process starts (each worker imports them again itself)."""
-        from common.plugins import load_object
+        from common.runtime.plugins import load_object
 
         for flag, specs in (("--loss-fn", [self.loss_fn]), ("--reward-fn", [self.reward_fn]),
                             ("--processors", list(self.processors))):

@@ -23,7 +23,7 @@ class Experience:
     group_id: int                  # samples of one task in one rollout share it
     task_id: str
     policy_version: int            # version of the weights that produced the response (partial rollouts: of its
-                                   # trained tokens, see common/replay.py)
+                                   # trained tokens, see common/explorer/groups.py)
     reward_info: dict = field(default_factory=dict)
     finish_reason: str = "stop"    # "stop" or "length" (truncated)
     timings: dict = field(default_factory=dict)
@@ -78,7 +78,7 @@ def collate(experiences: list[Experience], pad_id: int) -> Batch:
 class RolloutBatch:
     """What an explorer puts on the queue: one batch of experiences plus the metrics of the rollout that made them
     (times, tokens/s, failed verifiers). Evaluations and the end of the run go on the control channel
-    (common/control.py), never here."""
+    (common/runtime/control.py), never here."""
     step: int
     experiences: list[Experience]
     metrics: dict

@@ -4,7 +4,7 @@
   once into a plain HF folder under the cache dir (~/.cache/tandem or $TANDEM_CACHE) so later loads are fast and
   plain `from_pretrained` works.
 - `tiny`: a randomly initialised 2-layer Llama plus a byte-level tokenizer built in-process (tests; no files;
-  `--engine vllm` serves it from a temporary folder, `common.engine_vllm.save_servable_tiny`).
+  `--engine vllm` serves it from a temporary folder, `common.explorer.engine_vllm.save_servable_tiny`).
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def _head_chunk(head, hidden, targets, temperature: float, softcap, with_entropy
     token_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
     if not with_entropy:
         return token_logprobs, None
-    from common.losses import entropy_from_logits
+    from common.trainer.losses import entropy_from_logits
 
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())

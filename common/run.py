@@ -10,14 +10,14 @@ import sys
 import time
 
 from common.config import ConfigError
-from common.engine import resolve_engine
-from common.hub_tasks import DatasetOptions
-from common.launcher import start_quiet_resource_tracker
-from common.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
-from common.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
+from common.explorer.engine import resolve_engine
+from common.tasks.hub import DatasetOptions
+from common.runtime.launcher import start_quiet_resource_tracker
+from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
+from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
-from common.tasks import WHERE, build_tasksets
-from common.trainer import latest_checkpoint
+from common.tasks.tasks import WHERE, build_tasksets
+from common.trainer.trainer import latest_checkpoint
 
 
 def prepare_run(args, schedule: str) -> None:
@@ -48,7 +48,7 @@ def prepare_run(args, schedule: str) -> None:
     remove_partial(args.out_dir)  # .tmp-* of saves a killed run never finished
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
         json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
-    start_quiet_resource_tracker()  # before the entry script's queues: see common/launcher.py
+    start_quiet_resource_tracker()  # before the entry script's queues: see common/runtime/launcher.py
 
 
 def check_out_dir(out_dir: str) -> None:

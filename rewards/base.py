@@ -1,7 +1,7 @@
 """What a verifier is: `score(response, task) -> Reward`, and the one registry of verifier kinds.
 
 A task names its verifier in `task["reward"]` (default math). `KINDS` maps each kind to the module that holds its
-`score` function and the task fields it needs; common/tasks.py checks those fields when it loads a task, and
+`score` function and the task fields it needs; common/tasks/tasks.py checks those fields when it loads a task, and
 `rewards.score` imports the module on first use. Adding a verifier = one module with `score` + one line here; a
 function of your own without touching the package: `--reward-fn module:function` (`UserReward`, below).
 """
@@ -77,7 +77,7 @@ class UserReward:
 
     def __call__(self, response: str, task: dict) -> Reward:
         if self._fn is None:
-            from common.plugins import load_object
+            from common.runtime.plugins import load_object
 
             self._fn = load_object(self.spec, "--reward-fn")
         out = self._fn(response, task)

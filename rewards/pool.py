@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.reduction import ForkingPickler
 
-from common.procs import die_with_parent
+from common.runtime.procs import die_with_parent
 from rewards.base import Reward, check_kind, failed, score
 
 MAX_CHUNK = 16  # items sent to a worker at once (each still has its own deadline)

@@ -80,7 +80,7 @@ def score(response: str, task: dict):
 
 def _serve(conn, model_path: str, device: str, batch_size: int, parent_pid: int):
     """RM server process: load once, say ready, then answer [(task, response), ...] with ("scores", [...])."""
-    from common.procs import die_with_parent
+    from common.runtime.procs import die_with_parent
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

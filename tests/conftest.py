@@ -31,7 +31,7 @@ def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = Tr
     tiny model. Returns the metrics rows."""
     import torch
 
-    from common.metrics import read_metrics
+    from common.runtime.metrics import read_metrics
 
     rows = read_metrics(str(out_dir))
     assert rows, f"no metrics in {out_dir}"

@@ -9,8 +9,8 @@ import torch
 
 from common.config import parse_args
 from common.experience import Experience, collate
-from common.processors import PROCESSORS, build_processors, process
-from common.trainer import Trainer
+from common.trainer.filters import PROCESSORS, build_processors, process
+from common.trainer.trainer import Trainer
 from tests.conftest import TINY, assert_trained, run_script
 
 

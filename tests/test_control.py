@@ -1,11 +1,11 @@
-"""The control channel (common/control.py): evaluations and the end of the run travel apart from experiences."""
+"""The control channel (common/runtime/control.py): evaluations and the end of the run travel apart from experiences."""
 
 import multiprocessing as mp
 import time
 
 import pytest
 
-from common.control import ControlChannel
+from common.runtime.control import ControlChannel
 
 
 def test_final_evaluation_and_the_messages_before_it():

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import ConfigError, check_placement
-from common.launcher import choose_backend
+from common.runtime.launcher import choose_backend
 from common.model import load_model
 from conftest import TINY, assert_trained
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from common.engine import HFEngine, SamplingConfig
+from common.explorer.engine import HFEngine, SamplingConfig
 from common.experience import Experience, collate
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from common.engine_vllm import vllm_available
+from common.explorer.engine_vllm import vllm_available
 
 ok, why = vllm_available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -23,14 +23,14 @@ LOGPROB_TOL = 1e-4  # fp32; measured max |vLLM - trainer| is ~1e-6 (see test_beh
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from common.engine_vllm import save_servable_tiny
+    from common.explorer.engine_vllm import save_servable_tiny
 
     return save_servable_tiny(str(tmp_path_factory.mktemp("tiny-vllm")), seed=0)
 
 
 @pytest.fixture(scope="module")
 def engine(folder):
-    from common.engine_vllm import VLLMEngine
+    from common.explorer.engine_vllm import VLLMEngine
 
     eng = VLLMEngine(folder, dtype="float32", device="cpu", seed=0, kv_cache_gb=0.25, max_model_len=512)
     yield eng
@@ -74,7 +74,7 @@ PROMPTS = [[256, 10, 20, 30, 40], [256, 50, 60], [256, 70, 80, 90, 100, 110, 120
 
 
 def test_generate_n_samples(engine):
-    from common.engine import SamplingConfig
+    from common.explorer.engine import SamplingConfig
 
     out = engine.generate(PROMPTS, SamplingConfig(temperature=0.9, top_p=1.0, max_new_tokens=12, n=3))
     assert len(out) == len(PROMPTS)
@@ -96,7 +96,7 @@ def test_generate_n_samples(engine):
 
 def test_stop_token_ends_response(engine):
     """A response ends with the stop token (included, finish_reason stop), as in the HF engine."""
-    from common.engine import SamplingConfig
+    from common.explorer.engine import SamplingConfig
 
     saved, engine.stop_ids = engine.stop_ids, list(range(259))  # every token stops: one-token responses
     try:
@@ -110,7 +110,7 @@ def test_next_turn_joins_the_running_batch(engine, folder):
     """generate_turns (continuous batching across turns): a short request's follow-up is queued the moment it
     finishes and finishes before a long first turn still decoding beside it; a follow-up's prompt is the earlier
     turn's prompt + sampled ids, and its log-probs are the trainer's."""
-    from common.engine import SamplingConfig
+    from common.explorer.engine import SamplingConfig
 
     engine.load_from_checkpoint(folder)  # greedy on these weights: no response of this test meets a stop token
     finished = []
@@ -137,7 +137,7 @@ def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
     top_p < 1: vLLM reports the truncated distribution; the engine adds back log(kept mass), so these too are
     the un-truncated numbers the trainer computes. Measured on this CPU: max diff ~5e-7 .. 1e-6 (fp32).
     """
-    from common.engine import SamplingConfig
+    from common.explorer.engine import SamplingConfig
 
     hf = load_hf(folder)
     engine.load_from_checkpoint(folder)  # the module's engine may hold other weights from earlier tests
@@ -151,7 +151,7 @@ def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
 def test_commit_weights_checksum(engine, folder, fast):
     """New weights pushed through weight_buffers()/commit_weights() are what the vLLM worker computes with: by the
     direct copy into its parameters (the default) and by vLLM's reload_weights (the reference path)."""
-    from common.engine import SamplingConfig
+    from common.explorer.engine import SamplingConfig
     from common.weight_sync import weights_hash
 
     engine.fast_sync = fast
@@ -179,7 +179,7 @@ def test_weights_change_between_decode_steps(engine, folder):
     token's recorded version is the one that sampled it. Checked by recomputing each token's log-prob under both
     versions' weights (HF): it must equal the behaviour log-prob under its own version and not under the other
     (the KV cache of running requests is recomputed with the new weights, so the whole prefix counts as new)."""
-    from common.engine import SamplingConfig
+    from common.explorer.engine import SamplingConfig
     from common.model import sequence_logprobs
     from common.weight_sync import weights_hash
 
@@ -297,7 +297,7 @@ def test_gloo_broadcast_from_trainer_process(engine, folder):
 
 
 def test_rejects_foreign_buffers_and_tiny(engine):
-    from common.engine_vllm import VLLMEngine
+    from common.explorer.engine_vllm import VLLMEngine
 
     with pytest.raises(ValueError, match="weight_buffers"):
         engine.commit_weights([(n, t.clone()) for n, t in engine.weight_buffers()])
@@ -309,7 +309,7 @@ def test_in_process_engine_refused_inside_a_world(monkeypatch, folder):
     """VLLM_ENABLE_V1_MULTIPROCESSING=0 inside a torch.distributed world would hang in vLLM's group set-up."""
     import torch.distributed as dist
 
-    from common.engine_vllm import VLLMEngine
+    from common.explorer.engine_vllm import VLLMEngine
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)

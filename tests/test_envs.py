@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from common.engine import RolloutEngine, Generation, SamplingConfig
+from common.explorer.engine import RolloutEngine, Generation, SamplingConfig
 from common.envs import ENVS, make_env
 from common.envs.tools import ToolEnv, parse_tool_calls
 from common.model import build_tiny_tokenizer
-from common.workflows import Context, rollout_metrics, run_episodes
+from common.explorer.rollouts import Context, rollout_metrics, run_episodes
 from tests.conftest import TINY, run_script
 
 
@@ -152,7 +152,7 @@ def test_reasoning_gym_score_answer_is_the_verifier():
 
 
 def test_task_processors_and_partial_rollout_conflict(tmp_path):
-    from common.workflows.processors import apply_task_processors
+    from common.tasks.processors import apply_task_processors
 
     class A:
         prompt_template, max_prompt_chars = "Q: {prompt}", 5
@@ -196,7 +196,7 @@ def test_readme_worked_example_env_runs(tmp_path, monkeypatch):
 def test_env_rows_are_checked_when_loaded(tmp_path):
     import json
 
-    from common.tasks import load_jsonl
+    from common.tasks.tasks import load_jsonl
 
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"env": "guess_number", "secret": 3}) + "\n" + json.dumps({"env": "guess_number"}))

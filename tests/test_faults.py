@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from common.checkpoints import step_checkpoints, verify
-from common.metrics import read_metrics, wandb_offline_steps
+from common.trainer.checkpoints import step_checkpoints, verify
+from common.runtime.metrics import read_metrics, wandb_offline_steps
 from conftest import ROOT, TINY, run_script
 
 
@@ -160,9 +160,9 @@ def test_failed_checkpoint_write_leaves_no_partial_folder(tmp_path, monkeypatch)
     naming the folder, and the temporary folder is gone."""
     import torch
 
-    from common import checkpoints
+    from common.trainer import checkpoints
     from common.config import parse_args
-    from common.trainer import Trainer
+    from common.trainer.trainer import Trainer
     from train_sync import Args
 
     disk = tmp_path / "disk"

@@ -1,4 +1,4 @@
-"""--trainer-shard fsdp: two FSDP2 trainers over gloo (real processes, common.launcher) against one trainer; the
+"""--trainer-shard fsdp: two FSDP2 trainers over gloo (real processes, common.runtime.launcher) against one trainer; the
 weight sync from shards; resume from a checkpoint written by sharded trainers."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.launcher import WorkerSpec, launch
+from common.runtime.launcher import WorkerSpec, launch
 from conftest import TINY
 from test_scale_trainer import uneven_experiences
 
@@ -30,18 +30,18 @@ def _args(out_dir, *flags):
 def worker(ctx, out_dir, flags, resume):
     """Trainers: (resume,) train to step 3 on fixed experiences, syncing after every step and saving a checkpoint
     at step 2 and final/. The explorer (an HF engine) pulls every version and records the checksum it holds."""
-    from common.engine import HFEngine
-    from common.metrics import Timeline
+    from common.explorer.engine import HFEngine
+    from common.runtime.metrics import Timeline
     from common.model import build_tiny_tokenizer, load_model
-    from common.parallel import DataParallel
-    from common.trainer import Trainer
+    from common.trainer.parallel import DataParallel
+    from common.trainer.trainer import Trainer
     from common.weight_sync import WeightReceiver, WeightSender, weights_hash
 
     args = _args(out_dir, *flags)
     timeline = Timeline(out_dir, ctx.name)
     hashes = {}
     if ctx.role == "explorer":
-        from common.trainer import DTYPES
+        from common.trainer.trainer import DTYPES
 
         # other weights than the trainers' until the first sync; the run's dtype, as the explorer of a run
         engine = HFEngine(load_model("tiny", dtype=DTYPES[args.dtype], seed=7), build_tiny_tokenizer())
@@ -80,7 +80,7 @@ def run_workers(out_dir, flags, trainers=2, explorer=True, resume=False):
 
 
 def one_trainer(out_dir, flags):
-    from common.trainer import Trainer
+    from common.trainer.trainer import Trainer
 
     trainer = Trainer(_args(out_dir, *flags), torch.device("cpu"))
     while trainer.step < STEPS:

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
     import os, subprocess, sys, time
-    from common.launcher import WorkerSpec, launch
+    from common.runtime.launcher import WorkerSpec, launch
 
     def sleeper(ctx, pid_dir):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # a grandchild

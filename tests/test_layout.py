@@ -6,14 +6,14 @@ import re
 import subprocess
 import sys
 
-from common.losses import ALGOS
+from common.trainer.losses import ALGOS
 from tests.conftest import ROOT
 
-TRAINER_SIDE = ("common.trainer", "common.critic", "common.losses", "common.parallel", "common.processors")
+TRAINER_SIDE = ("common.trainer.trainer", "common.trainer.critic", "common.trainer.losses", "common.trainer.parallel", "common.trainer.filters")
 
 
 def test_explorer_side_never_imports_the_trainer_side():
-    code = ("import sys, common.explorer, common.tasks, rewards, rewards.pool; "
+    code = ("import sys, common.explorer.explorer, common.tasks.tasks, rewards, rewards.pool; "
             f"print([m for m in {TRAINER_SIDE!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT})
@@ -22,13 +22,13 @@ def test_explorer_side_never_imports_the_trainer_side():
 
 
 def test_the_trainer_knows_no_algorithm_by_name():
-    source = open(os.path.join(ROOT, "common", "trainer.py")).read()
+    source = open(os.path.join(ROOT, "common", "trainer", "trainer.py")).read()
     for name in ALGOS:
-        assert not re.search(rf"""["']{name}["']""", source), f"common/trainer.py compares with {name!r}"
+        assert not re.search(rf"""["']{name}["']""", source), f"common/trainer/trainer.py compares with {name!r}"
 
 
 def test_each_algorithm_is_one_registered_function():
-    source = open(os.path.join(ROOT, "common", "losses.py")).read()
+    source = open(os.path.join(ROOT, "common", "trainer", "losses.py")).read()
     for name, algo in ALGOS.items():
         assert len(re.findall(rf"^def {algo.loss.__name__}\(", source, re.M)) == 1, name
 

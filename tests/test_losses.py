@@ -7,7 +7,7 @@ import torch
 
 from types import SimpleNamespace
 
-from common.losses import (ALGOS, MicroBatch, behaviour_weights, dr_grpo_loss, entropy_from_logits, group_advantages,
+from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, dr_grpo_loss, entropy_from_logits, group_advantages,
                            kl_estimate, masked_mean, opmd_loss, ppo_clip_loss)
 
 
@@ -168,7 +168,7 @@ def _gae_by_definition(rewards, values, mask, gamma, lam):
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.0), (0.99, 0.5)])
 def test_gae_matches_the_definition_on_random_tensors(gamma, lam):
-    from common.losses import gae_advantages
+    from common.trainer.losses import gae_advantages
 
     g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
     rewards, values = torch.randn(5, 9, generator=g), torch.randn(5, 9, generator=g)
@@ -183,7 +183,7 @@ def test_gae_matches_the_definition_on_random_tensors(gamma, lam):
 
 
 def test_gae_places_the_outcome_reward_on_the_last_response_token():
-    from common.losses import gae_advantages
+    from common.trainer.losses import gae_advantages
 
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]])
     values = torch.tensor([[9.0, 0.5, 0.25, 0.5, 9.0], [9.0, 9.0, 0.5, 9.0, 9.0]])  # 9s are masked: never count
@@ -197,7 +197,7 @@ def test_gae_places_the_outcome_reward_on_the_last_response_token():
 
 
 def test_clipped_value_loss_by_hand():
-    from common.losses import clipped_value_loss
+    from common.trainer.losses import clipped_value_loss
 
     old = torch.tensor([[0.0, 0.0, 0.0]])
     values = torch.tensor([[0.5, -0.1, 3.0]], requires_grad=True)
@@ -215,7 +215,7 @@ def test_clipped_value_loss_by_hand():
 
 
 def test_clipped_value_loss_gradient_moves_values_towards_returns():
-    from common.losses import clipped_value_loss
+    from common.trainer.losses import clipped_value_loss
 
     values = torch.tensor([[0.0, 0.0]], requires_grad=True)
     loss, _ = clipped_value_loss(values, values.detach(), torch.tensor([[2.0, -3.0]]), torch.ones(1, 2), 0.2)
@@ -236,7 +236,7 @@ def test_ppo_actor_loss_with_per_token_advantages():
 
 
 def test_kl_in_the_reward_by_hand():
-    from common.losses import gae_advantages, kl_penalized_rewards
+    from common.trainer.losses import gae_advantages, kl_penalized_rewards
 
     mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
     kl = torch.tensor([[5.0, 0.2, 0.4, 5.0], [0.1, 0.1, 0.1, 0.1]])
@@ -249,7 +249,7 @@ def test_kl_in_the_reward_by_hand():
 
 
 def test_masked_whiten():
-    from common.losses import masked_whiten
+    from common.trainer.losses import masked_whiten
 
     x = torch.tensor([[1.0, 3.0, 100.0]])
     w = masked_whiten(x, torch.tensor([[1, 1, 0]]))

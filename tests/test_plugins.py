@@ -8,7 +8,7 @@ from tests.conftest import TINY, assert_trained, run_script
 
 # ---------------------------------------------------------------- the user's code
 def reinforce_loss(mb, args):
-    """Vanilla policy gradient: -A * log pi, token mean over the minibatch (same signature as common/losses.py)."""
+    """Vanilla policy gradient: -A * log pi, token mean over the minibatch (same signature as common/trainer/losses.py)."""
     advantages = mb.advantages[:, None] if mb.advantages.dim() == 1 else mb.advantages
     loss = -(advantages * mb.logprobs * mb.mask).sum() / mb.minibatch_tokens
     return loss, {"plugin/reinforce_calls": 1.0}

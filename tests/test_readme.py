@@ -111,7 +111,7 @@ def fresh_copy(dest: str) -> None:
 
 
 def vllm_importable() -> bool:
-    from common.engine_vllm import vllm_available
+    from common.explorer.engine_vllm import vllm_available
 
     return vllm_available()[0]
 

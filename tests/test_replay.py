@@ -4,11 +4,12 @@ and both entry-script families running with them."""
 import pytest
 import torch
 
-from common.engine import Generation, HFEngine, SamplingConfig
+from common.explorer.engine import Generation, HFEngine, SamplingConfig
 from common.experience import Experience, collate
-from common.metrics import read_metrics
+from common.runtime.metrics import read_metrics
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
-from common.replay import PartialRollouts, ReplayBuffer, Response
+from common.explorer.groups import PartialRollouts, Response
+from common.trainer.replay import ReplayBuffer
 from tests.conftest import TINY, assert_trained, run_script
 
 

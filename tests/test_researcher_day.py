@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from common.metrics import read_metrics, read_timeline, reward_curve_points
-from common.trace import chrome_trace
+from common.runtime.metrics import read_metrics, read_timeline, reward_curve_points
+from common.runtime.trace import chrome_trace
 from tests.conftest import TINY, assert_trained, run_script
 from tests.test_train_sync import _one_line_error
 
@@ -43,7 +43,7 @@ def test_remaining_errors_name_the_fix(argv, fix):
 
 # ----------------------------------------------------------------------------------------------- LR schedule
 def test_lr_schedules_warm_up_then_decay():
-    from common.lr_schedule import lr_at
+    from common.trainer.lr_schedule import lr_at
 
     assert [lr_at("constant", 1.0, 2, 10, s) for s in (0, 1, 2, 9)] == [0.0, 0.5, 1.0, 1.0]
     assert [lr_at("linear", 1.0, 0, 4, s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
@@ -156,8 +156,8 @@ def test_two_evaluations_between_rows_are_both_kept():
     """The race behind a lost 'before training' point: the evaluations of versions 0 and 1 reach the trainer
     between the same two rows. Both are kept in summary["evals"], eval_before is version 0's, the row shows the
     newest."""
-    from common.control import Control
-    from common.trainer import TrainerRun
+    from common.runtime.control import Control
+    from common.trainer.trainer import TrainerRun
 
     run = TrainerRun.__new__(TrainerRun)  # only the evaluation bookkeeping, no model
     run.is_main, run.control, run.summary = True, object(), {"eval_before": None, "evals": []}
@@ -215,7 +215,7 @@ def test_trains_from_a_hub_id_offline_with_a_column_map(tmp_path):
 
 
 def test_dataset_rows_map_to_tasks_and_bad_rows_name_the_row():
-    from common.hub_tasks import DatasetOptions
+    from common.tasks.hub import DatasetOptions
 
     options = DatasetOptions(prompt_column="question", answer_regex=r"####\s*(.+)", prompt_template="Q: {prompt}")
     task = options.to_task({"question": "1+1?", "answer": "1 + 1 = 2\n#### 2"}, "x: train row 0")

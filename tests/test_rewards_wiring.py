@@ -79,8 +79,8 @@ def test_reward_fields_are_validated(flags, field):
 # ---------------------------------------------------------------- explorer: every kind scored in one rollout
 @pytest.mark.timeout(120)
 def test_rollout_scores_every_kind_on_its_own_task(tmp_path):
-    from common.explorer import Explorer
-    from common.metrics import Timeline
+    from common.explorer.explorer import Explorer
+    from common.runtime.metrics import Timeline
 
     tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]
     data = _write_jsonl(tmp_path / "tasks.jsonl", tasks)
@@ -148,8 +148,8 @@ def test_rm_tasks_without_a_reward_model_are_a_one_line_error(tmp_path):
 def test_score_behind_scores_a_round_while_the_next_generates(tmp_path):
     """Round 1's rewards are submitted before round 2 generates and come back with round 2's call, keeping the
     version that generated them."""
-    from common.explorer import Explorer
-    from common.metrics import Timeline, read_timeline
+    from common.explorer.explorer import Explorer
+    from common.runtime.metrics import Timeline, read_timeline
     from train_async import Args
 
     tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.losses import entropy_from_logits
+from common.trainer.losses import entropy_from_logits
 from common.model import hidden_states, load_model, sequence_logprobs, token_logprobs_chunked
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ import torch
 
 from common.config import parse_args
 from common.experience import Experience
-from common.trainer import Trainer
+from common.trainer.trainer import Trainer
 from conftest import TINY
 
 pytestmark = pytest.mark.timeout(180)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from common.metrics import read_metrics, read_timeline
+from common.runtime.metrics import read_metrics, read_timeline
 from common.weight_sync import latest_sync_version, load_sync_checkpoint, weights_hash, write_sync_checkpoint
 from tests.conftest import ROOT, TINY, assert_trained, run_script
 

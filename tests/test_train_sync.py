@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from common.metrics import read_metrics, read_timeline
+from common.runtime.metrics import read_metrics, read_timeline
 from tests.conftest import TINY, assert_trained, run_script
 
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from common.engine_vllm import vllm_available
-from common.metrics import read_metrics, read_timeline
+from common.explorer.engine_vllm import vllm_available
+from common.runtime.metrics import read_metrics, read_timeline
 from tests.conftest import TINY, assert_trained, run_script
 from tests.test_workflows_runs import MIXED, check_episodes
 
@@ -95,7 +95,7 @@ def test_engine_auto_is_hf_where_vllm_does_not_import(tmp_path):
 
 @pytest.mark.skipif(not ok, reason=why)
 def test_engine_auto_is_hf_for_an_architecture_vllm_cannot_serve(tmp_path):
-    from common.engine import resolve_engine
+    from common.explorer.engine import resolve_engine
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
     assert resolve_engine("auto", str(tmp_path)) == \

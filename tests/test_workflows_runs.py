@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.metrics import read_metrics
+from common.runtime.metrics import read_metrics
 from tests.conftest import TINY, run_script
 
 # The random tiny model rarely scores on these tasks: an entropy bonus on every group (no zero-signal filter) keeps

@@ -5,12 +5,12 @@ sampled tokens, and its behaviour log-probs equal the trainer's recomputation ov
 import pytest
 import torch
 
-from common.engine import HFEngine, SamplingConfig
+from common.explorer.engine import HFEngine, SamplingConfig
 from common.envs import Env, ENVS, StepResult
 from common.experience import Experience, collate
 from common.model import default_model_dir, sequence_logprobs
-from common.workflows import Context, run_episodes
-from common.workflows.chat import ChatRenderer
+from common.explorer.rollouts import Context, run_episodes
+from common.explorer.chat import ChatRenderer
 
 
 class Echo(Env):

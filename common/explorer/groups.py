@@ -1,5 +1,5 @@
-"""Data kept across steps (Kimi k1.5, arXiv:2501.12599): the explorer's unfinished responses (partial rollouts)
-and the trainer's replay buffer of scored sample groups.
+"""The explorer's sample groups: the responses to one task, each generated over one or more rollout steps
+(partial rollouts, Kimi k1.5, arXiv:2501.12599).
 
 Partial rollouts (explorer side, `PartialRollouts`). With --rollout-token-budget B a rollout step gives every
 unfinished response at most B new tokens. A response that has not stopped by then stays here and is continued in
@@ -15,8 +15,6 @@ Which tokens are trained (`--partial-loss`) and which version an experience carr
 - all: every segment is trained against its own behaviour log-probs; the experience carries its oldest version,
   so the staleness bound applies to the oldest trained token.
 Experience.segment_versions keeps the weights version of every response token either way.
-
-Replay (trainer side, `ReplayBuffer`): see its docstring for why it lives with the trainer.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from common.engine import Generation, RolloutEngine, SamplingConfig
-from common.experience import Experience
+from common.explorer.engine import Generation, RolloutEngine, SamplingConfig
 
 
 @dataclass
@@ -106,73 +103,3 @@ class PartialRollouts:
         done = [g for g in self.groups if all(r.finish_reason for r in g.responses)]
         self.groups = [g for g in self.groups if not all(r.finish_reason for r in g.responses)]
         return done
-
-
-@dataclass
-class _StoredGroup:
-    experiences: list[Experience]
-    version: int      # oldest policy_version in the group
-    uses: int         # trainer steps that trained on it so far
-    order: int        # arrival number (newer first on ties)
-
-    @property
-    def priority(self) -> int:
-        return self.version - self.uses
-
-
-class ReplayBuffer:
-    """Trainer side: whole sample groups, each trained at most `max_reuse` times (the fresh step counts as one).
-
-    Why the trainer: it sees every explorer's batches, knows its own version (so staleness is exact), and nothing
-    crosses a process boundary twice; explorers stay the same in every schedule.
-
-    Every step trains on the fresh groups plus up to `groups_per_step` stored groups (0: as many as are fresh),
-    taken by priority = policy_version - uses (newer first; each earlier use costs as much as one version of age),
-    ties newest arrival first. Groups used `max_reuse` times, older than `max_staleness` versions (when given), or
-    beyond `capacity` (lowest priority first) leave. Groups whose rewards are all equal are not stored when
-    `skip_uniform` (they carry no policy gradient: the trainer would drop them again). Group ids are renumbered per
-    step so groups from different explorers or steps never merge.
-    """
-
-    def __init__(self, max_reuse: int, groups_per_step: int = 0, capacity: int = 64, max_staleness: int | None = None,
-                 skip_uniform: bool = True):
-        self.max_reuse, self.groups_per_step, self.capacity = max_reuse, groups_per_step, capacity
-        self.max_staleness, self.skip_uniform = max_staleness, skip_uniform
-        self.stored: list[_StoredGroup] = []
-        self.arrivals = 0
-
-    @property
-    def size(self) -> int:
-        return sum(len(g.experiences) for g in self.stored)
-
-    def mix(self, fresh: list[Experience], version: int) -> tuple[list[Experience], dict]:
-        """What to train on at trainer version `version`: the fresh experiences (one explorer's batch) + replayed."""
-        groups: dict[int, list[Experience]] = {}
-        for e in fresh:
-            groups.setdefault(e.group_id, []).append(e)
-        replayed = self.take(self.groups_per_step or len(groups), version)
-        for members in groups.values():
-            self.add(members)
-        batch = [dataclasses.replace(e, group_id=new_id)
-                 for new_id, members in enumerate(list(groups.values()) + replayed) for e in members]
-        return batch, {"replay/reused": sum(len(m) for m in replayed), "replay/size": self.size}
-
-    def add(self, members: list[Experience]) -> None:
-        if self.max_reuse <= 1 or (self.skip_uniform and len({e.reward for e in members}) <= 1):
-            return
-        self.arrivals += 1
-        self.stored.append(_StoredGroup(members, min(e.policy_version for e in members), 1, self.arrivals))
-        if len(self.stored) > self.capacity:
-            self.stored.sort(key=lambda g: (g.priority, g.order), reverse=True)
-            del self.stored[self.capacity:]
-
-    def take(self, n: int, version: int) -> list[list[Experience]]:
-        """Up to n stored groups, highest priority first; each counts one more use."""
-        if self.max_staleness is not None:
-            self.stored = [g for g in self.stored if version - g.version <= self.max_staleness]
-        self.stored.sort(key=lambda g: (g.priority, g.order), reverse=True)
-        chosen = self.stored[:n]
-        for g in chosen:
-            g.uses += 1
-        self.stored = [g for g in self.stored if g.uses < self.max_reuse]
-        return [g.experiences for g in chosen]

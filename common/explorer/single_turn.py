@@ -1,11 +1,11 @@
 """single_turn: today's behaviour as a workflow. The task's prompt (chat template applied) gets n sampled
 responses; with --rollout-token-budget a response may take several rollout steps (partial rollouts, segments of
-common.replay.Response), otherwise it ends in the step it started."""
+common.explorer.groups.Response), otherwise it ends in the step it started."""
 
 from __future__ import annotations
 
 from common.model import chat_prompt_ids
-from common.replay import Group, Response
+from common.explorer.groups import Group, Response
 
 
 class SingleTurn:

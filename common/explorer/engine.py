@@ -1,4 +1,4 @@
-"""Rollout engines behind one small interface: HF `generate` here (CPU and GPU); vLLM in common/engine_vllm.py.
+"""Rollout engines behind one small interface: HF `generate` here (CPU and GPU); vLLM in common/explorer/engine_vllm.py.
 
 Behaviour log-probs are log_softmax(logits / temperature) of the sampled token, the same quantity the trainer
 recomputes with `common.model.sequence_logprobs` (top-p truncation is not part of it, as in verl/OpenRLHF).

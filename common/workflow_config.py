@@ -19,7 +19,7 @@ class WorkflowArgs:
     tool_timeout_s: float = 10.0
     """A tool call that takes longer gives an error observation ('timeout') and the episode goes on."""
     task_processors: str = ""
-    """Comma-separated task processors applied between taskset and workflow, in order (common/workflows/
+    """Comma-separated task processors applied between taskset and workflow, in order (common/explorer/
     processors.py: prompt_template, difficulty_tag, max_prompt_chars); each counted in metrics (tasks/...)."""
     prompt_template: str = "{prompt}"
     """The prompt_template task processor: a task's prompt becomes this with {prompt} replaced."""
@@ -30,8 +30,8 @@ class WorkflowArgs:
 def validate_workflow_args(args) -> None:
     """One-line errors naming the field (called from CommonArgs.validate)."""
     from common.config import ConfigError
-    from common.workflows.processors import TASK_PROCESSORS
-    from common.workflows.tasksets import taskset_has_envs
+    from common.tasks.processors import TASK_PROCESSORS
+    from common.tasks.named import taskset_has_envs
 
     if args.max_turns < 1:
         raise ConfigError(f"--max-turns must be >= 1 (got {args.max_turns})")

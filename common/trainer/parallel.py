@@ -25,7 +25,7 @@ class DataParallel:
     group: Any = None              # the trainers' process group
     device: torch.device = torch.device("cpu")  # where the collectives run (the GPU under NCCL)
     src: int = 0                   # global rank of trainer 0
-    sharded: bool = False          # --trainer-shard fsdp: FSDP2 reduces the gradients itself (common/fsdp.py)
+    sharded: bool = False          # --trainer-shard fsdp: FSDP2 reduces the gradients itself (common/trainer/fsdp.py)
 
     @classmethod
     def from_context(cls, ctx) -> "DataParallel":

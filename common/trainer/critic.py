@@ -9,11 +9,11 @@ import os
 import torch
 
 from common.experience import Batch
-from common.losses import clipped_value_loss, masked_mean
-from common.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
+from common.trainer.losses import clipped_value_loss, masked_mean
+from common.trainer.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
 from common.model import hidden_states, load_model
-from common.packing import batch_micro_batches, micro_batches
-from common.parallel import DataParallel
+from common.trainer.packing import batch_micro_batches, micro_batches
+from common.trainer.parallel import DataParallel
 from common.weight_sync import full_tensor
 
 
@@ -44,7 +44,7 @@ class Critic:
         name = args.critic_model or args.model
         self.model = ValueModel(name, device, dtype, args.seed, "--critic-model" if args.critic_model else "--model")
         self.model.train()
-        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, FSDP2 (common/fsdp.py)
+        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, FSDP2 (common/trainer/fsdp.py)
         if self.model.vocab_size != policy_vocab_size:
             raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
                              f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")
@@ -95,7 +95,7 @@ class Critic:
 
     # ---------------------------------------------------------------- checkpoint part: <checkpoint>/critic/
     def state(self) -> tuple[dict, dict]:
-        """(whole weights, optimizer state) to save; a collective when sharded (common/fsdp.py)."""
+        """(whole weights, optimizer state) to save; a collective when sharded (common/trainer/fsdp.py)."""
         return full_state_dict(self.model), optimizer_state(self.model, self.optimizer)
 
     def save(self, checkpoint_dir: str, state: tuple[dict, dict] | None = None):

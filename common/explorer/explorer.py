@@ -2,7 +2,7 @@
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
 Generation goes through the tasks' workflows (common/workflows: single_turn, or multi_turn for tasks that name an
-environment), all advanced together by `Rollouts`. Single-turn responses are partial rollouts (common/replay.py):
+environment), all advanced together by `Rollouts`. Single-turn responses are partial rollouts (common/explorer/groups.py):
 with --rollout-token-budget 0 every group ends in the
 step it started; with a budget, unfinished responses are continued in later steps (Kimi k1.5 partial rollouts).
 """
@@ -14,20 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
+from common.explorer.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
 from common.experience import Experience
-from common.hub_tasks import DatasetOptions
-from common.metrics import Timeline
+from common.tasks.hub import DatasetOptions
+from common.runtime.metrics import Timeline
 from common.model import DTYPES, load_model, load_tokenizer, resolve_model
-from common.tasks import build_tasksets
-from common.workflows import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes
-from common.workflows.processors import apply_task_processors
+from common.tasks.tasks import build_tasksets
+from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes
+from common.tasks.processors import apply_task_processors
 from rewards import RewardFuture, RewardPool, UserReward, score
 from rewards.shaping import shape_batch
 
 
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
-    """The rollout engine for `--engine` (hf: transformers generate, vllm: common/engine_vllm.py) and its tokenizer."""
+    """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model)
     if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
         args.engine = resolve_engine(args.engine, resolve_model(args.model))[0]
@@ -42,7 +42,7 @@ def build_vllm_engine(args, device, tokenizer):
     loads folders). The initial weight sync replaces whatever the folder holds."""
     import tempfile
 
-    from common.engine_vllm import VLLMEngine, save_servable_tiny
+    from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny
     from common.model import resolve_model
 
     tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None

@@ -13,7 +13,7 @@ import os
 import time
 from contextlib import contextmanager
 
-from common.trace import write_chrome_trace
+from common.runtime.trace import write_chrome_trace
 
 PHASE_COLORS = {
     "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",

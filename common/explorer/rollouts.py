@@ -1,9 +1,9 @@
 """Workflows (DESIGN.md "Workflows and environments"): a workflow turns one task into one group of experiences,
 given the rollout engine.
 
-- `single_turn` (common/workflows/single_turn.py): prompt -> n sampled responses (today's behaviour, partial
+- `single_turn` (common/explorer/single_turn.py): prompt -> n sampled responses (today's behaviour, partial
   rollouts included).
-- `multi_turn` (common/workflows/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
+- `multi_turn` (common/explorer/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
   common/envs/), token-in/token-out.
 
 A task picks its workflow by `"workflow": name`, or implicitly: multi_turn when it names an `env`, else
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
-    from common.engine import RolloutEngine, SamplingConfig
+    from common.explorer.engine import RolloutEngine, SamplingConfig
 
 WORKFLOWS = {
-    "single_turn": "common.workflows.single_turn:SingleTurn",
-    "multi_turn": "common.workflows.multi_turn:MultiTurn",
+    "single_turn": "common.explorer.single_turn:SingleTurn",
+    "multi_turn": "common.explorer.multi_turn:MultiTurn",
 }
 
 
@@ -81,7 +81,7 @@ class Context:
     @property
     def renderer(self):
         if self._renderer is None:
-            from common.workflows.chat import ChatRenderer
+            from common.explorer.chat import ChatRenderer
 
             self._renderer = ChatRenderer(self.tokenizer)
         return self._renderer
@@ -169,7 +169,7 @@ class Rollouts:
 def verifier_input(sample, task: dict, tokenizer) -> str | None:
     """What the task's verifier scores: a single-turn response's text, an episode's last assistant turn (only when
     the task names a verifier in "reward"), or None (the environment's reward alone)."""
-    from common.workflows.multi_turn import Episode
+    from common.explorer.multi_turn import Episode
 
     if isinstance(sample, Episode):
         return sample.final_text if "reward" in task else None
@@ -211,7 +211,7 @@ class ScoreFuture:
         return self.future.done_at
 
     def result(self, timeout: float | None = None) -> list:
-        from common.workflows.multi_turn import Episode
+        from common.explorer.multi_turn import Episode
 
         verified = dict(zip(self.scored, self.future.result(timeout)))
         return [episode_reward(s, verified.get(i), self.env_reward) if isinstance(s, Episode) else verified[i]
@@ -221,7 +221,7 @@ class ScoreFuture:
 def rollout_metrics(flat: list) -> dict:
     """rollout/turns_mean (single-turn samples count one turn), rollout/end/<reason> per episode end reason,
     rollout/tool_calls and rollout/tool_error/<reason>."""
-    from common.workflows.multi_turn import Episode
+    from common.explorer.multi_turn import Episode
 
     if not flat:
         return {}

@@ -88,7 +88,7 @@ def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     if not isinstance(task, dict):
         raise SystemExit(f"error: {where}: a task must be a JSON object, got {type(task).__name__}")
     if "env" in task:  # a multi-turn row: its environment makes the prompt (common/workflows)
-        from common.workflows import validate_env_task
+        from common.explorer.rollouts import validate_env_task
 
         return validate_env_task(task, where)
     if "prompt" not in task and "messages" not in task:
@@ -127,7 +127,7 @@ def check_prompt_type(task: dict, where: str) -> None:
 
 def load_jsonl(path: str, options=None) -> list[dict]:
     """A tandem .jsonl file, one task per line; `options` (common/hub_tasks.DatasetOptions) maps other columns."""
-    from common.hub_tasks import DatasetOptions
+    from common.tasks.hub import DatasetOptions
     from common.knobs import read_utf8_lines
 
     options = options or DatasetOptions()
@@ -149,8 +149,8 @@ def load_jsonl(path: str, options=None) -> list[dict]:
 
 
 def load_hf_dataset(path: str, split: str = "train", options=None) -> list[dict]:
-    """An HF dataset: a folder (save_to_disk or data files), a data file, or a Hub id (common/hub_tasks.py)."""
-    from common.hub_tasks import load_dataset_tasks
+    """An HF dataset: a folder (save_to_disk or data files), a data file, or a Hub id (common/tasks/hub.py)."""
+    from common.tasks.hub import load_dataset_tasks
 
     return load_dataset_tasks(path, split, options)
 
@@ -242,13 +242,13 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                    eval_split: str = "test"):
     """(training TaskStream, held-out list) from the config fields of the same names; `options`
     (common/hub_tasks.DatasetOptions) maps dataset columns, `split` / `eval_split` pick the datasets' splits."""
-    from common.workflows.tasksets import is_named_taskset, named_taskset
+    from common.tasks.named import is_named_taskset, named_taskset
 
     if taskset == "arith":
         train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
     elif taskset == "parity":
         train, held_out = parity_split(seed, difficulty, eval_size, curriculum)
-    elif is_named_taskset(taskset):  # environments' tasksets and mixtures A+B (common/workflows/tasksets.py)
+    elif is_named_taskset(taskset):  # environments' tasksets and mixtures A+B (common/tasks/named.py)
         train, held_out = named_taskset(taskset, eval_taskset, difficulty, eval_size, seed, sampling, curriculum)
     else:
         tasks = load_tasks(taskset, options, split)

@@ -58,7 +58,7 @@ import uuid
 
 import torch
 
-from common.engine import Generation, RolloutEngine, SamplingConfig, vllm_available  # noqa: F401 (re-exported)
+from common.explorer.engine import Generation, RolloutEngine, SamplingConfig, vllm_available  # noqa: F401 (re-exported)
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -406,7 +406,7 @@ class VLLMEngine(RolloutEngine):
         if not os.path.exists(os.path.join(model, "config.json")) and (model.startswith((".", "/", "~"))
                                                                      or model.count("/") != 1):
             raise ValueError(f"VLLMEngine: {model!r} is not an HF model folder (vLLM cannot serve the in-memory "
-                             "'tiny' model: save one with common.engine_vllm.save_servable_tiny)")
+                             "'tiny' model: save one with common.explorer.engine_vllm.save_servable_tiny)")
         if dtype not in _DTYPES:
             raise ValueError(f"VLLMEngine: dtype {dtype!r} (float32, bfloat16 or float16)")
         import torch.distributed as dist

@@ -1,7 +1,7 @@
 """The trainer side shared by every schedule: policy + reference model (+ the critic of algorithms that have one,
-common/critic.py), one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
+common/trainer/critic.py), one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
 *when* it trains and syncs; this decides *how*. *What* is optimised is --algo's entry in common/losses.ALGOS (a
-loss function and an advantage estimator); the experience filters are common/processors.py.
+loss function and an advantage estimator); the experience filters are common/trainer/filters.py.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from common import checkpoints as ckpt
-from common.checkpoints import tensor_bytes
-from common.critic import Critic
+from common.trainer import checkpoints as ckpt
+from common.trainer.checkpoints import tensor_bytes
+from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
-from common.metrics import MetricsLogger, Timeline
-from common.losses import ALGOS, MicroBatch, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
-from common.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, merged_named_weights,
+from common.runtime.metrics import MetricsLogger, Timeline
+from common.trainer.losses import ALGOS, MicroBatch, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
+from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, merged_named_weights,
                          optimizer_state, prepare_model, save_hf_folder)
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
-from common.packing import batch_micro_batches, micro_batches
-from common.processors import build_processors, process
-from common.lr_schedule import build_lr_scheduler
-from common.parallel import DataParallel
-from common.replay import ReplayBuffer
-from common.samples import SamplesLog, sample_rows, samples_due
+from common.trainer.packing import batch_micro_batches, micro_batches
+from common.trainer.filters import build_processors, process
+from common.trainer.lr_schedule import build_lr_scheduler
+from common.trainer.parallel import DataParallel
+from common.trainer.replay import ReplayBuffer
+from common.trainer.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import full_tensor, weights_hash
 
 class Trainer:
@@ -45,7 +45,7 @@ class Trainer:
         self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
         self.model.config.use_cache = False
         self.model.train()
-        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, LoRA, FSDP2 (common/fsdp.py)
+        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, LoRA, FSDP2 (common/trainer/fsdp.py)
         # The reference model only exists when something uses it (KL term): saves memory and a forward pass.
         self.ref_model = None
         if args.kl_coef > 0:
@@ -66,7 +66,7 @@ class Trainer:
     def train_step(self, experiences: list[Experience]) -> dict:
         args = self.args
         filtered = self._incoming_metrics(experiences)  # what the explorers sent, before any filter
-        experiences, counts = process(experiences, args, self.processors)  # common/processors.py
+        experiences, counts = process(experiences, args, self.processors)  # common/trainer/filters.py
         filtered.update(counts)
         if not experiences:  # every sample was filtered out: nothing to learn from, the step still counts
             return {**self.skip_step(), **filtered}
@@ -218,10 +218,10 @@ class Trainer:
 
     def save_checkpoint(self, out_dir: str, name: str | None = None,
                         extra_state: dict | None = None) -> str | None:
-        """Written to a temp folder and renamed: a checkpoint is whole or absent (common/checkpoints.py).
+        """Written to a temp folder and renamed: a checkpoint is whole or absent (common/trainer/checkpoints.py).
         step_N: HF folder + trainer_state.pt (+ critic/, reference/), then older ones beyond --keep-checkpoints go.
         final: the model and tokenizer only (hard links to step_N's files when that exists).
-        Sharded trainers all call it (the full state is gathered onto trainer 0, common/fsdp.py); trainer 0 writes."""
+        Sharded trainers all call it (the full state is gathered onto trainer 0, common/trainer/fsdp.py); trainer 0 writes."""
         name = name or f"step_{self.step}"
         weights_only = name == "final"
         sharded = self.dp.sharded  # every gather below is a collective: each trainer takes the same branches
@@ -336,14 +336,14 @@ def resolve_algo(args):
     """--algo's entry in common/losses.ALGOS; --loss-fn module:function replaces its loss (same signature)."""
     algo = ALGOS[args.algo]
     if args.loss_fn:
-        from common.plugins import load_object
+        from common.runtime.plugins import load_object
 
         algo = dataclasses.replace(algo, loss=load_object(args.loss_fn, "--loss-fn"))
     return algo
 
 
 def latest_checkpoint(out_dir: str, warn: bool = False) -> str | None:
-    """The newest step checkpoint that verifies (common/checkpoints.py); corrupt newer ones are skipped, each with a
+    """The newest step checkpoint that verifies (common/trainer/checkpoints.py); corrupt newer ones are skipped, each with a
     one-line warning naming the file when `warn`."""
     return ckpt.newest_valid(out_dir, warn=warn)
 
@@ -354,7 +354,7 @@ class TrainerRun:
 
     def __init__(self, ctx, args, control=None):
         self.ctx, self.args = ctx, args
-        self.control = control  # ControlChannel (common/control.py): evaluations and the end of the run
+        self.control = control  # ControlChannel (common/runtime/control.py): evaluations and the end of the run
         self.timeline = Timeline(args.out_dir, ctx.name)
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.procs import die_with_parent, kill_group
+from common.runtime.procs import die_with_parent, kill_group
 
 
 @dataclass

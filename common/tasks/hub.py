@@ -37,7 +37,7 @@ class DatasetOptions:
     def to_task(self, row: dict, where: str) -> dict:
         """One row -> a validated task: the prompt and answer columns renamed, the answer extracted, the prompt
         formatted; rows that carry 'messages' keep them."""
-        from common.tasks import validate_task
+        from common.tasks.tasks import validate_task
 
         if not isinstance(row, dict):
             return validate_task(row, where)  # the one-line error for a non-object row

@@ -83,7 +83,7 @@ class MixedStream:
 def named_taskset(taskset: str, eval_taskset, difficulty: int, eval_size: int, seed: int, sampling: str,
                   curriculum: bool):
     """(training stream, held-out list) of a named or mixed taskset."""
-    from common.tasks import TaskStream, build_tasksets
+    from common.tasks.tasks import TaskStream, build_tasksets
 
     if "+" in taskset:
         parts = [p for p in taskset.split("+") if p]

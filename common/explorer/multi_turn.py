@@ -1,6 +1,6 @@
 """multi_turn: n episodes of the agent (the policy) in the task's environment, token-in/token-out.
 
-Each episode is one token sequence (common/workflows/chat.py): first prompt | sampled turn 1 | observation 1 |
+Each episode is one token sequence (common/explorer/chat.py): first prompt | sampled turn 1 | observation 1 |
 sampled turn 2 | ... The experience trains the sampled ids only (loss mask 1), each with its behaviour log-prob and
 the weights version that sampled it; observation and tool tokens have mask 0, log-prob 0.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.envs import make_env
-from common.workflows.chat import TemplateMismatch
+from common.explorer.chat import TemplateMismatch
 
 
 @dataclass
@@ -72,7 +72,7 @@ class MultiTurn:
     turn (of every task) into one engine call."""
 
     def __init__(self, task: dict, group_id: int, n: int, ctx):
-        from common.replay import Group
+        from common.explorer.groups import Group
 
         self.ctx = ctx
         self.group = Group(task, group_id, [self._start(task) for _ in range(n)])

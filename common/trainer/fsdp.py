@@ -6,7 +6,7 @@ FSDP2 (`torch.distributed.fsdp.fully_shard`): every decoder layer is one unit an
 (embeddings, final norm, LM head), so a trainer keeps 1/N of the parameters, gradients and AdamW moments and
 all-gathers one layer at a time in the forward and backward. Gradients are reduce-scattered as a sum (divide factor
 1): the loss is already normalised by the whole minibatch, exactly as the replicas' all-reduce does
-(common/parallel.py). With `--dtype bfloat16` the parameters are bf16 and the reduction runs in fp32
+(common/trainer/parallel.py). With `--dtype bfloat16` the parameters are bf16 and the reduction runs in fp32
 (MixedPrecisionPolicy). Sharded trainers must run the same number of forward/backward passes (every pass is a
 collective): `DataParallel.even_out` pads the shorter lists with idle passes.
 

@@ -235,7 +235,7 @@ LossFn = Callable[[MicroBatch, Any], "tuple[torch.Tensor, dict]"]
 class Algo:
     loss: LossFn                 # (MicroBatch, args) -> (loss share of the minibatch, stats)
     advantages: Callable         # (batch, rewards, args, critic) -> Advantages; chosen once per run
-    critic: bool = False         # needs a learned value model (common/critic.py)
+    critic: bool = False         # needs a learned value model (common/trainer/critic.py)
 
 
 ALGOS: dict[str, Algo] = {

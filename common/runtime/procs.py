@@ -1,6 +1,6 @@
 """Process-death handling, written once: a child dies with its parent, and a process group is killed as a whole.
 
-Used by the launcher's workers (common/launcher.py), the reward pool's verifier workers and RM servers (rewards/),
+Used by the launcher's workers (common/runtime/launcher.py), the reward pool's verifier workers and RM servers (rewards/),
 and the sandbox (rewards/sandbox.py). The one exception is rewards/_sandbox_launch.py, which runs under `python -I`
 with the standard library only and so sets PR_SET_PDEATHSIG itself.
 """

@@ -5,7 +5,7 @@ experiences and the run's args and returns (experiences, counts); the counts go 
 ALGO LOGIC: a processor of your own is one function + one line in `PROCESSORS` (or, from outside the package,
 `--processors my_module:my_fn`, appended after the built-in ones):
 
-    def drop_short(experiences, args):                       # e.g. in common/processors.py
+    def drop_short(experiences, args):                       # e.g. in common/trainer/filters.py
         kept = [e for e in experiences if len(e.response_ids) >= 4]
         return kept, {"filter/short_dropped": len(experiences) - len(kept)}
 
@@ -48,7 +48,7 @@ def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[E
     has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
     costs no backward pass). Judged on the rewards as scored (a --kl-mode reward penalty comes later, in the
     advantages). Never for algorithms with a critic: it gives such samples an advantage."""
-    from common.losses import ALGOS
+    from common.trainer.losses import ALGOS
 
     if not args.drop_zero_signal_groups or ALGOS[args.algo].critic or not experiences:
         return experiences, {"filter/zero_signal_frac": 0.0}
@@ -68,7 +68,7 @@ PROCESSORS: dict[str, Processor] = {
 
 def build_processors(extra: tuple[str, ...] | list[str] = ()) -> list[Processor]:
     """The built-in processors in registry order, then the --processors references (module:function)."""
-    from common.plugins import load_object
+    from common.runtime.plugins import load_object
 
     return list(PROCESSORS.values()) + [load_object(spec, "--processors") for spec in extra]
 
