@@ -82,7 +82,7 @@ def main():
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if args.arith:
-        from common.tasks.tasks import arithmetic_split
+        from common.tasks.procedural import arithmetic_split
 
         prompts = [chat_prompt_ids(tokenizer, t) for t in arithmetic_split(0, 1, 48)[0].next_batch(args.prompts)]
     else:

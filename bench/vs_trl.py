@@ -42,7 +42,7 @@ def trl_worker(steps: int, out: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from common.model import resolve_model
-    from common.tasks.tasks import arithmetic_split
+    from common.tasks.procedural import arithmetic_split
     from rewards import score
 
     start = time.time()

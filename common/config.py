@@ -14,11 +14,12 @@ from typing import Literal
 
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
-from common.workflow_config import WorkflowArgs, validate_workflow_args
+from common.tasks.named import taskset_has_envs
+from common.tasks.processors import TASK_PROCESSORS
 
 
 @dataclass
-class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflow_config.py)
+class CommonArgs:
     # --- run -----------------------------------------------------------------------------------------------
     config: str | None = None
     """YAML file of defaults for these fields (underscores or dashes); command-line flags override it."""
@@ -97,6 +98,23 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
     """Nucleus sampling threshold."""
     max_new_tokens: int = 48
     """Longest response in tokens; longer ones are cut and marked truncated."""
+
+    # --- workflows and environments (common/workflows, common/envs) --------------------------------------------
+    max_turns: int = 8
+    """Multi-turn episodes: most assistant turns per episode (--max-new-tokens bounds each turn)."""
+    episode_token_budget: int = 1024
+    """Multi-turn episodes: most tokens of a whole episode (first prompt + every turn and observation); an
+    episode whose next turn would not fit ends with reason 'budget' (finish reason 'length')."""
+    env_reward: str = "sum"
+    """An episode's environment reward: sum (of its step rewards) or last (the final step's); a verifier named by
+    the task's 'reward' field adds its score of the last assistant turn."""
+    tool_timeout_s: float = 10.0
+    """A tool call that takes longer gives an error observation ('timeout') and the episode goes on."""
+    task_processors: str = ""
+    """Comma-separated task processors applied between taskset and workflow, in order (common/tasks/
+    processors.py: difficulty_tag, max_prompt_chars); each counted in metrics (tasks/...)."""
+    max_prompt_chars: int = 0
+    """The max_prompt_chars task processor: drop tasks whose prompt is longer (0: no limit)."""
 
     # --- rewards (rewards/; tasks name their verifier in task["reward"]) ---------------------------------------
     reward_workers: int = 1
@@ -255,8 +273,8 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
     """Regular expression whose first group extracts the answer from the answer column (e.g. '####\\s*(.+)' for
     GSM8K's worked solutions); a row where it does not match is an error naming the row."""
     prompt_template: str = "{prompt}"
-    """Each dataset prompt with {prompt} replaced by the prompt column, e.g. '{prompt} Put the final answer in
-    \\boxed{}.' (rows that already are tandem tasks are used as they are)."""
+    """Every task's prompt (chat messages: the last user message) becomes this with {prompt} replaced, e.g.
+    '{prompt} Put the final answer in \\boxed{}.'; applied before --task-processors."""
     default_reward: str = "math"
     """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
 
@@ -326,7 +344,7 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
         self._validate_plugins()
         self._validate_day()
         self._validate_memory()
-        validate_workflow_args(self)
+        self._validate_workflows()
         check_placement(self.explorer_device_list, self.trainer_device_list)
 
     def resolve_coupled(self) -> None:
@@ -374,6 +392,26 @@ class CommonArgs(WorkflowArgs):  # + workflow/environment fields (common/workflo
             for spec in specs:
                 if spec:
                     load_object(spec, flag)
+
+    def _validate_workflows(self) -> None:
+        """Multi-turn workflows, environments and task processors."""
+        if self.max_turns < 1:
+            raise ConfigError(f"--max-turns must be >= 1 (got {self.max_turns})")
+        if self.episode_token_budget <= self.max_new_tokens:
+            raise ConfigError(f"--episode-token-budget ({self.episode_token_budget}) must exceed --max-new-tokens "
+                              f"({self.max_new_tokens}): a whole episode must hold more than one turn")
+        if self.env_reward not in ("sum", "last"):
+            raise ConfigError(f"--env-reward must be sum or last (got {self.env_reward!r})")
+        if self.tool_timeout_s <= 0:
+            raise ConfigError(f"--tool-timeout-s must be > 0 (got {self.tool_timeout_s})")
+        for name in filter(None, (n.strip() for n in self.task_processors.split(","))):
+            if name not in TASK_PROCESSORS:
+                raise ConfigError(f"--task-processors: unknown processor {name!r} (one of {', '.join(TASK_PROCESSORS)})")
+        if self.max_prompt_chars < 0:
+            raise ConfigError(f"--max-prompt-chars must be >= 0 (got {self.max_prompt_chars})")
+        if self.rollout_token_budget and taskset_has_envs(self.taskset):
+            raise ConfigError(f"--rollout-token-budget (partial rollouts) works with single-turn tasks only, and "
+                              f"--taskset {self.taskset} has multi-turn (env) tasks")
 
     def _validate_memory(self) -> None:
         """Sharding, packing and LoRA fields (one-line errors naming the field)."""

@@ -12,11 +12,13 @@ import time
 from common.config import ConfigError
 from common.explorer.engine import resolve_engine
 from common.tasks.hub import DatasetOptions
+from common.explorer.rollouts import WORKFLOWS, workflow_name
 from common.runtime.launcher import start_quiet_resource_tracker
 from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
-from common.tasks.tasks import WHERE, build_tasksets
+from common.tasks.validate import WHERE
+from common.tasks import build_tasksets
 from common.trainer.trainer import latest_checkpoint
 
 
@@ -33,6 +35,7 @@ def prepare_run(args, schedule: str) -> None:
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
                                      args.dataset_split, args.eval_dataset_split)  # bad rows fail here
+    check_workflows((train.tasks or []) + held_out)
     check_prompt_lengths(args, (train.tasks or []) + held_out)
     needs_rm = [t for t in (train.tasks or []) + held_out if t.get("reward") == "rm" and not t.get("rm_model")]
     if needs_rm and not args.rm_model and not args.reward_fn:
@@ -78,6 +81,14 @@ def rewind_to_checkpoint(args) -> None:
     print(f"[tandem] resuming from {path}" + (f"; the {redone} metrics rows after step {step} are redone"
                                                if redone else ""), file=sys.stderr, flush=True)
     ensure_free_space(os.path.dirname(path), folder_bytes(path) + MARGIN_BYTES, "the next checkpoint")
+
+
+def check_workflows(tasks: list[dict]) -> None:
+    """A task naming a workflow that does not exist is a one-line error naming its file:line."""
+    for task in tasks:
+        if workflow_name(task) not in WORKFLOWS:
+            raise ConfigError(f"{task.get(WHERE, task.get('id'))}: unknown workflow {task['workflow']!r} "
+                              f"(one of {', '.join(WORKFLOWS)})")
 
 
 def check_prompt_lengths(args, tasks: list[dict]) -> None:

@@ -1,7 +1,7 @@
 """What a verifier is: `score(response, task) -> Reward`, and the one registry of verifier kinds.
 
 A task names its verifier in `task["reward"]` (default math). `KINDS` maps each kind to the module that holds its
-`score` function and the task fields it needs; common/tasks/tasks.py checks those fields when it loads a task, and
+`score` function and the task fields it needs; common/tasks/validate.py checks those fields when it loads a task, and
 `rewards.score` imports the module on first use. Adding a verifier = one module with `score` + one line here; a
 function of your own without touching the package: `--reward-fn module:function` (`UserReward`, below).
 """

@@ -158,8 +158,8 @@ def test_task_processors_and_partial_rollout_conflict(tmp_path):
         prompt_template, max_prompt_chars = "Q: {prompt}", 5
 
     tasks, counts = apply_task_processors([{"prompt": "abc"}, {"prompt": "abcdefgh"}],
-                                          "prompt_template,difficulty_tag,max_prompt_chars", A)
-    assert tasks == [] and counts["tasks/max_prompt_chars_dropped"] == 2  # "Q: abc" is 6 chars
+                                          "difficulty_tag,max_prompt_chars", A)
+    assert tasks == [] and counts["tasks/max_prompt_chars_dropped"] == 2  # --prompt-template applies first: "Q: abc" is 6 chars
     tasks, _ = apply_task_processors([{"prompt": "a", "difficulty": 2}], "difficulty_tag", A)
     assert tasks[0]["tags"] == ["difficulty:2"]
     proc = run_script("train_sync.py", *TINY, "--taskset", "arith+guess_number", "--rollout-token-budget", "4",
@@ -196,7 +196,7 @@ def test_readme_worked_example_env_runs(tmp_path, monkeypatch):
 def test_env_rows_are_checked_when_loaded(tmp_path):
     import json
 
-    from common.tasks.tasks import load_jsonl
+    from common.tasks.files import load_jsonl
 
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"env": "guess_number", "secret": 3}) + "\n" + json.dumps({"env": "guess_number"}))

@@ -13,7 +13,7 @@ TRAINER_SIDE = ("common.trainer.trainer", "common.trainer.critic", "common.train
 
 
 def test_explorer_side_never_imports_the_trainer_side():
-    code = ("import sys, common.explorer.explorer, common.tasks.tasks, rewards, rewards.pool; "
+    code = ("import sys, common.explorer.explorer, common.tasks, rewards, rewards.pool; "
             f"print([m for m in {TRAINER_SIDE!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT})

@@ -217,9 +217,9 @@ def test_trains_from_a_hub_id_offline_with_a_column_map(tmp_path):
 def test_dataset_rows_map_to_tasks_and_bad_rows_name_the_row():
     from common.tasks.hub import DatasetOptions
 
-    options = DatasetOptions(prompt_column="question", answer_regex=r"####\s*(.+)", prompt_template="Q: {prompt}")
+    options = DatasetOptions(prompt_column="question", answer_regex=r"####\s*(.+)")
     task = options.to_task({"question": "1+1?", "answer": "1 + 1 = 2\n#### 2"}, "x: train row 0")
-    assert (task["prompt"], task["answer"], task["reward"]) == ("Q: 1+1?", "2", "math")
+    assert (task["prompt"], task["answer"], task["reward"]) == ("1+1?", "2", "math")
     with pytest.raises(SystemExit, match="x: train row 3: --answer-regex"):
         options.to_task({"question": "1+1?", "answer": "2"}, "x: train row 3")
     with pytest.raises(SystemExit, match="row 4: missing column 'question'"):

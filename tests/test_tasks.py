@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from common.tasks.tasks import arithmetic_split, build_tasksets, load_tasks
+from common.tasks.procedural import arithmetic_split
+from common.tasks import build_tasksets
+from common.tasks.files import load_tasks
 
 
 def test_arithmetic_split_seeded_and_disjoint():
@@ -78,7 +80,7 @@ def _tasks(n, difficulty=lambda i: 1):
 
 def test_prioritized_sampling_favours_low_success_tasks():
     """Weights 1 - success rate: tasks solved 90% of the time should be drawn ~9x less often than 10% ones."""
-    from common.tasks.tasks import TaskStream
+    from common.tasks.stream import TaskStream
 
     stream = TaskStream(tasks=_tasks(20), seed=0, sampling="prioritized")
     for i in range(20):
@@ -93,7 +95,7 @@ def test_prioritized_sampling_favours_low_success_tasks():
 
 
 def test_prioritized_sampling_prefers_untried_and_falls_back_when_all_solved():
-    from common.tasks.tasks import TaskStream
+    from common.tasks.stream import TaskStream
 
     stream = TaskStream(tasks=_tasks(4), seed=1, sampling="prioritized")
     for i in range(3):
@@ -104,7 +106,7 @@ def test_prioritized_sampling_prefers_untried_and_falls_back_when_all_solved():
 
 
 def test_curriculum_opens_levels_from_easy_to_hard(tmp_path):
-    from common.tasks.tasks import TaskStream
+    from common.tasks.stream import TaskStream
 
     stream = TaskStream(tasks=_tasks(30, difficulty=lambda i: [3, 1, 2][i % 3]), seed=0, curriculum=True)
     seen = [{t["difficulty"] for _ in range(30) for t in stream.next_batch(2, progress=p)} for p in (0.0, 0.4, 0.7)]

@@ -34,7 +34,7 @@ def evaluate_arithmetic(expression: str) -> float | int:
 
 
 def calculator_task(rng: random.Random, index: int, difficulty: int) -> dict:
-    from common.tasks.tasks import ANSWER_FORMAT, arithmetic_task
+    from common.tasks.procedural import ANSWER_FORMAT, arithmetic_task
 
     task = arithmetic_task(rng, difficulty)
     question = task["prompt"].replace(ANSWER_FORMAT, "Use a tool if it helps, then reply 'Answer: <number>'.")

@@ -29,7 +29,7 @@ def numbers_match(response: str, answer: str) -> bool:
 
 
 def retry_task(rng: random.Random, index: int, difficulty: int) -> dict:
-    from common.tasks.tasks import arithmetic_task
+    from common.tasks.procedural import arithmetic_task
 
     task = arithmetic_task(rng, difficulty)
     task.pop("reward")  # the environment scores the answer itself

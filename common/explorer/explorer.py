@@ -19,7 +19,7 @@ from common.experience import Experience
 from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline
 from common.model import DTYPES, load_model, load_tokenizer, resolve_model
-from common.tasks.tasks import build_tasksets
+from common.tasks import build_tasksets
 from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes
 from common.tasks.processors import apply_task_processors
 from rewards import RewardFuture, RewardPool, UserReward, score

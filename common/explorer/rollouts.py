@@ -45,27 +45,6 @@ def workflow_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def validate_env_task(task: dict, where: str) -> dict:
-    """A task row naming an environment: the env (and workflow, and verifier if any) must exist. One-line errors."""
-    from common.envs import ENVS
-
-    if task["env"] not in ENVS:
-        raise SystemExit(f"error: {where}: unknown env {task['env']!r} (one of {', '.join(sorted(ENVS))})")
-    if workflow_name(task) not in WORKFLOWS:
-        raise SystemExit(f"error: {where}: unknown workflow {task['workflow']!r} (one of {', '.join(WORKFLOWS)})")
-    from common.envs import env_class
-
-    for name in env_class(task["env"]).required_fields:
-        if name not in task:
-            raise SystemExit(f"error: {where}: missing field {name!r} (needed by env {task['env']!r})")
-    if "reward" in task:
-        from rewards import KINDS
-
-        if task["reward"] not in KINDS:
-            raise SystemExit(f"error: {where}: unknown reward {task['reward']!r} (one of {', '.join(KINDS)})")
-    return task
-
-
 @dataclass
 class Context:
     """What workflows need besides the task: the tokenizer and the limits from the config."""

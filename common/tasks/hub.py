@@ -1,7 +1,7 @@
 """Tasks from HF datasets the usual way (as TRL reads them): `--taskset` may be a Hub id (`openai/gsm8k`), a local
 dataset folder (`save_to_disk`, or a folder of data files) or a data file (.parquet/.json/.jsonl/.csv), read with
 `datasets.load_dataset` / `load_from_disk`. Columns are mapped to a tandem task (`--prompt-column`,
-`--answer-column`, `--answer-regex`, `--prompt-template`, `--default-reward`); the split is `--dataset-split`
+`--answer-column`, `--answer-regex`, `--default-reward`); the split is `--dataset-split`
 (`--eval-dataset-split` for `--eval-taskset`) and the configuration `--dataset-config`.
 
 Hub datasets go through the usual HF cache: offline (HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1) a dataset loaded
@@ -14,6 +14,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from common.knobs import read_utf8_lines
+from common.tasks.validate import validate_task
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 DATA_FILES = {"parquet": "parquet", "json": "json", "jsonl": "json", "csv": "csv", "arrow": "arrow"}
 
@@ -24,21 +27,18 @@ class DatasetOptions:
     prompt_column: str = "prompt"
     answer_column: str = "answer"
     answer_regex: str | None = None
-    prompt_template: str = "{prompt}"
     default_reward: str = "math"
     config: str | None = None
     check_reward: bool = True  # False with --reward-fn: the user's function scores every task, whatever its fields
 
     @classmethod
     def from_args(cls, args) -> "DatasetOptions":
-        return cls(args.prompt_column, args.answer_column, args.answer_regex, args.prompt_template,
+        return cls(args.prompt_column, args.answer_column, args.answer_regex,
                    args.default_reward, args.dataset_config, check_reward=not args.reward_fn)
 
     def to_task(self, row: dict, where: str) -> dict:
-        """One row -> a validated task: the prompt and answer columns renamed, the answer extracted, the prompt
-        formatted; rows that carry 'messages' keep them."""
-        from common.tasks.tasks import validate_task
-
+        """One row -> a validated task: the prompt and answer columns renamed, the answer extracted; rows that
+        carry 'messages' keep them."""
         if not isinstance(row, dict):
             return validate_task(row, where)  # the one-line error for a non-object row
         task = dict(row)
@@ -47,8 +47,7 @@ class DatasetOptions:
                 raise SystemExit(f"error: {where}: missing column {self.prompt_column!r} (--prompt-column; the row "
                                  f"has {', '.join(map(repr, row)) or 'no columns'})")
             prompt = task.pop(self.prompt_column)
-            # Text goes through the template; anything else (messages, a wrong type) is validate_task's to judge.
-            task["prompt"] = self.prompt_template.replace("{prompt}", prompt) if isinstance(prompt, str) else prompt
+            task["prompt"] = prompt  # anything but text (messages, a wrong type) is validate_task's to judge
         if self.answer_column != "answer" and self.answer_column in task:
             task["answer"] = task.pop(self.answer_column)
         if self.answer_regex is not None and "answer" in task:
@@ -77,8 +76,6 @@ def load_dataset_rows(source: str, split: str, config: str | None = None):
             raise SystemExit(f"error: --taskset {source}: unknown dataset format "
                              f"(use .jsonl, .parquet, .json, .csv, .arrow, a dataset folder or a Hub id)")
         if kind in ("json", "csv"):
-            from common.knobs import read_utf8_lines
-
             read_utf8_lines(source)  # `file:line: not UTF-8` rather than a datasets traceback
         return datasets.load_dataset(kind, data_files=source, split="train")
     if not os.path.isdir(source) and (not HUB_ID.match(source) or source.rsplit(".", 1)[-1] in DATA_FILES):

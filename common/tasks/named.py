@@ -1,4 +1,5 @@
-"""Procedural tasksets of the environments, by name (`--taskset NAME`), and mixtures (`--taskset A+B`):
+"""Procedural tasksets of the environments, by name (`--taskset NAME`), and the mixture of several (`--taskset A+B`,
+built by common/tasks/__init__.py):
 
 - guess_number          guess a secret number with higher/lower replies (--difficulty: range 1..2^(d+2))
 - calculator            the arithmetic word problems with calculator + sandboxed Python tools, verifier math
@@ -15,6 +16,8 @@ import json
 import os
 import random
 
+from common.tasks.stream import TaskStream
+
 ENV_TASKSETS = ("guess_number", "calculator", "retry")
 REASONING_GYM_SIZE = 512  # questions drawn per dataset for training (the held-out ones use another seed)
 
@@ -30,7 +33,7 @@ def _generator(name: str):
 
 
 def is_named_taskset(taskset: str) -> bool:
-    return "+" in taskset or taskset in ENV_TASKSETS or taskset.startswith(("textarena:", "reasoning_gym:"))
+    return taskset in ENV_TASKSETS or taskset.startswith(("textarena:", "reasoning_gym:"))
 
 
 def taskset_has_envs(taskset: str) -> bool:
@@ -82,15 +85,7 @@ class MixedStream:
 
 def named_taskset(taskset: str, eval_taskset, difficulty: int, eval_size: int, seed: int, sampling: str,
                   curriculum: bool):
-    """(training stream, held-out list) of a named or mixed taskset."""
-    from common.tasks.tasks import TaskStream, build_tasksets
-
-    if "+" in taskset:
-        parts = [p for p in taskset.split("+") if p]
-        built = [build_tasksets(p, None, difficulty, max(1, eval_size // len(parts)), seed + k, sampling, curriculum)
-                 for k, p in enumerate(parts)]
-        held_out = [t for _, h in built for t in h]
-        return MixedStream([s for s, _ in built]), held_out
+    """(training stream, held-out list) of an environment's taskset."""
     if taskset.startswith("reasoning_gym:"):
         from common.envs.reasoning_gym_env import reasoning_gym_tasks
 

@@ -2,7 +2,8 @@
 
 A processor takes a task and the config and returns the task (changed or not) or None (dropped). Each application
 is counted in the explorer's metrics: tasks/<name>_dropped for the tasks it dropped. Adding one is a function plus
-a line in TASK_PROCESSORS.
+a line in TASK_PROCESSORS. `--prompt-template` is not listed there: it applies to every task, first, whenever it
+is not the identity "{prompt}".
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ def max_prompt_chars(task: dict, args) -> dict | None:
 
 
 TASK_PROCESSORS = {
-    "prompt_template": prompt_template,
     "difficulty_tag": difficulty_tag,
     "max_prompt_chars": max_prompt_chars,
 }
@@ -46,6 +46,8 @@ TASK_PROCESSORS = {
 def apply_task_processors(tasks: list[dict], names: str, args) -> tuple[list[dict], dict]:
     """The tasks that pass every processor in `names` (comma-separated), and counts tasks/<name>_dropped."""
     counts = {}
+    if args.prompt_template != "{prompt}":
+        tasks = [prompt_template(t, args) for t in tasks]
     for name in filter(None, (n.strip() for n in names.split(","))):
         fn, kept = TASK_PROCESSORS[name], []
         for task in tasks:
