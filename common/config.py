@@ -15,7 +15,10 @@ from typing import Literal
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
 from common.tasks.named import taskset_has_envs
+from common.trainer.losses import ALGOS, config_kwargs
 from common.tasks.processors import TASK_PROCESSORS
+
+AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
 
 
 @dataclass
@@ -140,13 +143,14 @@ class CommonArgs:
     \\boxed{}; code: any non-empty program; rm: none), added per sample; 0 = off."""
 
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
-    algo: Literal["grpo", "dr_grpo", "opmd", "ppo"] = "grpo"
+    algo: AlgoName = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
     normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
     GAE advantages from a learned critic, see the PPO / critic fields); see common/trainer/losses.py."""
     loss_fn: str | None = None
-    """Replace --algo's loss with your own function, `module:function` or `path/to/file.py:function`, with the
-    signature of common/trainer/losses.py's losses: (MicroBatch, args) -> (loss, stats dict); --algo's advantages stay."""
+    """Replace --algo's loss with your own function, `module:function` or `path/to/file.py:function`, taking a
+    MicroBatch and, by name, the config fields it uses (or `args`, the whole config), returning (loss, stats dict),
+    as common/trainer/losses.py's losses do; --algo's advantages stay."""
     processors: tuple[str, ...] = ()
     """Experience processors of your own (module:function or file.py:function), run after the built-in ones in
     common/trainer/filters.py; each gets (experiences, args) and returns (experiences, counts for the metrics)."""
@@ -221,6 +225,10 @@ class CommonArgs:
     """broadcast (torch.distributed: nccl on CUDA, gloo on CPU) or checkpoint (safetensors files the explorers poll)."""
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""
+    max_staleness: int = 2
+    """Drop (and count, as dropped_stale) samples made by weights more than K versions older than the trainer's.
+    train_sync.py's samples are always 0 versions old and train_offpolicy.py's 1: the bound matters to
+    train_async.py, and to replayed groups (--max-reuse)."""
     verify_sync: bool = False
     """Hash the weights on both sides of every sync and record the hashes in the timeline (debugging, tests)."""
 
@@ -316,7 +324,7 @@ class CommonArgs:
         obvious value are filled in first (resolve_coupled)."""
         self.resolve_coupled()
         check_numeric_ranges(self)  # every numeric field: finite and in range (common/knobs.py)
-        if self.samples_per_task < 2 and self.algo != "ppo":
+        if self.samples_per_task < 2 and not ALGOS[self.algo].critic:
             raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
         for name in ("rm_model", "judge_model"):
             path = getattr(self, name)
@@ -391,7 +399,12 @@ class CommonArgs:
                             ("--processors", list(self.processors))):
             for spec in specs:
                 if spec:
-                    load_object(spec, flag)
+                    fn = load_object(spec, flag)
+                    if flag == "--loss-fn":
+                        try:
+                            config_kwargs(fn, self, skip=1)
+                        except ValueError as e:
+                            raise ConfigError(f"--loss-fn {spec}: {e}") from None
 
     def _validate_workflows(self) -> None:
         """Multi-turn workflows, environments and task processors."""
@@ -432,11 +445,11 @@ class CommonArgs:
 
     def _validate_algo_extras(self) -> None:
         """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""
-        if self.algo != "ppo":
+        if not ALGOS[self.algo].critic:
             if self.critic_model is not None:
-                raise ConfigError("--critic-model is only used by --algo ppo")
+                raise ConfigError(f"--critic-model: --algo {self.algo} has no critic")
             if self.critic_warmup_steps:
-                raise ConfigError("--critic-warmup-steps is only used by --algo ppo")
+                raise ConfigError(f"--critic-warmup-steps: --algo {self.algo} has no critic")
         if self.kl_mode == "reward" and self.kl_coef <= 0:
             raise ConfigError("--kl-mode reward needs --kl-coef > 0 (there is no KL to subtract otherwise)")
         if self.ref_reset_every and self.kl_coef <= 0:

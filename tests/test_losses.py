@@ -7,14 +7,14 @@ import torch
 
 from types import SimpleNamespace
 
-from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, dr_grpo_loss, entropy_from_logits, group_advantages,
+from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, config_kwargs, dr_grpo_loss, entropy_from_logits, group_advantages,
                            kl_estimate, masked_mean, opmd_loss, ppo_clip_loss)
 
 
 def _loss(fn, logp, old, adv, mask, token_weights=None, clip_eps=0.2, max_tokens=4, tau=0.1):
     """An algorithm's loss on one micro-batch that is the whole minibatch."""
     mb = MicroBatch(logp, old, adv, mask, token_weights, mask.sum().clamp(min=1), len(logp))
-    return fn(mb, SimpleNamespace(clip_eps=clip_eps, max_new_tokens=max_tokens, opmd_tau=tau))
+    return fn(mb, **config_kwargs(fn, SimpleNamespace(clip_eps=clip_eps, max_new_tokens=max_tokens, opmd_tau=tau), 1))
 
 
 def clipped_surrogate_loss(logp, old, adv, mask, clip_eps=0.2, token_weights=None):
@@ -28,6 +28,16 @@ def test_every_algorithm_is_one_registered_loss():
     assert [name for name, a in ALGOS.items() if a.critic] == ["ppo"]
 
 
+def test_losses_take_the_config_fields_they_use_by_name():
+    args = SimpleNamespace(clip_eps=0.3, max_new_tokens=7, opmd_tau=0.1, gamma=1.0, lam=0.9, normalize_std=True)
+    assert config_kwargs(ALGOS["dr_grpo"].loss, args, 1) == {"clip_eps": 0.3, "max_new_tokens": 7}
+    assert config_kwargs(ALGOS["ppo"].advantages, args, 2, critic="C") == {
+        "critic": "C", "gamma": 1.0, "lam": 0.9, "normalize_std": True}
+    assert config_kwargs(lambda mb, args: 0, args, 1) == {"args": args}  # a --loss-fn may take the whole config
+    with pytest.raises(ValueError, match="'beta', which is no config field"):
+        config_kwargs(lambda mb, beta: 0, args, 1)
+
+
 def test_micro_batches_sum_to_the_minibatch_loss():
     """Each loss returns its share of the minibatch: split into micro-batches, the shares add up to the whole."""
     g = torch.Generator().manual_seed(0)
@@ -35,9 +45,10 @@ def test_micro_batches_sum_to_the_minibatch_loss():
     adv, mask = torch.randn(4, generator=g), (torch.rand(4, 5, generator=g) > 0.3).float()
     args = SimpleNamespace(clip_eps=0.2, max_new_tokens=5, opmd_tau=0.1)
     for algo in ALGOS.values():
-        whole = algo.loss(MicroBatch(logp, old, adv, mask, None, mask.sum(), 4), args)[0]
+        kw = config_kwargs(algo.loss, args, 1)
+        whole = algo.loss(MicroBatch(logp, old, adv, mask, None, mask.sum(), 4), **kw)[0]
         parts = sum(algo.loss(MicroBatch(logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], None,
-                                         mask.sum(), 4), args)[0] for i in (0, 2))
+                                         mask.sum(), 4), **kw)[0] for i in (0, 2))
         assert parts.item() == pytest.approx(whole.item(), rel=1e-5)
 
 

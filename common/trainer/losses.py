@@ -11,8 +11,9 @@ module:function` or `--loss-fn path/to/file.py:function` (same signature; the ad
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -171,30 +172,30 @@ def clipped_objective(mb: MicroBatch, clip_eps: float) -> tuple[torch.Tensor, to
     return objective, (clipped < unclipped).float()
 
 
-def ppo_clip_loss(mb: MicroBatch, args) -> tuple[torch.Tensor, dict]:
+def ppo_clip_loss(mb: MicroBatch, clip_eps: float) -> tuple[torch.Tensor, dict]:
     """grpo and ppo: the clipped surrogate averaged over every trained token of the minibatch (GRPO,
     arXiv:2402.03300, with group advantages; PPO with GAE advantages from the critic)."""
-    objective, clipped = clipped_objective(mb, args.clip_eps)
+    objective, clipped = clipped_objective(mb, clip_eps)
     loss = -(objective * mb.mask).sum() / mb.minibatch_tokens
     return loss, {"clip_frac": masked_mean(clipped, mb.mask).item()}
 
 
-def dr_grpo_loss(mb: MicroBatch, args) -> tuple[torch.Tensor, dict]:
+def dr_grpo_loss(mb: MicroBatch, clip_eps: float, max_new_tokens: int) -> tuple[torch.Tensor, dict]:
     """Dr. GRPO (arXiv:2503.20783): the clipped surrogate summed over tokens and divided by a constant
     (--max-new-tokens per sequence) instead of each response's length, so long wrong answers are not favoured;
     a mean over the minibatch's sequences. Used with unnormalised group advantages."""
-    objective, clipped = clipped_objective(mb, args.clip_eps)
-    loss = -(objective * mb.mask).sum() / (args.max_new_tokens * mb.minibatch_seqs)
+    objective, clipped = clipped_objective(mb, clip_eps)
+    loss = -(objective * mb.mask).sum() / (max_new_tokens * mb.minibatch_seqs)
     return loss, {"clip_frac": masked_mean(clipped, mb.mask).item()}
 
 
-def opmd_loss(mb: MicroBatch, args) -> tuple[torch.Tensor, dict]:
+def opmd_loss(mb: MicroBatch, opmd_tau: float) -> tuple[torch.Tensor, dict]:
     """Kimi k1.5 online mirror descent surrogate (arXiv:2501.12599, eq. 3): per sequence
     (r - mean_r - tau * log pi/pi_old)^2 with the group's mean reward standing in for tau log Z, halved and
     averaged over the minibatch's sequences. The squared log-ratio keeps the update near pi_old, so off-policy
     samples are tolerated. The advantages are the centred rewards r - mean_r ([b])."""
     seq_log_ratio = ((mb.logprobs - mb.old_logprobs) * mb.mask).sum(-1)  # [b]
-    loss = 0.5 * ((mb.advantages - args.opmd_tau * seq_log_ratio) ** 2).sum() / mb.minibatch_seqs
+    loss = 0.5 * ((mb.advantages - opmd_tau * seq_log_ratio) ** 2).sum() / mb.minibatch_seqs
     return loss, {"clip_frac": 0.0}
 
 
@@ -205,37 +206,52 @@ class Advantages:
     values: torch.Tensor | None = None     # [B, T] the critic's values before this step's update (GAE)
 
 
-def group_normalised(batch, rewards: torch.Tensor, args, critic=None) -> Advantages:
+def group_normalised(batch, rewards: torch.Tensor, normalize_std: bool) -> Advantages:
     """GRPO: reward minus the group mean, divided by the group std when --normalize-std. `rewards` [B] or, with
     --kl-mode reward, [B, T] per token (summed per sequence here)."""
     return Advantages(group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
-                                       normalize_std=args.normalize_std))
+                                       normalize_std=normalize_std))
 
 
-def group_centred(batch, rewards: torch.Tensor, args, critic=None) -> Advantages:
+def group_centred(batch, rewards: torch.Tensor) -> Advantages:
     """dr_grpo and opmd: reward minus the group mean, never divided by the std."""
     return Advantages(group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
                                        normalize_std=False))
 
 
-def gae(batch, rewards: torch.Tensor, args, critic) -> Advantages:
+def gae(batch, rewards: torch.Tensor, critic, gamma: float, lam: float, normalize_std: bool) -> Advantages:
     """ppo: per-token GAE advantages from the critic's values before this update, whitened over the batch when
     --normalize-std; the returns are the critic's targets."""
     values = critic.values(batch)
-    advantages, returns = gae_advantages(rewards, values, batch.response_mask, args.gamma, args.lam)
-    if args.normalize_std:
+    advantages, returns = gae_advantages(rewards, values, batch.response_mask, gamma, lam)
+    if normalize_std:
         advantages = masked_whiten(advantages, batch.response_mask)
     return Advantages(advantages, returns, values)
 
 
-LossFn = Callable[[MicroBatch, Any], "tuple[torch.Tensor, dict]"]
-
-
 @dataclass(frozen=True)
 class Algo:
-    loss: LossFn                 # (MicroBatch, args) -> (loss share of the minibatch, stats)
-    advantages: Callable         # (batch, rewards, args, critic) -> Advantages; chosen once per run
+    """One line of `ALGOS`. Both functions take what they use by name: a parameter named like a config field gets
+    that field (`clip_eps`, `gamma`, ...), one named `args` the whole config, `critic` the critic (`config_kwargs`)."""
+    loss: Callable               # (MicroBatch, **fields) -> (loss share of the minibatch, stats)
+    advantages: Callable         # (batch, rewards, **fields) -> Advantages
     critic: bool = False         # needs a learned value model (common/trainer/critic.py)
+
+
+def config_kwargs(fn: Callable, args, skip: int, **given) -> dict:
+    """The keyword arguments of `fn` after its first `skip` parameters: `given` ones, the whole config for a
+    parameter named `args`, else the config field of the same name (a name that is none of these: ValueError)."""
+    out = {}
+    for name in list(inspect.signature(fn).parameters)[skip:]:
+        if name in given:
+            out[name] = given[name]
+        elif name == "args":
+            out[name] = args
+        elif hasattr(args, name):
+            out[name] = getattr(args, name)
+        else:
+            raise ValueError(f"{fn.__name__}() takes {name!r}, which is no config field")
+    return out
 
 
 ALGOS: dict[str, Algo] = {

@@ -24,7 +24,7 @@ from common.trainer.checkpoints import tensor_bytes
 from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.runtime.metrics import MetricsLogger, Timeline
-from common.trainer.losses import ALGOS, MicroBatch, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
+from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
 from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, merged_named_weights,
                          optimizer_state, prepare_model, save_hf_folder)
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
@@ -57,6 +57,8 @@ class Trainer:
         self.critic = None
         if self.algo.critic:
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
+        self.loss_kwargs = config_kwargs(self.algo.loss, args, skip=1)
+        self.advantage_kwargs = config_kwargs(self.algo.advantages, args, skip=2, critic=self.critic)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
@@ -79,7 +81,7 @@ class Trainer:
             rewards = kl_penalized_rewards(batch.rewards, kl, batch.response_mask, args.kl_coef)
             stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
             ref_logprobs = None  # no KL loss term
-        adv = self.algo.advantages(batch, rewards, args, self.critic)  # group-normalised, or GAE with the critic
+        adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, or GAE (critic)
         update_actor = self.step >= args.critic_warmup_steps  # critic warm-up: the policy waits
         # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
@@ -166,7 +168,7 @@ class Trainer:
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
             loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, advantages[mb_idx], mb.response_mask, weights,
-                                                         minibatch_tokens, len(idx)), args)
+                                                         minibatch_tokens, len(idx)), **self.loss_kwargs)
             token_share = lambda x: (x * mb.response_mask).sum() / minibatch_tokens  # noqa: E731
             loss = loss - args.entropy_coef * token_share(entropy)
             if ref_logprobs is not None:
@@ -333,7 +335,7 @@ class Trainer:
 
 
 def resolve_algo(args):
-    """--algo's entry in common/losses.ALGOS; --loss-fn module:function replaces its loss (same signature)."""
+    """--algo's entry in common/trainer/losses.py ALGOS; --loss-fn module:function replaces its loss."""
     algo = ALGOS[args.algo]
     if args.loss_fn:
         from common.runtime.plugins import load_object
@@ -367,7 +369,7 @@ class TrainerRun:
         if args.max_reuse > 1:
             self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
                                        capacity=(args.replay_groups or args.tasks_per_step) * args.max_reuse,
-                                       max_staleness=getattr(args, "max_staleness", None),
+                                       max_staleness=args.max_staleness,
                                        skip_uniform=args.drop_zero_signal_groups)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
                                     args.wandb_project, run_name=args.run_name or os.path.basename(
@@ -396,6 +398,9 @@ class TrainerRun:
             start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
         self.last_batch[batch.explorer] = (time.time(), batch.step)
         self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
+        # ALGO LOGIC: staleness control: drop what is too old, count it, train on the rest.
+        batch.experiences, dropped = self.trainer.drop_stale(batch.experiences, self.args.max_staleness)
+        self.summary["dropped_stale"] += dropped
         return batch
 
     def train(self, batch, step: int) -> dict:
@@ -414,6 +419,7 @@ class TrainerRun:
         times = {f"time/{k}": v for k, v in self.timeline.take_totals().items()}
         if self.logger:
             self.logger.log({"step": step, **metrics, **batch.metrics, **evals, **times, **extra,
+                             "dropped_stale": self.summary["dropped_stale"],
                              "time/elapsed": time.time() - self.start_time,
                              "samples": step * self.args.rollout_batch_size})
         if self.samples and samples_due(step, self.args.log_samples_every):  # what the policy wrote, readable
