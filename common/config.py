@@ -12,10 +12,14 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from common.cli import check_choice, choices, cli
+from common.explorer.engine import vllm_available
+from common.runtime.plugins import load_object
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
 from common.tasks.named import taskset_has_envs
 from common.trainer.losses import ALGOS, config_kwargs
+from rewards.base import KINDS
 from common.tasks.processors import TASK_PROCESSORS
 
 AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
@@ -335,8 +339,6 @@ class CommonArgs:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if self.verbose else "WARNING")
         if self.engine in ("auto", "vllm"):
             if self.engine == "vllm":
-                from common.explorer.engine import vllm_available
-
                 ok, why = vllm_available()
                 if not ok:
                     raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
@@ -348,9 +350,9 @@ class CommonArgs:
             raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
                               f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size}): pass "
                               f"--minibatch-size {self.rollout_batch_size} or less, or leave it out (= the rollout batch)")
-        self._validate_kimi()
+        self._validate_partial_rollouts_and_sampling()
         self._validate_plugins()
-        self._validate_day()
+        self._validate_datasets()
         self._validate_memory()
         self._validate_workflows()
         check_placement(self.explorer_device_list, self.trainer_device_list)
@@ -363,7 +365,7 @@ class CommonArgs:
         if self.micro_batch_size is None:
             self.micro_batch_size = min(8, self.minibatch_size)
 
-    def _validate_day(self) -> None:
+    def _validate_datasets(self) -> None:
         if self.answer_regex is not None:
             import re
 
@@ -372,14 +374,12 @@ class CommonArgs:
                     raise ConfigError(f"--answer-regex {self.answer_regex!r} needs a group: (...) marks the answer")
             except re.error as e:
                 raise ConfigError(f"--answer-regex {self.answer_regex!r}: not a valid regular expression ({e})") from None
-        from rewards.base import KINDS
-
         if self.default_reward not in KINDS:
             raise ConfigError(f"--default-reward must be one of {', '.join(KINDS)} (got {self.default_reward!r})")
         if "{prompt}" not in self.prompt_template:
             raise ConfigError(f"--prompt-template {self.prompt_template!r} must contain {{prompt}}")
 
-    def _validate_kimi(self) -> None:
+    def _validate_partial_rollouts_and_sampling(self) -> None:
         if not 0 <= self.rollout_token_budget < self.max_new_tokens:
             raise ConfigError(f"--rollout-token-budget must be 0 (off) or in 1..--max-new-tokens - 1 "
                               f"(got {self.rollout_token_budget} with --max-new-tokens {self.max_new_tokens})")
@@ -393,8 +393,6 @@ class CommonArgs:
     def _validate_plugins(self) -> None:
         """--loss-fn, --reward-fn, --processors: import them now, so a bad reference is a one-line error before any
         process starts (each worker imports them again itself)."""
-        from common.runtime.plugins import load_object
-
         for flag, specs in (("--loss-fn", [self.loss_fn]), ("--reward-fn", [self.reward_fn]),
                             ("--processors", list(self.processors))):
             for spec in specs:
@@ -492,8 +490,6 @@ def parse_args(cls, argv: list[str] | None = None):
     """tyro over `cls` (common/cli.py: --help grouped by concern, choices checked), then `validate()`. Defaults,
     lowest first: the fields' own, the run's saved config.json (with `--resume`: only flags given again change it),
     `--config file.yaml`, the command line."""
-    from common.cli import cli
-
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()
     saved = load_saved_config(cls, argv) if "--resume" in argv else {}
@@ -573,8 +569,6 @@ def load_yaml_defaults(cls, path: str, base=None):
         raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value")
-    from common.cli import check_choice, choices
-
     types_, allowed = field_types(cls), choices(cls)
     clean = {}
     for key, value in values.items():

@@ -121,15 +121,3 @@ class ExperienceQueue:
         for them at exit."""
         self._q.cancel_join_thread()
 
-    def get_nowait(self):
-        try:
-            return self._q.get_nowait()
-        except queue.Empty:
-            return None
-
-    def qsize(self) -> int:
-        try:
-            return self._q.qsize()
-        except NotImplementedError:
-            return -1
-

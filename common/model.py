@@ -243,6 +243,12 @@ def shared_prompt_layout(body, input_ids, attention_mask, mask):
     return ids, positions, allowed, index
 
 
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution at every position: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def _head_chunk(head, hidden, targets, temperature: float, softcap, with_entropy: bool, entropy_grad: bool):
     """Log-prob of `targets` (and entropy) for one chunk of hidden states [C, H]: the only [C, V] logits alive."""
     logits = head(hidden).float()
@@ -252,8 +258,6 @@ def _head_chunk(head, hidden, targets, temperature: float, softcap, with_entropy
     token_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
     if not with_entropy:
         return token_logprobs, None
-    from common.trainer.losses import entropy_from_logits
-
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return token_logprobs, entropy

@@ -16,7 +16,7 @@ from common.explorer.rollouts import WORKFLOWS, workflow_name
 from common.runtime.launcher import start_quiet_resource_tracker
 from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
-from common.model import resolve_model
+from common.model import chat_prompt_ids, load_tokenizer, resolve_model
 from common.tasks.validate import WHERE
 from common.tasks import build_tasksets
 from common.trainer.trainer import latest_checkpoint
@@ -97,8 +97,6 @@ def check_prompt_lengths(args, tasks: list[dict]) -> None:
     tasks = [t for t in tasks if WHERE in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
-    from common.model import chat_prompt_ids, load_tokenizer, resolve_model
-
     if args.model == "tiny":
         context = 1024
     else:

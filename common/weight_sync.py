@@ -31,7 +31,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def is_sharded(named_tensors) -> bool:
+def has_dtensors(named_tensors) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(t, DTensor) for _, t in named_tensors)
@@ -167,7 +167,7 @@ class WeightSender:
 
     def push(self, named_tensors, version: int, step: int, method: str = "broadcast", in_flight: bool = False):
         if self.ctx.index != 0:  # data-parallel trainers other than rank 0 are not in the sync group
-            if is_sharded(named_tensors):  # ... but trainer 0 gathers from their shards: hash, then send/snapshot
+            if has_dtensors(named_tensors):  # ... but trainer 0 gathers from their shards: hash, then send/snapshot
                 join_gathers(named_tensors, 1 + bool(self.args.verify_sync))
             return
         self.wait()  # collectives must not interleave: the previous in-flight broadcast finishes first
@@ -182,7 +182,7 @@ class WeightSender:
             return
         start = time.time()
         # sharded: the gathered snapshot goes to host memory (the device keeps only the shards)
-        snapshot = [(n, full_tensor(t).detach().to("cpu" if is_sharded(named_tensors) else t.device, copy=True))
+        snapshot = [(n, full_tensor(t).detach().to("cpu" if has_dtensors(named_tensors) else t.device, copy=True))
                     for n, t in named_tensors]
         self.timeline.record("sync", start, time.time(), step=step, version=version, snapshot=True, **check)
         self.announced.value = version

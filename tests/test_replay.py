@@ -8,7 +8,8 @@ from common.explorer.engine import Generation, HFEngine, SamplingConfig
 from common.experience import Experience, collate
 from common.runtime.metrics import read_metrics
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
-from common.explorer.groups import PartialRollouts, Response
+from common.explorer.groups import Response
+from common.explorer.rollouts import Context, Rollouts
 from common.trainer.replay import ReplayBuffer
 from tests.conftest import TINY, assert_trained, run_script
 
@@ -21,8 +22,8 @@ def test_response_split_over_three_steps_reassembles_exactly():
     # The tiny random model almost never emits its stop token; no stop id at all makes three full rounds certain.
     engine = HFEngine(model, tokenizer, stop_token_ids=[-1])
     prompt = chat_prompt_ids(tokenizer, {"prompt": "How many apples?"})
-    rollouts = PartialRollouts(token_budget=4, max_new_tokens=12)
-    rollouts.start({"id": "t0", "prompt": "How many apples?"}, group_id=7, prompt_ids=prompt, n=3)
+    rollouts = Rollouts(Context(tokenizer, max_new_tokens=12, token_budget=4))  # single_turn, segments of 4
+    rollouts.start({"id": "t0", "prompt": "How many apples?"}, group_id=7, n=3)
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=12, n=3)
     segments, states = [], []
     torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """The explorer's sample groups: the responses to one task, each generated over one or more rollout steps
 (partial rollouts, Kimi k1.5, arXiv:2501.12599).
 
-Partial rollouts (explorer side, `PartialRollouts`). With --rollout-token-budget B a rollout step gives every
-unfinished response at most B new tokens. A response that has not stopped by then stays here and is continued in
+Partial rollouts (the single_turn workflow). With --rollout-token-budget B a rollout step gives every unfinished
+response at most B new tokens. A response that has not stopped by then stays here and is continued in
 later steps, with whatever weights the explorer has then: the prompt plus the response so far is the engine's
 prompt, so the engine generates only the new segment and reports log-probs for its tokens (no engine method of its
 own: HFEngine and VLLMEngine work as they are). A response ends at a stop token, or at --max-new-tokens in total
@@ -19,10 +19,9 @@ Experience.segment_versions keeps the weights version of every response token ei
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from common.explorer.engine import Generation, RolloutEngine, SamplingConfig
+from common.explorer.engine import Generation
 
 
 @dataclass
@@ -62,44 +61,3 @@ class Group:
     task: dict
     group_id: int
     responses: list[Response]
-
-
-class PartialRollouts:
-    """Sample groups in flight on one explorer: started, generated segment by segment, handed out once whole.
-
-    With token_budget 0 (partial rollouts off) a segment is the whole --max-new-tokens, so every group ends in the
-    round it started: the plain rollout.
-    """
-
-    def __init__(self, token_budget: int, max_new_tokens: int):
-        self.segment_tokens = token_budget or max_new_tokens
-        self.max_new_tokens = max_new_tokens
-        self.groups: list[Group] = []
-
-    def start(self, task: dict, group_id: int, prompt_ids: list[int], n: int) -> None:
-        self.groups.append(Group(task, group_id, [Response(list(prompt_ids)) for _ in range(n)]))
-
-    def unfinished(self) -> list[Response]:
-        return [r for g in self.groups for r in g.responses if r.finish_reason is None]
-
-    def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int, between_steps=None) -> dict:
-        """One round: every unfinished response gets its next segment from `engine` (weights `version`; an engine
-        given `between_steps` may take newer weights mid-generation and reports each token's version)."""
-        todo = self.unfinished()
-        if not todo:
-            return {"continued": 0, "tokens": 0}
-        longest = max(min(self.segment_tokens, self.max_new_tokens - len(r.response_ids)) for r in todo)
-        segment = dataclasses.replace(sampling, n=1, max_new_tokens=longest)
-        hook = {"between_steps": between_steps} if between_steps is not None else {}
-        generations = engine.generate([r.prompt_ids + r.response_ids for r in todo], segment, **hook)
-        continued = sum(r.segments > 0 for r in todo)
-        before = sum(len(r.response_ids) for r in todo)
-        for response, (generation,) in zip(todo, generations):
-            response.extend(generation, version, self.max_new_tokens)
-        return {"continued": continued, "tokens": sum(len(r.response_ids) for r in todo) - before}
-
-    def pop_finished(self) -> list[Group]:
-        """The groups whose responses have all ended (removed from here), oldest first."""
-        done = [g for g in self.groups if all(r.finish_reason for r in g.responses)]
-        self.groups = [g for g in self.groups if not all(r.finish_reason for r in g.responses)]
-        return done

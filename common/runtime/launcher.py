@@ -52,7 +52,6 @@ class WorkerContext:
     explorer_ranks: list[int]
     trainer_group: Any = None
     sync_group: Any = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def sync_src(self) -> int:

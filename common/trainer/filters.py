@@ -21,6 +21,8 @@ import math
 from typing import Callable
 
 from common.experience import Experience
+from common.runtime.plugins import load_object
+from common.trainer.losses import ALGOS
 
 Processor = Callable[[list[Experience], object], "tuple[list[Experience], dict]"]
 
@@ -48,8 +50,6 @@ def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[E
     has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
     costs no backward pass). Judged on the rewards as scored (a --kl-mode reward penalty comes later, in the
     advantages). Never for algorithms with a critic: it gives such samples an advantage."""
-    from common.trainer.losses import ALGOS
-
     if not args.drop_zero_signal_groups or ALGOS[args.algo].critic or not experiences:
         return experiences, {"filter/zero_signal_frac": 0.0}
     rewards: dict[int, set] = {}
@@ -68,8 +68,6 @@ PROCESSORS: dict[str, Processor] = {
 
 def build_processors(extra: tuple[str, ...] | list[str] = ()) -> list[Processor]:
     """The built-in processors in registry order, then the --processors references (module:function)."""
-    from common.runtime.plugins import load_object
-
     return list(PROCESSORS.values()) + [load_object(spec, "--processors") for spec in extra]
 
 

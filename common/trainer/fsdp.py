@@ -1,4 +1,5 @@
-"""Trainer-side memory levers applied to a freshly loaded model: activation checkpointing, LoRA (peft) and FSDP2
+"""Trainer-side memory levers applied to a freshly loaded model: activation checkpointing, LoRA (peft,
+common/trainer/lora.py) and FSDP2
 sharding over the data-parallel trainers (`--trainer-shard fsdp`). `prepare_model` is the one call the trainer and
 the critic make; the state-dict helpers below are what checkpoints and resume use in either mode.
 
@@ -24,6 +25,9 @@ import types
 
 import torch
 
+from common.trainer.lora import add_lora
+from common.model import _sequence_logprobs, lm_body
+
 
 def enable_gradient_checkpointing(model) -> None:
     """Recompute every decoder layer in the backward (HF's per-layer torch.utils.checkpoint, non-reentrant: works
@@ -34,8 +38,6 @@ def enable_gradient_checkpointing(model) -> None:
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The transformer blocks of a causal LM (or of the critic's body): one FSDP unit each."""
-    from common.model import lm_body
-
     body = model.body if hasattr(model, "body") else lm_body(model)
     for attr in ("layers", "h", "blocks"):
         if isinstance(getattr(body, attr, None), torch.nn.ModuleList):
@@ -61,48 +63,11 @@ def shard(model, dp, dtype: torch.dtype, cpu_offload: bool = False):
     if hasattr(model, "get_output_embeddings"):
         # sequence_logprobs calls the body and the LM head, not model.forward: make that call a forward of the
         # root, so FSDP gathers the root's parameters (embeddings, norm, head) around it.
-        from common.model import _sequence_logprobs
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         model.tandem_sequence_logprobs = types.MethodType(_sequence_logprobs, model)
         register_fsdp_forward_method(model, "tandem_sequence_logprobs")
     return model
-
-
-def add_lora(model, rank: int, alpha: float, target_modules: str):
-    """peft LoRA adapters on `target_modules`; every other weight is frozen (no gradient, no optimizer state)."""
-    from peft import LoraConfig, get_peft_model
-
-    modules = [m.strip() for m in target_modules.split(",") if m.strip()]
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    if not set(modules) & present:
-        raise SystemExit(f"error: --lora-target-modules {target_modules}: none of these modules is in the model")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=modules)
-    return get_peft_model(model, config)
-
-
-def merged_named_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """LoRA: the base model's weights with every adapter merged in (W + scale * B @ A), in the HF names and
-    named_parameters order the explorers hold; new tensors for the adapted matrices, the others as they are."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    deltas = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            deltas[f"{name}.base_layer.weight"] = (f"{name}.weight", module)
-    out = []
-    with torch.no_grad():
-        for name, p in base.named_parameters():
-            if ".lora_" in name:
-                continue
-            if name in deltas:
-                hf_name, module = deltas[name]
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-                out.append((hf_name, p.detach() + delta.to(p.dtype)))
-            else:
-                out.append((name.replace(".base_layer.", "."), p.detach()))
-    return out
 
 
 def prepare_model(model, args, dp=None, trainable: bool = True):
@@ -120,7 +85,7 @@ def prepare_model(model, args, dp=None, trainable: bool = True):
     return model
 
 
-def is_sharded(model) -> bool:
+def is_fsdp(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -136,7 +101,7 @@ def _options(**kw):
 def full_state_dict(model) -> dict:
     """Every weight, whole, on the CPU: gathered onto trainer 0 when sharded (a collective: every trainer calls it;
     the others get {}), else the plain state dict."""
-    if not is_sharded(model):
+    if not is_fsdp(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -145,7 +110,7 @@ def full_state_dict(model) -> dict:
 
 def load_full_state_dict(model, state: dict, strict: bool = True):
     """Load whole weights into a model, sharding them when it is sharded (every trainer passes the same dict)."""
-    if not is_sharded(model):
+    if not is_fsdp(model):
         return model.load_state_dict(state, strict=strict)
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -154,7 +119,7 @@ def load_full_state_dict(model, state: dict, strict: bool = True):
 
 def optimizer_state(model, optimizer) -> dict:
     """The optimizer's state to save: gathered by parameter name onto trainer 0 when sharded (collective)."""
-    if not is_sharded(model):
+    if not is_fsdp(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -162,7 +127,7 @@ def optimizer_state(model, optimizer) -> dict:
 
 
 def load_optimizer_state(model, optimizer, state: dict) -> None:
-    if not is_sharded(model):
+    if not is_fsdp(model):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

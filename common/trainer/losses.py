@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from common.model import entropy_from_logits  # noqa: F401 (a loss-side function; it lives with the model's log-probs)
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over positions where mask is 1 (0 where nothing is masked in)."""
@@ -73,12 +75,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"kl estimator must be k1, k2 or k3, got {kind!r}")
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at every position: [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------- ALGO LOGIC: PPO with a critic, KL in the reward

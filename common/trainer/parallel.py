@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from common.weight_sync import pack, tensor_buckets, unpack  # the weight sync's bucket packing, reused
 import torch.distributed as dist
 
 
@@ -61,8 +63,6 @@ class DataParallel:
         """Sum every parameter's gradient over the trainers (a missing gradient counts as zero)."""
         if not self.enabled or self.sharded:
             return
-        from common.weight_sync import pack, tensor_buckets, unpack  # the weight sync's bucket packing, reused
-
         params = [p for p in params if p.requires_grad]  # LoRA: the frozen base has no gradient to reduce
         for p in params:
             if p.grad is None:

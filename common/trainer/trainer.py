@@ -25,8 +25,9 @@ from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.runtime.metrics import MetricsLogger, Timeline
 from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
-from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, merged_named_weights,
-                         optimizer_state, prepare_model, save_hf_folder)
+from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
+                                 prepare_model, save_hf_folder)
+from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
 from common.trainer.packing import batch_micro_batches, micro_batches
 from common.trainer.filters import build_processors, process
@@ -35,6 +36,7 @@ from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
 from common.trainer.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import full_tensor, weights_hash
+from common.runtime.plugins import load_object
 
 class Trainer:
     def __init__(self, args, device: torch.device, dp: DataParallel | None = None):
@@ -338,8 +340,6 @@ def resolve_algo(args):
     """--algo's entry in common/trainer/losses.py ALGOS; --loss-fn module:function replaces its loss."""
     algo = ALGOS[args.algo]
     if args.loss_fn:
-        from common.runtime.plugins import load_object
-
         algo = dataclasses.replace(algo, loss=load_object(args.loss_fn, "--loss-fn"))
     return algo
 
