@@ -14,6 +14,7 @@ from typing import Literal
 
 from common.cli import check_choice, choices, cli
 from common.explorer.engine import vllm_available
+from common.runtime.launcher import normalize_device
 from common.runtime.plugins import load_object
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
@@ -479,11 +480,6 @@ def check_placement(explorers: list[str], trainers: list[str]) -> None:
             if (torch.device(d).index or 0) >= torch.cuda.device_count():
                 raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices does not exist here "
                                   f"({torch.cuda.device_count()} GPU(s))")
-
-
-def normalize_device(device: str) -> str:
-    """'cuda' -> 'cuda:0' (so placements can be compared); other names unchanged."""
-    return "cuda:0" if device == "cuda" else device
 
 
 def parse_args(cls, argv: list[str] | None = None):

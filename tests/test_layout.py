@@ -1,6 +1,8 @@
-"""The seams, checked: imports point one way, the trainer does not know algorithms by name, each algorithm's loss
-is one function, the entry scripts stay short, and the docs stay inside the repository."""
+"""The house, checked: no import circle, imports that point one way by folder (the explorer and the trainer never
+import each other), the layout map of docs/DESIGN.md true to the tree, a README a newcomer reads in minutes, the
+trainer knowing no algorithm by name, short entry scripts, and docs that link only inside the repository."""
 
+import ast
 import os
 import re
 import subprocess
@@ -9,22 +11,137 @@ import sys
 from common.trainer.losses import ALGOS
 from tests.conftest import ROOT
 
-TRAINER_SIDE = ("common.trainer.trainer", "common.trainer.critic", "common.trainer.losses", "common.trainer.parallel", "common.trainer.filters")
+# Folders (module prefixes), lowest first: a module may import its own layer and the ones below it.
+LAYERS = [
+    ("common.knobs", "common.runtime"),
+    ("common.experience", "common.model", "common.weight_sync"),
+    ("rewards",),
+    ("common.envs",),
+    ("common.tasks",),
+    ("common.explorer", "common.trainer"),
+    ("common.cli", "common.config", "common.run"),
+    ("train_sync", "train_offpolicy", "train_async"),
+]
+# The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).
+UPWARD_ALLOWED = {("common.envs", "common.tasks")}
 
 
-def test_explorer_side_never_imports_the_trainer_side():
+def project_modules() -> dict[str, str]:
+    out = {}
+    for top in ("common", "rewards"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel.removesuffix(".__init__")] = os.path.join(folder, f)
+    for script in ("train_sync", "train_offpolicy", "train_async"):
+        out[script] = os.path.join(ROOT, script + ".py")
+    return out
+
+
+def imports(modules: dict[str, str]) -> set[tuple[str, str]]:
+    """(importer, imported) pairs among the project's modules, function-local imports included."""
+    edges = set()
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add((name, target))
+    return edges
+
+
+def folder(module: str) -> tuple[int, str]:
+    """(layer index, folder prefix) of a module."""
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if module == prefix or module.startswith(prefix + "."):
+                return i, prefix
+    raise AssertionError(f"{module} is in no layer of tests/test_layout.py: put it in the folder of its side")
+
+
+def test_no_import_circle():
+    modules = project_modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for a, b in imports(modules):
+        # A package's __init__ importing its own submodules (a registry) is not a circle.
+        if not (b.startswith(a + ".") or a.startswith(b + ".") and b.count(".") == a.count(".") - 1):
+            graph[a].add(b)
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for n in graph[m]:
+            assert state.get(n) != 1, "import circle: " + " -> ".join(path + [m, n])
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+
+
+def test_imports_point_one_way_by_folder():
+    upward, sideways = set(), set()
+    for a, b in imports(project_modules()):
+        (la, fa), (lb, fb) = folder(a), folder(b)
+        if lb > la:
+            upward.add((fa, fb))
+        elif la == lb and fa != fb and la == 5:
+            sideways.add((a, b))
+    assert not sideways, f"the explorer and the trainer import each other: {sorted(sideways)}"
+    assert upward <= UPWARD_ALLOWED, f"imports that run back up: {sorted(upward - UPWARD_ALLOWED)}"
+
+
+def test_explorer_side_never_loads_the_trainer_side():
     code = ("import sys, common.explorer.explorer, common.tasks, rewards, rewards.pool; "
-            f"print([m for m in {TRAINER_SIDE!r} if m in sys.modules])")
+            "print(sorted(m for m in sys.modules if m.startswith('common.trainer')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 
 
-def test_the_trainer_knows_no_algorithm_by_name():
-    source = open(os.path.join(ROOT, "common", "trainer", "trainer.py")).read()
-    for name in ALGOS:
-        assert not re.search(rf"""["']{name}["']""", source), f"common/trainer/trainer.py compares with {name!r}"
+def test_design_layout_map_matches_the_tree():
+    text = open(os.path.join(ROOT, "docs", "DESIGN.md")).read()
+    block = re.search(r"## Layout\n.*?```\n(.*?)```", text, re.S).group(1)
+    listed, stack = set(), []
+    for line in block.splitlines():
+        if not line.strip() or line.startswith("train_"):
+            continue
+        indent = (len(line) - len(line.lstrip())) // 2
+        head = line.strip().split("  ")[0]
+        stack = stack[:indent]
+        if head.endswith("/"):
+            stack.append(head)
+            continue
+        for name in head.split(", "):
+            listed.add("".join(stack) + name)
+    tree = {os.path.relpath(p, ROOT) for m, p in project_modules().items()
+            if not m.startswith("train_") and os.path.getsize(p) > 0}  # empty __init__.py: package markers
+    assert not listed - tree, f"docs/DESIGN.md lists modules that do not exist: {sorted(listed - tree)}"
+    assert not tree - listed, f"docs/DESIGN.md's layout misses: {sorted(tree - listed)}"
+
+
+def test_readme_reads_in_minutes():
+    assert sum(1 for _ in open(os.path.join(ROOT, "README.md"))) <= 200
+
+
+def test_no_module_knows_an_algorithm_by_name():
+    """What an algorithm needs (a critic, groups) comes from its ALGOS line, never from comparing --algo's name."""
+    for path in ("common/trainer/trainer.py", "common/trainer/filters.py", "common/trainer/critic.py"):
+        source = open(os.path.join(ROOT, path)).read()
+        for name in ALGOS:
+            assert not re.search(rf"""["']{name}["']""", source), f"{path} names {name!r}"
+    config = open(os.path.join(ROOT, "common", "config.py")).read()
+    assert not re.search(r"""(==|!=|\bin)\s*\(?["'](""" + "|".join(ALGOS) + ")", config), "config.py compares --algo"
 
 
 def test_each_algorithm_is_one_registered_function():
@@ -39,7 +156,9 @@ def test_entry_scripts_stay_short():
 
 
 def test_docs_link_only_inside_the_repository():
-    for doc in ("README.md", os.path.join("docs", "DESIGN.md")):
+    for doc in ("README.md", *(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")))):
+        if not doc.endswith(".md"):
+            continue
         text = open(os.path.join(ROOT, doc)).read()
         for link in re.findall(r"\]\(([^)#]+)", text):
             if link.startswith("http"):

@@ -1,4 +1,4 @@
-"""single_turn: today's behaviour as a workflow. The task's prompt (chat template applied) gets n sampled
+"""single_turn: the plain rollout as a workflow. The task's prompt (chat template applied) gets n sampled
 responses; with --rollout-token-budget a response may take several rollout steps (partial rollouts, segments of
 common.explorer.groups.Response), otherwise it ends in the step it started."""
 

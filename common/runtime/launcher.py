@@ -68,10 +68,13 @@ class WorkerContext:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 
+def normalize_device(device: str) -> str:
+    """'cuda' -> 'cuda:0' (so placements can be compared); other names unchanged."""
+    return "cuda:0" if device == "cuda" else device
+
+
 def choose_backend(devices: list[str]) -> str:
     """nccl when every worker has a GPU of its own, gloo when none has one, else both (see module docstring)."""
-    from common.config import normalize_device
-
     devices = [normalize_device(d) for d in devices]
     if not any(d.startswith("cuda") for d in devices):
         return "gloo"
