@@ -170,17 +170,17 @@ def test_task_processors_and_partial_rollout_conflict(tmp_path):
 
 
 def test_readme_worked_example_env_runs(tmp_path, monkeypatch):
-    """The README's "adding an environment" example, taken from README.md as written, plays an episode."""
+    """docs/USAGE.md's "adding an environment" example, taken from the doc as written, plays an episode."""
     import os
     import re
     import sys
 
     from tests.conftest import ROOT
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "USAGE.md")).read()
     code = re.search(r"```python\n# common/envs/countdown.py\n(.*?)```", readme, re.DOTALL).group(1)
     line = re.search(r'"countdown": "common\.envs\.countdown:Countdown"', readme)
-    assert line, "the registry line of the example is missing from the README"
+    assert line, "the registry line of the example is missing from docs/USAGE.md"
     (tmp_path / "countdown_example.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(ENVS, "countdown", "countdown_example:Countdown")
