@@ -1,7 +1,7 @@
 """Learning curves side by side: several labelled runs of the entry scripts with shared flags, then one PNG of
 held-out accuracy against trained samples and against wall-clock, and a table (JSON + stdout).
 
-    # issue 3: does async with a staleness bound + correction learn as well as sync for the same samples?
+    # does async with a staleness bound + correction learn as well as sync for the same samples?
     python bench/curves.py --name staleness \
         --run "sync=train_sync.py" \
         --run "async, staleness 2, tis=train_async.py --max-staleness 2 --off-policy-correction tis" \

@@ -1,5 +1,5 @@
-"""Every bad input is one line naming the field (or file:line), exit non-zero, before any worker starts (issue 12
-item 5). Table-driven: each case runs train_sync.py's main() (a few of them as a new process, as a user would)."""
+"""Every bad input is one line naming the field (or file:line), exit non-zero, before any worker starts.
+Table-driven: each case runs train_sync.py's main() (a few of them as a new process, as a user would)."""
 
 import dataclasses
 import json

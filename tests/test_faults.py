@@ -1,4 +1,4 @@
-"""Runs that survive faults without losing or duplicating anything (issue 12 item 4, issue 14 items 5-6).
+"""Runs that survive faults without losing or duplicating anything.
 
 Real processes throughout: the trainer is killed with SIGKILL, a checkpoint is truncated on disk, the disk is a
 real (small) tmpfs that fills up. Each asserts the exact metrics rows and checkpoints afterwards.

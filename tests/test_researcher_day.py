@@ -1,4 +1,4 @@
-"""Issue 14, the researcher's day: coupled flags, --eval-every 0, the LR schedule (its resume: test_train_sync.py), logged
+"""The researcher's day: coupled flags, --eval-every 0, the LR schedule (its resume: test_train_sync.py), logged
 completions (samples.jsonl, W&B table), reward.png on a step axis, timeline.trace.json, Hub datasets offline."""
 
 import glob

@@ -1,7 +1,7 @@
 """Workflows (DESIGN.md "Workflows and environments"): a workflow turns one task into one group of experiences,
 given the rollout engine.
 
-- `single_turn` (common/explorer/single_turn.py): prompt -> n sampled responses (today's behaviour, partial
+- `single_turn` (common/explorer/single_turn.py): prompt -> n sampled responses (partial
   rollouts included).
 - `multi_turn` (common/explorer/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
   common/envs/), token-in/token-out.

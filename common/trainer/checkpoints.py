@@ -74,10 +74,9 @@ def write_manifest(folder: str) -> None:
 
 def verify(folder: str) -> str | None:
     """None when the checkpoint is whole; else what is wrong, naming the file."""
-    state = os.path.join(folder, "trainer_state.pt")
     path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):  # written before manifests existed: the state file is the last one written
-        return None if os.path.exists(state) else f"{state} is missing"
+    if not os.path.exists(path):  # the manifest is written last: without it the checkpoint is not whole
+        return f"{path} is missing"
     try:
         with open(path) as f:
             manifest = json.load(f)

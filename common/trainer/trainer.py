@@ -298,14 +298,13 @@ class Trainer:
             self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
         try:
             state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-        except (RuntimeError, EOFError, OSError) as e:  # a checkpoint from before manifests existed
+        except (RuntimeError, EOFError, OSError) as e:  # verified by its manifest, yet unreadable: say so
             raise SystemExit(f"error: --resume: {path}/trainer_state.pt is unreadable ({str(e).splitlines()[0]})")
         if state.get("sharded_optimizer", False) != self.dp.sharded:  # keyed by name vs by index
             raise SystemExit(f"error: --resume {path}: optimizer state saved with --trainer-shard "
                              f"{'fsdp' if state.get('sharded_optimizer') else 'none'}; resume with the same")
         load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        if "lr_scheduler" in state:  # checkpoints from before --lr-scheduler have none (they ran at a constant lr)
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step, self.version = state["step"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
