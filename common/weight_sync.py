@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.buckets import pack, tensor_buckets, unpack
+
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor shard is all-gathered (every rank of its mesh must call this in the same order);
@@ -45,32 +47,6 @@ def join_gathers(named_tensors, passes: int = 1) -> None:
         for _, t in named_tensors:
             if isinstance(t, DTensor):
                 t.full_tensor()
-
-
-def tensor_buckets(tensors: list[torch.Tensor], bucket_bytes: int):
-    """Consecutive runs of same-dtype tensors of at most `bucket_bytes` together (one flat collective each)."""
-    bucket, size = [], 0
-    for t in tensors:
-        if bucket and (size + t.numel() * t.element_size() > bucket_bytes or t.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
-
-
-def pack(bucket: list[torch.Tensor], device) -> torch.Tensor:
-    """One bucket's tensors as one flat buffer on `device` (for one collective)."""
-    return torch.cat([t.reshape(-1).to(device) for t in bucket])
-
-
-def unpack(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
-    """Copy a flat buffer back into the bucket's tensors, in order (the inverse of `pack`)."""
-    offset = 0
-    for t in bucket:
-        t.copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common.weight_sync import pack, tensor_buckets, unpack  # the weight sync's bucket packing, reused
+from common.buckets import pack, tensor_buckets, unpack
 import torch.distributed as dist
 
 
