@@ -527,7 +527,7 @@ def load_saved_config(cls, argv: list[str]) -> dict:
     if not os.path.isdir(out_dir):
         raise ConfigError(f"--resume: --out-dir {out_dir}: no such folder")
     if not os.path.exists(path):
-        raise ConfigError(f"--resume: {path}: no such file (--out-dir is not a tandem run)")
+        raise ConfigError(f"--resume: {path}: no such file: --out-dir holds no tandem run, so no checkpoint to resume")
     import json
 
     try:
