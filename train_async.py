@@ -10,26 +10,27 @@ Explorers generate continuously into the queue; the trainer trains whenever a ba
 and each explorer takes them between generation batches. Samples more than --max-staleness versions behind the
 trainer are dropped and counted; --off-policy-correction weights the rest.
 
-Launch (`python` and `torchrun --nproc-per-node 1` behave the same):
+Launch (one rank per worker: trainers first, then explorers; `python` starts them through torch elastic):
     python train_async.py
     python train_async.py --num-explorers 2 --max-staleness 2 --off-policy-correction decoupled
     python train_async.py --model tiny --steps 4 --sync-method checkpoint --out-dir runs/smoke
-    torchrun --nproc-per-node 1 train_async.py --num-explorers 2 --explorer-devices cuda:0,cuda:1 --trainer-devices cuda:2
+    torchrun --nproc-per-node 3 train_async.py --num-explorers 2 --explorer-devices cuda,cuda --trainer-devices cuda
+    torchrun --nnodes 2 --node-rank 0/1 --nproc-per-node 4 --master-addr HOST --max-restarts 3 train_async.py \
+        --trainer-devices cuda,cuda,cuda,cuda --num-explorers 4 --explorer-devices cuda,cuda,cuda,cuda
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.multiprocessing as mp
-
 from common.config import CommonArgs, ConfigError, parse_args
+from common.runtime.channel import Mailbox, StoreFlag, StoreValue
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
-from common.runtime.launcher import WorkerContext, WorkerSpec, launch
+from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
-from common.run import finish_run, prepare_run, threads_per_worker
+from common.run import launch
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import WeightReceiver, WeightSender
 
@@ -84,7 +85,6 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             item = RolloutBatch(batch, experiences, metrics, ctx.index)
             _put_unless_stopped(queue, item, stop, args.timeout_s, lambda b=batch: weights.poll(b, args.sync_method))
         explorer.version = weights.version
-    queue.abandon()  # batches made after the trainer's last step are never read: do not wait for them at exit
     while weights.version < final_version.value:  # join every send still owed, up to the final weights
         explorer.version = weights.pull(batch, args.sync_method)
     if evaluates:
@@ -133,19 +133,23 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         run.finish()  # waits for explorer 0's final evaluation on the control channel
 
 
+def worker(ctx: WorkerContext, args: Args):
+    mailbox = Mailbox(ctx, capacity=args.queue_size)
+    queue, control = ExperienceQueue(mailbox, stop_requested), ControlChannel(mailbox)
+    # The trainer's announcements to every explorer, in the run's store: a version waiting to be joined, the
+    # last version, and the end of training.
+    announced, final_version = StoreValue(ctx.store, "announced", -1), StoreValue(ctx.store, "final", -1)
+    stop = StoreFlag(ctx.store, "stop")
+    main = trainer_main if ctx.role == "trainer" else explorer_main
+    main(ctx, args, queue, control, announced, final_version, stop)
+    mailbox.close(args.timeout_s)
+
+
 def main():
     args = parse_args(Args)
-    prepare_run(args, schedule="async" if args.num_explorers == 1 else f"async{args.num_explorers}")
-    ctx = mp.get_context("spawn")
-    announced, final_version, stop = ctx.Value("l", -1), ctx.Value("l", -1), ctx.Event()
-    shared = (args, ExperienceQueue(ctx, maxsize=args.queue_size), ControlChannel(ctx), announced, final_version, stop)
-    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, shared)
-             for i, d in enumerate(args.trainer_device_list)]
-    specs += [WorkerSpec(f"explorer{i}", "explorer", d, explorer_main, shared)
-              for i, d in enumerate(args.explorer_device_list)]
-    launch(specs, num_threads=threads_per_worker(args, len(specs)), timeout_s=args.timeout_s)
-    finish_run(args, title=f"train_async.py: schedule ({'c' if args.num_explorers == 1 else 'd'}), "
-                           f"{args.num_explorers} explorer(s), asynchronous")
+    launch(args, "async" if args.num_explorers == 1 else f"async{args.num_explorers}", worker,
+           title=f"train_async.py: schedule ({'c' if args.num_explorers == 1 else 'd'}), {args.num_explorers} "
+                 "explorer(s), asynchronous")
 
 
 if __name__ == "__main__":

@@ -4,25 +4,24 @@ trainer trains on batch k; after each train step the new weights go to the explo
     E: rollout 1 ─▶ rollout 2 ─▶ sync ─▶ rollout 3 ─▶ sync …
     T:  wait    ─▶ train 1  ─▶ sync ─▶ train 2   ─▶ sync …      every trained batch is exactly one version old
 
-Launch (same flags as train_sync.py):
+Launch (same flags and ranks as train_sync.py):
     python train_offpolicy.py
     python train_offpolicy.py --model tiny --steps 3 --out-dir runs/smoke --off-policy-correction tis
-    torchrun --nproc-per-node 1 train_offpolicy.py --explorer-devices cuda:0 --trainer-devices cuda:1
+    torchrun --nproc-per-node 2 train_offpolicy.py --explorer-devices cuda --trainer-devices cuda
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.multiprocessing as mp
-
 from common.config import CommonArgs, ConfigError, parse_args
+from common.runtime.channel import Mailbox
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
-from common.runtime.launcher import WorkerContext, WorkerSpec, launch
+from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
-from common.run import finish_run, prepare_run, threads_per_worker
+from common.run import launch
 from common.weight_sync import WeightReceiver
 from train_sync import trainer_main  # the trainer side is the synchronous one: get, train, send weights
 
@@ -57,16 +56,15 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
     explorer.close()
 
 
+def worker(ctx: WorkerContext, args: Args):
+    mailbox = Mailbox(ctx, capacity=1)  # one batch ahead: the explorer blocks until the trainer takes batch k
+    queue, control = ExperienceQueue(mailbox, stop_requested), ControlChannel(mailbox)
+    (trainer_main if ctx.role == "trainer" else explorer_main)(ctx, args, queue, control)
+    mailbox.close(args.timeout_s)
+
+
 def main():
-    args = parse_args(Args)
-    prepare_run(args, schedule="offpolicy")
-    ctx = mp.get_context("spawn")
-    shared = (args, ExperienceQueue(ctx, maxsize=1), ControlChannel(ctx))
-    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, shared)
-             for i, d in enumerate(args.trainer_device_list)]
-    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, shared)]
-    launch(specs, num_threads=threads_per_worker(args, len(specs)), timeout_s=args.timeout_s)
-    finish_run(args, title="train_offpolicy.py: schedule (b), one-step off-policy")
+    launch(parse_args(Args), "offpolicy", worker, title="train_offpolicy.py: schedule (b), one-step off-policy")
 
 
 if __name__ == "__main__":

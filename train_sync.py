@@ -6,11 +6,12 @@
 Each step the explorer rolls out a batch with the current weights and scores it; the trainer takes exactly that
 batch, does --ppo-epochs x minibatch updates and sends the new weights; the explorer resumes only once it holds them.
 
-Launch (CPU, embedded SmolLM2-135M-Instruct; `python` and `torchrun --nproc-per-node 1` behave the same):
+Launch (one rank per worker: the trainer(s), then the explorer; `python` starts them through torch elastic):
     python train_sync.py                                      # the README's learning benchmark
     python train_sync.py --model tiny --steps 3 --out-dir runs/smoke
     python train_sync.py --config configs/sync_default.yaml --lr 1e-6
-    torchrun --nproc-per-node 1 train_sync.py --explorer-devices cuda:0 --trainer-devices cuda:1
+    torchrun --nproc-per-node 2 train_sync.py --explorer-devices cuda --trainer-devices cuda   # = python ...
+    torchrun --nnodes 2 --node-rank 0/1 --nproc-per-node 1 --master-addr HOST train_sync.py   # one per node
     python train_sync.py --out-dir runs/x --resume            # continue from the newest checkpoint
 """
 
@@ -18,15 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.multiprocessing as mp
-
 from common.config import CommonArgs, ConfigError, parse_args
+from common.runtime.channel import Mailbox
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
-from common.runtime.launcher import WorkerContext, WorkerSpec, launch
+from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
-from common.run import finish_run, prepare_run, threads_per_worker
+from common.run import launch
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import WeightReceiver, WeightSender
 
@@ -71,17 +71,15 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         run.finish()  # waits for the final evaluation on the control channel
 
 
+def worker(ctx: WorkerContext, args: Args):
+    mailbox = Mailbox(ctx, capacity=1)  # the trainer takes exactly the batch the explorer just made
+    queue, control = ExperienceQueue(mailbox, stop_requested), ControlChannel(mailbox)
+    (trainer_main if ctx.role == "trainer" else explorer_main)(ctx, args, queue, control)
+    mailbox.close(args.timeout_s)
+
+
 def main():
-    args = parse_args(Args)
-    prepare_run(args, schedule="sync")
-    ctx = mp.get_context("spawn")
-    shared = (args, ExperienceQueue(ctx, maxsize=1), ControlChannel(ctx))
-    specs = [WorkerSpec(f"trainer{i}", "trainer", d, trainer_main, shared)
-             for i, d in enumerate(args.trainer_device_list)]
-    specs += [WorkerSpec("explorer0", "explorer", args.explorer_device_list[0], explorer_main, shared)]
-    # Explorer and trainer take turns here, so each may use every core (data-parallel trainers share them).
-    launch(specs, num_threads=threads_per_worker(args, len(args.trainer_device_list)), timeout_s=args.timeout_s)
-    finish_run(args, title="train_sync.py: schedule (a), synchronous")
+    launch(parse_args(Args), "sync", worker, title="train_sync.py: schedule (a), synchronous")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ class CommonArgs:
     """Keep the newest K step checkpoints (older ones are deleted once the newest is complete; 0: keep all)."""
     timeout_s: float = 900.0
     """Longest any process waits for another (queue, collective) before failing with a message."""
+    peer_timeout_s: float = 15.0
+    """A worker that has not been heard from for this many seconds (killed, crashed in native code, node lost)
+    ends the run with a message naming it (torchrun --max-restarts then restarts the group)."""
     stall_log_s: float = 60.0
     """When no experience reaches the trainer for this many seconds, it logs which explorer it waits for and
     since when, and again every as many seconds until --timeout-s."""

@@ -86,38 +86,33 @@ class RolloutBatch:
 
 
 class ExperienceQueue:
-    """Bounded queue of rollout batches (lists of Experience) between explorer(s) and trainer.
+    """Bounded buffer of rollout batches between explorer(s) and trainer rank 0, on any nodes (the run's mailbox:
+    common/runtime/channel.py).
 
     Bounded so a fast explorer blocks (backpressure) instead of growing memory. Every wait has a timeout and
     fails with a message saying who waited for what.
     """
 
-    def __init__(self, ctx, maxsize: int):
-        self._q = ctx.Queue(maxsize=maxsize)
-        self.maxsize = maxsize
+    def __init__(self, mailbox, stop_requested=None):
+        self.mailbox = mailbox
+        self.stop_requested = stop_requested  # trainer: a SIGTERM / Ctrl-C ends a wait for experiences
 
     def put(self, item, timeout: float, who: str = "explorer"):
-        try:
-            self._q.put(item, timeout=timeout)
-        except queue.Full:
-            raise TimeoutError(f"{who}: experience queue stayed full for {timeout:.0f}s (trainer stalled?)") from None
+        self.mailbox.put_batch(item, timeout, who)
 
     def get(self, timeout: float, who: str = "trainer", on_stall=None, stall_every: float = 60.0):
         """The next item. While none arrives, `on_stall(seconds_waited)` is called every `stall_every` seconds
         (the trainer logs whom it waits for); after `timeout` seconds in all, TimeoutError."""
-        start = time.time()
+        start, next_stall = time.time(), stall_every
         while True:
-            remaining = timeout - (time.time() - start)
-            if remaining <= 0:
+            if self.stop_requested is not None and self.stop_requested.is_set():
+                raise KeyboardInterrupt
+            waited = time.time() - start
+            if waited >= timeout:
                 raise TimeoutError(f"{who}: no experiences arrived for {timeout:.0f}s (explorer stalled?)")
             try:
-                return self._q.get(timeout=min(remaining, stall_every) if on_stall else remaining)
+                return self.mailbox.get_batch(timeout=min(0.5, timeout - waited))
             except queue.Empty:
-                if on_stall is not None and time.time() - start < timeout:
+                if on_stall is not None and time.time() - start >= next_stall:
                     on_stall(time.time() - start)
-
-    def abandon(self):
-        """Shutdown, explorer side: batches still in this process's send buffer will never be read; do not wait
-        for them at exit."""
-        self._q.cancel_join_thread()
-
+                    next_stall += stall_every

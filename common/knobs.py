@@ -26,6 +26,7 @@ class ConfigError(SystemExit):
 RANGES: dict[str, tuple] = {
     "steps": (1, True, None, False, ""),
     "timeout_s": (0, False, None, False, "a wait of 0 s fails at once"),
+    "peer_timeout_s": (2, True, None, False, "a live worker may be silent for a second between its beats"),
     "stall_log_s": (0, False, None, False, ""),
     "vllm_gpu_memory_utilization": (0, False, 1, True, ""),
     "vllm_kv_cache_gb": (0, False, None, False, ""),

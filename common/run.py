@@ -1,4 +1,6 @@
-"""Run set-up and wrap-up shared by the entry scripts (launcher process only)."""
+"""How an entry script becomes a run: `launch` starts the ranks (or is one), prepares the run once, runs the
+schedule's worker function and wraps up. Set-up (checks before any compute) and wrap-up (timeline, plots, summary)
+are shared by every schedule."""
 
 from __future__ import annotations
 
@@ -6,14 +8,18 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import sys
 import time
+import uuid
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.config import ConfigError
 from common.explorer.engine import resolve_engine
 from common.tasks.hub import DatasetOptions
 from common.explorer.rollouts import WORKFLOWS, workflow_name
-from common.runtime.launcher import start_quiet_resource_tracker
+from common.runtime.launcher import WorkerContext, join_world, launch_local, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model
@@ -51,7 +57,83 @@ def prepare_run(args, schedule: str) -> None:
     remove_partial(args.out_dir)  # .tmp-* of saves a killed run never finished
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
         json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
-    start_quiet_resource_tracker()  # before the entry script's queues: see common/runtime/launcher.py
+
+
+def launch(args, schedule: str, worker, title: str) -> None:
+    """`python train_X.py`: check and prepare the run here (one-line errors before any process starts), then run
+    this same script once per rank through torch elastic. Under torchrun (or as one of those ranks): join the world,
+    take the prepared configuration from rank 0, run `worker(ctx, args)`, and on rank 0 write the wrap-up once every
+    rank is done."""
+    plan = plan_world(args.trainer_device_list, args.explorer_device_list)
+    if not under_elastic():
+        prepare_run(args, schedule)
+        os.environ["TANDEM_ARGS"] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
+        try:
+            launch_local(os.path.abspath(sys.argv[0]), sys.argv[1:], [w.name for w in plan])
+        except SignalException as e:  # Ctrl-C / SIGTERM: the agent passed it on; trainers checkpointed
+            raise SystemExit(f"\n[tandem] stopped by {e.sigval.name}: trainers saved a checkpoint") from None
+        return
+
+    def rank_main():
+        # sync: explorer and trainer take turns, so each may use every core (data-parallel trainers share them)
+        busy = len(args.trainer_device_list) if schedule == "sync" else len(plan)
+        ctx = join_world(plan, args.timeout_s, args.peer_timeout_s, threads_per_worker(args, busy))
+        share_prepared_args(ctx, args, schedule)
+        if args.sync_method == "checkpoint":
+            check_shared_folder(ctx, os.path.join(args.out_dir, "sync"), args.timeout_s)
+        worker(ctx, args)
+        ctx.close(args.timeout_s)
+        if ctx.rank == 0:
+            finish_run(args, title)
+
+    run_worker(rank_main)
+
+
+def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:
+    """Rank 0 prepares the run once (or takes what `python train_X.py` prepared) and publishes the result (the
+    resolved engine, the out_dir, --resume after a restart); every rank continues with exactly those values."""
+    if ctx.rank == 0:
+        try:
+            if "TANDEM_ARGS" in os.environ:
+                prepared = json.loads(os.environ["TANDEM_ARGS"])
+            else:
+                if ctx.restart:  # torchrun restarted the group: continue from the newest checkpoint, if any
+                    args.resume = bool(args.out_dir and latest_checkpoint(args.out_dir))
+                    args.overwrite = True
+                prepare_run(args, schedule)
+                prepared = dataclasses.asdict(args)
+        except SystemExit as e:
+            ctx.store.set("args", json.dumps({"error": str(e.code)}))
+            raise
+        ctx.store.set("args", json.dumps(prepared))
+    else:
+        prepared = json.loads(ctx.wait_key("args", args.timeout_s, "prepared configuration from rank 0"))
+        if "error" in prepared:
+            raise SystemExit(1)  # rank 0 reports it
+    for name, value in prepared.items():
+        setattr(args, name, value)
+    os.makedirs(args.out_dir, exist_ok=True)  # a node without the trainer's filesystem keeps its files here
+
+
+def check_shared_folder(ctx: WorkerContext, folder: str, timeout_s: float) -> None:
+    """--sync-method checkpoint: every explorer must see the folder trainer rank 0 writes (a shared filesystem
+    across nodes); checked with a token file before any model loads."""
+    probe = os.path.join(folder, ".probe")
+    if ctx.rank == 0:
+        token = uuid.uuid4().hex
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write(token)
+        ctx.store.set("probe", token)
+        return
+    if ctx.role != "explorer":
+        return
+    token = ctx.wait_key("probe", timeout_s, "sync folder token from trainer0").decode()
+    seen = open(probe).read() if os.path.exists(probe) else None
+    if seen != token:
+        raise SystemExit(f"error: {ctx.name} on node {socket.gethostname()}: --sync-method checkpoint needs the "
+                         f"trainer's folder {os.path.abspath(folder)} on every node (a shared filesystem), and "
+                         "this node does not see it; share --out-dir or use --sync-method broadcast")
 
 
 def check_out_dir(out_dir: str) -> None:

@@ -1,6 +1,6 @@
 """The control channel: what explorers tell the trainer besides experiences (held-out evaluation results, and the
-final evaluation that closes a run), on a queue of its own. The experience queue (common/experience.py) carries
-rollout batches only, so the trainer never has to carry or drain control messages between them.
+final evaluation that closes a run), apart from the experience buffer (common/experience.py), which carries rollout
+batches only, so the trainer never has to carry or drain control messages between them.
 """
 
 from __future__ import annotations
@@ -18,21 +18,22 @@ class Control:
 
 
 class ControlChannel:
-    """Unbounded queue of `Control` messages from explorers to trainer rank 0 (few and small: never blocks)."""
+    """Control messages from explorers to trainer rank 0 over the run's mailbox (common/runtime/channel.py): few
+    and small, never blocked by a full experience buffer."""
 
-    def __init__(self, ctx):
-        self._q = ctx.Queue()
+    def __init__(self, mailbox):
+        self.mailbox = mailbox
         self._final: Control | None = None  # a final message that arrived while polling for evaluations
 
     def send(self, kind: str, metrics: dict, explorer: int = 0) -> None:
-        self._q.put(Control(kind, explorer, metrics))
+        self.mailbox.send_control(Control(kind, explorer, metrics))
 
     def poll(self) -> list[Control]:
         """The evaluations that have arrived, without waiting (a final message is kept for `wait_final`)."""
         out = []
         while True:
             try:
-                msg = self._q.get_nowait()
+                msg = self.mailbox.control_nowait()
             except queue.Empty:
                 return out
             if msg.kind == "final":
@@ -47,9 +48,9 @@ class ControlChannel:
             return self._final.metrics, others
         while True:
             try:
-                msg = self._q.get(timeout=max(0.0, deadline - time.time()))
+                msg = self.mailbox.get_control(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
-                raise TimeoutError(f"{who}: no final evaluation from the explorer for {timeout:.0f}s "
+                raise TimeoutError(f"{who}: no final evaluation from explorer0 for {timeout:.0f}s "
                                    "(explorer stalled?)") from None
             if msg.kind == "final":
                 return msg.metrics, others

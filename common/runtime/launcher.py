@@ -1,42 +1,81 @@
-"""Spawn the workers of one run, join them into one torch.distributed world, and supervise them.
+"""One process per rank, started by torch elastic: `torchrun ... train_X.py` on one or several nodes, or
+`python train_X.py`, which starts the same script once per rank through torch's elastic launcher API on this node.
 
-World layout: ranks 0..T-1 are trainers (data parallel), then one rank per explorer. Groups: `trainers` and
-`sync` (trainer rank 0 + every explorer). Backend: nccl when every worker has a GPU of its own; gloo when all are
-on the CPU; otherwise both ("cpu:gloo,cuda:nccl", each collective picks by the tensors' device): data-parallel
-trainers on GPUs all-reduce over NCCL, and the weight sync goes through the CPU over gloo, because NCCL cannot
-connect two ranks on one GPU (colocated explorer + trainer) or a CPU rank.
+World layout, computed from the configuration the same way on every rank (never from node rank, which c10d
+rendezvous does not fix): ranks 0..T-1 are the data-parallel trainers, then one rank per explorer. So with one
+trainer and N explorers the world is 1 + N ranks, and `torchrun --nnodes 2 --nproc-per-node 1` puts the trainer on
+whichever node gets rank 0 and the explorer on the other. A device `cuda` means this rank's GPU (LOCAL_RANK, modulo
+the GPUs of the node); `cuda:K` is that GPU.
 
-The first worker to fail makes the launcher print its traceback, kill every worker's process group (so reward
-pools and sandboxes they started go too) and exit non-zero. Ctrl-C asks the trainers to save a checkpoint first.
+Groups: `trainers` (data parallel), `sync` (trainer rank 0 + every explorer: the weight broadcast) and a gloo
+group for the experience buffer (common/runtime/channel.py). Backend of the world: nccl when every rank has a GPU
+of its own, gloo when all are on the CPU, else both ("cpu:gloo,cuda:nccl": each collective picks by the tensors'
+device), because NCCL cannot connect two ranks on one GPU (colocated explorer + trainer) or a CPU rank.
+
+The run's small shared state (stop flag, announced weight versions, liveness) lives in the c10d store that the
+elastic agent already hosts. Every rank beats there once a second and watches the others: a peer silent for
+--peer-timeout-s (killed, or its node lost) is a one-line error in seconds on every node, not a 30-minute hang.
+Failures end the whole group (the agent kills every worker's process group: reward pools and sandboxes go too);
+with `torchrun --max-restarts K` the agent restarts it and the workers resume from the newest checkpoint.
+SIGTERM (preemption) and Ctrl-C make trainers save a checkpoint at the next step boundary, then exit.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing.connection import wait as wait_for_any
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from common.runtime.procs import die_with_parent, kill_group
+# Set by SIGTERM / SIGINT in a worker: trainers checkpoint at the next step boundary and stop.
+stop_requested = threading.Event()
 
 
 @dataclass
-class WorkerSpec:
+class Worker:
     name: str                      # "trainer0", "explorer1", ...
     role: str                      # "trainer" | "explorer"
-    device: str
-    fn: Callable                   # fn(ctx: WorkerContext, *args)
-    args: tuple = ()
+    index: int                     # index within its role
+    device: str                    # as configured: cpu, cuda (this rank's GPU) or cuda:K
+
+
+def plan_world(trainer_devices: list[str], explorer_devices: list[str]) -> list[Worker]:
+    """Rank r of the world is plan_world(...)[r]."""
+    return ([Worker(f"trainer{i}", "trainer", i, d) for i, d in enumerate(trainer_devices)]
+            + [Worker(f"explorer{i}", "explorer", i, d) for i, d in enumerate(explorer_devices)])
+
+
+def normalize_device(device: str) -> str:
+    """'cuda' -> 'cuda:0' (so placements on one GPU can be compared); other names unchanged."""
+    return "cuda:0" if device == "cuda" else device
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """A configured device on the rank with this LOCAL_RANK: bare `cuda` is the rank's own GPU."""
+    if device != "cuda":
+        return device
+    return f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
+
+
+def choose_backend(devices: list[str]) -> str:
+    """nccl when every rank has a GPU of its own, gloo when none has one, else both (see module docstring)."""
+    if not any(d.startswith("cuda") for d in devices):
+        return "gloo"
+    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "cpu:gloo,cuda:nccl"
 
 
 @dataclass
@@ -50,8 +89,13 @@ class WorkerContext:
     backend: str
     trainer_ranks: list[int]
     explorer_ranks: list[int]
+    names: list[str] = field(default_factory=list)  # every rank's worker name
     trainer_group: Any = None
     sync_group: Any = None
+    buffer_group: Any = None       # gloo, every rank: the experience buffer and the control channel
+    store: Any = None              # the run's keys in the agent's c10d store (this restart attempt only)
+    restart: int = 0               # TORCHELASTIC_RESTART_COUNT: > 0 when torchrun restarted the group
+    _watchdog: Any = None
 
     @property
     def sync_src(self) -> int:
@@ -67,20 +111,174 @@ class WorkerContext:
         """Where the data-parallel trainers' collectives run: their GPUs (always distinct) or the CPU."""
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def wait_key(self, key: str, timeout_s: float, what: str) -> bytes:
+        """A value another rank publishes in the store; TimeoutError naming who waits for what."""
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except (dist.DistStoreError, RuntimeError) as e:
+            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                raise
+            raise TimeoutError(f"{self.name}: no {what} after {timeout_s:.0f}s") from None
+        return self.store.get(key)
 
-def normalize_device(device: str) -> str:
-    """'cuda' -> 'cuda:0' (so placements can be compared); other names unchanged."""
-    return "cuda:0" if device == "cuda" else device
+    def close(self, timeout_s: float) -> None:
+        """This rank is done. Rank 0 waits for every other rank's done (their files are complete then)."""
+        self.store.add(f"beat/{self.rank}", DONE)
+        self.store.set(f"done/{self.rank}", "1")
+        if self.rank == 0:
+            for r in range(1, self.world_size):
+                self.wait_key(f"done/{r}", timeout_s, f"end of {self.names[r]}")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        dist.destroy_process_group()
 
 
-def choose_backend(devices: list[str]) -> str:
-    """nccl when every worker has a GPU of its own, gloo when none has one, else both (see module docstring)."""
-    devices = [normalize_device(d) for d in devices]
-    if not any(d.startswith("cuda") for d in devices):
-        return "gloo"
-    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
-        return "nccl"
-    return "cpu:gloo,cuda:nccl"
+def under_elastic() -> bool:
+    """Started by torchrun or by `launch_local` (a torch elastic agent set RANK, LOCAL_RANK, ...)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float, num_threads: int = 0) -> WorkerContext:
+    """This process's rank of the run: check the world size, join the process group and its sub-groups, start
+    the liveness watch. A world of the wrong size is a one-line error before any model loads."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size != len(plan):
+        trainers = sum(w.role == "trainer" for w in plan)
+        raise SystemExit(f"error: the torchrun world has {world_size} ranks but the configuration needs "
+                         f"{len(plan)}: {trainers} trainer(s) (--trainer-devices) + {len(plan) - trainers} "
+                         f"explorer(s) (--explorer-devices / --num-explorers); set --nnodes x --nproc-per-node "
+                         f"to {len(plan)}")
+    me = plan[rank]
+    os.environ["TANDEM_WORKER"] = me.name
+    _install_signal_handlers(me.role)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    devices = [rank_device(w.device, r % local_world) for r, w in enumerate(plan)]
+    device = torch.device(rank_device(me.device, local_rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = choose_backend(devices)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); one key space per restart attempt.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=not agent_store and rank == 0, timeout=timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(f"tandem/{os.environ['TORCHELASTIC_RUN_ID']}/{restart}", base)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    trainer_ranks = [r for r, w in enumerate(plan) if w.role == "trainer"]
+    explorer_ranks = [r for r, w in enumerate(plan) if w.role == "explorer"]
+    ctx = WorkerContext(
+        name=me.name, role=me.role, index=me.index, rank=rank, world_size=world_size, device=device,
+        backend=backend, trainer_ranks=trainer_ranks, explorer_ranks=explorer_ranks, names=[w.name for w in plan],
+        trainer_group=dist.new_group(trainer_ranks), sync_group=dist.new_group(trainer_ranks[:1] + explorer_ranks),
+        buffer_group=dist.new_group(backend="gloo"),
+        store=store, restart=restart)
+    ctx._watchdog = Watchdog(ctx, peer_timeout_s)
+    return ctx
+
+
+def _install_signal_handlers(role: str) -> None:
+    """SIGTERM (Slurm / Kubernetes preemption, torch elastic stopping the group) and SIGINT: trainers finish the
+    step they are in and checkpoint (common/trainer/trainer.py); explorers have nothing to save and stop now."""
+    def handler(signum, frame):
+        stop_requested.set()
+        if role == "explorer":
+            raise SystemExit(128 + signum)
+        if signum == signal.SIGINT:  # a second Ctrl-C, or one while waiting: stop at once (still checkpointing)
+            raise KeyboardInterrupt
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+class Watchdog:
+    """Liveness over the store: a counter per rank, bumped every second; a peer whose counter stands still for
+    `timeout_s` and that has not said it is done is dead (SIGKILL, crash in native code, node lost). The first
+    rank to notice ends its process with one line naming the peer; torch elastic then stops (or restarts) all."""
+
+    def __init__(self, ctx: WorkerContext, timeout_s: float):
+        self.ctx, self.timeout_s = ctx, timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self):
+        ctx, peers = self.ctx, [r for r in range(self.ctx.world_size) if r != self.ctx.rank]
+        last = {r: (-1, time.time()) for r in peers}
+        try:
+            while not self._stop.wait(1.0):
+                ctx.store.add(f"beat/{ctx.rank}", 1)
+                now = time.time()
+                for r in peers:
+                    beat = ctx.store.add(f"beat/{r}", 0)
+                    if beat >= DONE:
+                        continue
+                    if beat != last[r][0]:
+                        last[r] = (beat, now)
+                    elif now - last[r][1] > self.timeout_s:
+                        _die(f"error: {ctx.name}: {ctx.names[r]} (rank {r}) has been silent for "
+                             f"{now - last[r][1]:.0f}s (--peer-timeout-s): its process died or its node is "
+                             "unreachable; see that node's log")
+        except (RuntimeError, dist.DistError) as e:  # the store itself is gone: the node hosting it died
+            if not self._stop.is_set():
+                _die(f"error: {ctx.name}: lost the run's store at {os.environ.get('MASTER_ADDR')}:"
+                     f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0][:120]}): the node of rank 0 "
+                     "stopped or is unreachable")
+
+
+DONE = 10**12  # added to a rank's beat counter when it is done: silence is then expected
+
+
+def _die(line: str) -> None:
+    report_error(line)
+    if not os.environ.get("TANDEM_LOCAL"):  # python train_X.py: the launcher prints it
+        print(line, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+# ----------------------------------------------------------------------------- failures, as the agent reports them
+def report_error(message: str, tb: str = "") -> None:
+    """Write this worker's failure where torch elastic reads it (TORCHELASTIC_ERROR_FILE): the launcher shows a
+    one-line error as is, and a traceback's last line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def run_worker(fn, *args) -> None:
+    """Run a worker's main: a one-line error (SystemExit("error: ...")) and any other failure are reported to the
+    agent, then the process exits non-zero."""
+    try:
+        fn(*args)
+    except KeyboardInterrupt:
+        if not stop_requested.is_set():
+            raise
+        # SIGTERM / Ctrl-C: the trainer checkpointed on its way out (common/trainer/trainer.py)
+        name = os.environ.get("TANDEM_WORKER", "worker")
+        report_error(f"error: {name}: stopped by a signal (checkpoint saved)")
+        raise SystemExit(f"[tandem] {name}: stopped by a signal; checkpoint saved" if not os.environ.get(
+            "TANDEM_LOCAL") else 143) from None
+    except SystemExit as e:
+        if e.code in (0, None):
+            return
+        if isinstance(e.code, str) and e.code.startswith("error: "):
+            name = os.environ.get("TANDEM_WORKER", "worker")
+            line = e.code if e.code.startswith(f"error: {name}") else f"error: {name}: {e.code[len('error: '):]}"
+            report_error(line)
+            raise SystemExit(line if not os.environ.get("TANDEM_LOCAL") else 1) from None
+        raise
+    except BaseException as e:
+        report_error(f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
 
 
 def _free_port() -> int:
@@ -89,138 +287,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank, world_size, addr, port, backend, specs, num_threads, timeout_s, error_queue):
-    spec = specs[rank]
-    os.setsid()  # own process group: the launcher can kill the worker together with its children
-    die_with_parent()
-    # Ctrl-C reaches trainers from the launcher (checkpoint first); explorers are stopped by the launcher.
-    signal.signal(signal.SIGINT, signal.default_int_handler if spec.role == "trainer" else signal.SIG_IGN)
-    torch.set_num_threads(num_threads)
+def launch_local(script: str, argv: list[str], names: list[str], shutdown_s: float = 30.0) -> None:
+    """`python train_X.py ...`: run `script argv` as `nproc` ranks on this node through torch's elastic launcher
+    API (what torchrun runs), so one code path serves one node and many. The first failure stops every rank; it is
+    raised as one line naming the worker (its traceback, if any, is above it on stderr)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its own report: see below
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=len(names), run_id=uuid.uuid4().hex[:12],
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=int(shutdown_s))
+    os.environ["TANDEM_LOCAL"] = "1"  # workers leave one-line errors to this process
     try:
-        device = torch.device(spec.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # Under torchrun the agent's store owns MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE would make rank 0 join
-        # it as a client; this world has its own store on its own port.
-        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
-                                **({"device_id": device} if backend == "nccl" else {}))
-        trainer_ranks = [i for i, s in enumerate(specs) if s.role == "trainer"]
-        explorer_ranks = [i for i, s in enumerate(specs) if s.role == "explorer"]
-        ctx = WorkerContext(
-            name=spec.name, role=spec.role, index=[s.name for s in specs if s.role == spec.role].index(spec.name),
-            rank=rank, world_size=world_size, device=device, backend=backend,
-            trainer_ranks=trainer_ranks, explorer_ranks=explorer_ranks,
-            trainer_group=dist.new_group(trainer_ranks), sync_group=dist.new_group(trainer_ranks[:1] + explorer_ranks),
-        )
-        spec.fn(ctx, *spec.args)
-        dist.destroy_process_group()
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BaseException as e:  # report any failure (SystemExit included) to the launcher, then exit non-zero
-        if isinstance(e, SystemExit) and e.code in (0, None):
-            return
-        one_line = isinstance(e, SystemExit) and isinstance(e.code, str) and e.code.startswith("error: ")
-        error_queue.put((spec.name, e.code if one_line else traceback.format_exc()))  # a user-facing error: as is
-        sys.stdout.flush()
-        os._exit(1)
-
-
-def _kill_group(proc, sig=signal.SIGKILL):
-    kill_group(proc.pid, sig)
-
-
-def launch(specs: list[WorkerSpec], num_threads: int = 1, timeout_s: float = 900.0) -> None:
-    """Run every worker to completion; on the first failure stop all and exit non-zero with its traceback."""
-    backend = choose_backend([s.device for s in specs])
-    # Under torchrun MASTER_ADDR is honoured; its MASTER_PORT may be held by the agent's store, so the world of
-    # spawned workers gets its own free port unless TANDEM_PORT says otherwise.
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("TANDEM_PORT") or _free_port())
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit("error: run tandem with torchrun --nproc-per-node 1 (it spawns its own workers)")
-    ctx = mp.get_context("spawn")
-    start_quiet_resource_tracker()  # no-op when prepare_run already did
-    error_queue = ctx.SimpleQueue()
-    procs = []
-    for rank, spec in enumerate(specs):
-        p = ctx.Process(target=_worker_main, name=spec.name, daemon=False,
-                        args=(rank, len(specs), addr, port, backend, specs, num_threads, timeout_s, error_queue))
-        os.environ["TANDEM_WORKER"] = spec.name  # inherited by the spawned worker: names it in ps / /proc
-        p.start()
-        os.environ.pop("TANDEM_WORKER")
-        procs.append(p)
-    try:
-        _supervise(procs, specs, error_queue)
-    except KeyboardInterrupt:
-        print("\n[tandem] interrupted: trainers save a checkpoint, then everything stops", file=sys.stderr)
-        for p, s in zip(procs, specs):
-            if s.role == "trainer" and p.is_alive():
-                os.kill(p.pid, signal.SIGINT)
-        deadline = time.time() + 60
-        for p, s in zip(procs, specs):
-            if s.role == "trainer":
-                p.join(timeout=max(0.1, deadline - time.time()))
-        _stop_all(procs)
-        raise SystemExit(130) from None
-
-
-def start_quiet_resource_tracker():
-    """Start multiprocessing's resource tracker with stderr to /dev/null. Its only output is "leaked semaphore"
-    warnings about queues of workers the launcher had to kill (it unlinks them anyway); printed at exit, they would
-    bury the run's one-line error. Called before the entry script makes its queues (they start the tracker)."""
-    from multiprocessing import resource_tracker
-
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            resource_tracker.ensure_running()
+        elastic_launch(config, sys.executable)("-u", script, *argv)
+    except ChildFailedError as e:
+        raise SystemExit(_root_cause(e, names)) from None
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        os.environ.pop("TANDEM_LOCAL", None)
 
 
-def _stop_all(procs):
-    for p in procs:
-        _kill_group(p, signal.SIGTERM)
-    deadline = time.time() + 3
-    for p in procs:
-        p.join(timeout=max(0.05, deadline - time.time()))
-    for p in procs:
-        _kill_group(p, signal.SIGKILL)  # the group too: children of workers that already exited
-        p.join(timeout=1)
+def _root_cause(e, names: list[str]) -> str:
+    """The failure that started it: a rank killed by a signal (its peers then fail on closed connections), else
+    the earliest reported one."""
+    failures = sorted(e.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
+    rank, failure = failures[0]
+    name = names[rank] if rank < len(names) else f"rank{rank}"
+    if failure.exitcode < 0:
+        return f"error: worker {name} was killed by signal {-failure.exitcode} (no traceback: killed, out of " \
+               "memory or crashed in native code)"
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    if message.startswith("error: "):
+        return message
+    last = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}, no message"
+    return f"error: worker {name} failed: {last}"
 
-
-def _supervise(procs, specs, error_queue):
-    alive = {p.sentinel: p for p in procs}
-    while alive:
-        for sentinel in wait_for_any(list(alive), timeout=1.0):
-            p = alive.pop(sentinel)
-            p.join(timeout=5)  # the sentinel fires before the exit code is collected
-            if p.exitcode != 0:
-                name, tb = _root_cause(procs, error_queue)
-                _stop_all(procs)
-                if tb.startswith("error: "):  # a one-line error (full disk, bad checkpoint): no traceback
-                    raise SystemExit(f"error: {name}: {tb[len('error: '):]}")
-                print(f"[tandem] worker {name} failed; all workers stopped.\n{tb}", file=sys.stderr, flush=True)
-                last = tb.strip().splitlines()[-1] if tb.strip() else "no message"
-                raise SystemExit(f"error: worker {name} failed: {last}")
-            _kill_group(p)  # whatever the finished worker left behind
-
-
-def _root_cause(procs, error_queue) -> tuple[str, str]:
-    """The failure that started it: a worker killed by a signal (its peers then fail with 'connection closed'),
-    else the earliest reported traceback."""
-    time.sleep(0.5)  # let the peers of a dead worker notice and report
-    for p in procs:
-        if p.exitcode is not None and p.exitcode < 0:
-            return p.name, f"{p.name} was killed by signal {-p.exitcode} (no traceback: killed or crashed in native code)"
-    deadline = time.time() + 2
-    while time.time() < deadline:
-        if not error_queue.empty():
-            return error_queue.get()
-        time.sleep(0.05)
-    failed = next(p for p in procs if p.exitcode not in (0, None))
-    return failed.name, f"{failed.name} exited with code {failed.exitcode} and reported no traceback"

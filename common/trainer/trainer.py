@@ -23,6 +23,7 @@ from common.trainer import checkpoints as ckpt
 from common.trainer.checkpoints import tensor_bytes
 from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
+from common.runtime.launcher import stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline
 from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
 from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
@@ -425,6 +426,8 @@ class TrainerRun:
             self.samples.log(sample_rows(batch.experiences, self.trainer.tokenizer, step, self.args.log_samples))
         if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
             self.checkpoint()
+        if stop_requested.is_set():  # SIGTERM (preemption) or Ctrl-C: checkpoint at this step boundary, then stop
+            raise KeyboardInterrupt
 
     def checkpoint(self, name: str | None = None):
         if not self.is_main and not self.trainer.dp.sharded:  # the replicas are identical: one writer
@@ -475,8 +478,8 @@ class TrainerRun:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is KeyboardInterrupt:
-            self.checkpoint()  # Ctrl-C: keep what was learned
+        if exc_type is KeyboardInterrupt or stop_requested.is_set():
+            self.checkpoint()  # Ctrl-C, SIGTERM, or peers gone while stopping: keep what was learned
         if self.logger:
             self.logger.close()
         return False
