@@ -111,7 +111,7 @@ class ExperienceQueue:
             if waited >= timeout:
                 raise TimeoutError(f"{who}: no experiences arrived for {timeout:.0f}s (explorer stalled?)")
             try:
-                return self.mailbox.get_batch(timeout=min(0.5, timeout - waited))
+                return self.mailbox.get_batch(timeout=max(0.01, min(0.5, timeout - waited, next_stall - waited)))
             except queue.Empty:
                 if on_stall is not None and time.time() - start >= next_stall:
                     on_stall(time.time() - start)

@@ -69,7 +69,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
         prepare_run(args, schedule)
         os.environ["TANDEM_ARGS"] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:
-            launch_local(os.path.abspath(sys.argv[0]), sys.argv[1:], [w.name for w in plan])
+            launch_local([os.path.abspath(sys.argv[0]), *sys.argv[1:]], [w.name for w in plan])
         except SignalException as e:  # Ctrl-C / SIGTERM: the agent passed it on; trainers checkpointed
             raise SystemExit(f"\n[tandem] stopped by {e.sigval.name}: trainers saved a checkpoint") from None
         return

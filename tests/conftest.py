@@ -25,6 +25,38 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
                           timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})})
 
 
+def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
+    """The pid of the run's rank `rank` (trainers first, then explorers) among `parent`'s children: torch elastic
+    starts each rank with RANK=<rank> in its environment."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"\0RANK={rank}\0".encode() in b"\0" + f.read():
+                        return int(pid)
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} under {parent}")
+
+
+def descendants(pid: int) -> list[int]:
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return children + [d for c in children for d in descendants(c)]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=()) -> list[dict]:
     """The end-to-end check that a run learned: every step's row has loss != 0 and grad_norm > 0 (steps listed in
     `skipped` are exempt: e.g. partial rollouts where no group had finished), and final/ differs from the initial

@@ -70,7 +70,7 @@ def test_data_parallel_ppo_with_checkpoint_sync(run, tmp_path):
 def test_backend_follows_placement():
     assert choose_backend(["cpu", "cpu", "cpu"]) == "gloo"
     assert choose_backend(["cuda:1", "cuda:2", "cuda:0"]) == "nccl"
-    assert choose_backend(["cuda:0", "cuda"]) == "cpu:gloo,cuda:nccl"  # colocated: 'cuda' is cuda:0
+    assert choose_backend(["cuda:0", "cuda:0"]) == "cpu:gloo,cuda:nccl"  # colocated on one GPU
     assert choose_backend(["cuda:0", "cpu"]) == "cpu:gloo,cuda:nccl"
 
 

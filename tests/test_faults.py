@@ -15,7 +15,7 @@ import pytest
 
 from common.trainer.checkpoints import step_checkpoints, verify
 from common.runtime.metrics import read_metrics, wandb_offline_steps
-from conftest import ROOT, TINY, run_script
+from conftest import ROOT, TINY, run_script, worker_pid
 
 
 def _steps(out) -> list[int]:
@@ -30,22 +30,6 @@ def _leftovers(out) -> list[str]:
     return [os.path.join(root, d) for root, dirs, _ in os.walk(out) for d in dirs if d.startswith(".tmp-")]
 
 
-def _worker_pid(parent: int, name: str, timeout: float = 120) -> int:
-    """The launcher starts each worker with TANDEM_WORKER=<name> in its environment."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        pids = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if f"TANDEM_WORKER={name}".encode() in f.read():
-                        return int(pid)
-            except OSError:
-                continue
-        time.sleep(0.1)
-    raise AssertionError(f"no worker {name} under {parent}")
-
-
 def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path):
     """kill -9 of the trainer after step 3 (last checkpoint: step 2); `--out-dir X --resume` alone continues with
     the saved config; metrics.jsonl and W&B then hold steps 1..5 once each, the redone ones marked resumed."""
@@ -56,7 +40,7 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
                              "--checkpoint-every", "2", "--out-dir", str(out), "--track"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        trainer = _worker_pid(proc.pid, "trainer0")
+        trainer = worker_pid(proc.pid, 0)
         deadline = time.time() + 300
         while len(_steps(out)) < 3 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
@@ -206,20 +190,6 @@ def test_resume_reads_saved_config_and_refuses_frozen_changes(tmp_path):
     with pytest.raises(SystemExit) as e:
         parse_args(Args, ["--out-dir", str(out), "--resume"])
     assert "another schedule (async" in str(e.value.code)
-
-
-def test_queue_wait_reports_stalls_until_timeout():
-    """ExperienceQueue.get calls on_stall every stall_every seconds while nothing arrives, then times out."""
-    import torch.multiprocessing as mp
-
-    from common.experience import ExperienceQueue
-
-    queue, calls = ExperienceQueue(mp.get_context("spawn"), maxsize=1), []
-    start = time.time()
-    with pytest.raises(TimeoutError, match="no experiences arrived for 1s"):
-        queue.get(1.0, on_stall=calls.append, stall_every=0.3)
-    assert 1.0 <= time.time() - start < 5
-    assert len(calls) == 3 and calls == sorted(calls) and 0.3 <= calls[0] < calls[-1] < 1.0
 
 
 def test_trainer_says_which_explorer_it_waits_for(tmp_path):

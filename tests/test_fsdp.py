@@ -1,4 +1,4 @@
-"""--trainer-shard fsdp: two FSDP2 trainers over gloo (real processes, common.runtime.launcher) against one trainer; the
+"""--trainer-shard fsdp: two FSDP2 trainers over gloo (real ranks under torch elastic) against one trainer; the
 weight sync from shards; resume from a checkpoint written by sharded trainers."""
 
 import json
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.runtime.launcher import WorkerSpec, launch
-from conftest import TINY
+from common.runtime.launcher import run_function
+from conftest import ROOT, TINY
 from test_scale_trainer import uneven_experiences
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,6 +28,7 @@ def _args(out_dir, *flags):
 
 
 def worker(ctx, out_dir, flags, resume):
+    flags, resume = json.loads(flags), resume == "True"
     """Trainers: (resume,) train to step 3 on fixed experiences, syncing after every step and saving a checkpoint
     at step 2 and final/. The explorer (an HF engine) pulls every version and records the checksum it holds."""
     from common.explorer.engine import HFEngine
@@ -73,10 +74,8 @@ def worker(ctx, out_dir, flags, resume):
 
 def run_workers(out_dir, flags, trainers=2, explorer=True, resume=False):
     os.makedirs(out_dir, exist_ok=True)
-    specs = [WorkerSpec(f"trainer{i}", "trainer", "cpu", worker, (str(out_dir), flags, resume)) for i in range(trainers)]
-    if explorer:
-        specs.append(WorkerSpec("explorer0", "explorer", "cpu", worker, (str(out_dir), flags, resume)))
-    launch(specs, num_threads=1, timeout_s=120)
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # the ranks import this file
+    run_function("test_fsdp:worker", trainers, int(explorer), str(out_dir), json.dumps(flags), str(resume))
 
 
 def one_trainer(out_dir, flags):

@@ -12,7 +12,7 @@ import torch
 
 from common.runtime.metrics import read_metrics, read_timeline
 from common.weight_sync import latest_sync_version, load_sync_checkpoint, weights_hash, write_sync_checkpoint
-from tests.conftest import ROOT, TINY, assert_trained, run_script
+from tests.conftest import ROOT, TINY, alive, assert_trained, descendants, run_script, worker_pid
 
 
 def _syncs(events, process, phases=("sync",)):
@@ -106,8 +106,8 @@ def test_killing_an_explorer_stops_the_run(tmp_path):
     while time.time() < deadline and len(read_metrics(str(out))) < 3:
         time.sleep(0.2)
     assert len(read_metrics(str(out))) >= 3, "the run did not get going"
-    workers = _descendants(proc.pid)
-    explorer = _find_worker(proc.pid, "explorer1")
+    workers = descendants(proc.pid)
+    explorer = worker_pid(proc.pid, 2)  # trainer0, explorer0, explorer1
     killed_at = time.time()
     os.kill(explorer, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=30)
@@ -116,30 +116,16 @@ def test_killing_an_explorer_stops_the_run(tmp_path):
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors and "explorer1" in errors[0] and "signal 9" in errors[0], stderr[-2000:]
     time.sleep(0.5)
-    left = [p for p in workers if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    left = [p for p in workers if alive(p)]
     assert not left, f"processes left behind: {left}"
 
 
-def _descendants(pid: int) -> list[int]:
-    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _find_worker(parent: int, name: str) -> int:
-    """The launcher starts each worker with TANDEM_WORKER=<name> in its environment."""
-    for pid in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            if f"TANDEM_WORKER={name}".encode() in f.read():
-                return int(pid)
-    raise AssertionError(f"no worker {name} under {parent}")
-
-
 def test_torchrun_launch_with_tracking(tmp_path):
-    """`torchrun --nproc-per-node 1 train_async.py` works like python (the agent's store is not reused), and
-    --track logs to W&B offline when no API key is set."""
+    """`torchrun --nproc-per-node 2 train_async.py` (one trainer + one explorer) works like python, and --track
+    logs to W&B offline when no API key is set."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "2", "--out-dir", str(out),
                            "--track"], cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
                           env={**env, "PYTHONPATH": ROOT})

@@ -39,8 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Set by SIGTERM / SIGINT in a worker: trainers checkpoint at the next step boundary and stop.
+# Set by SIGTERM / SIGINT in a worker. A trainer stops at once when it is between steps (waiting for experiences
+# or weights), else at the end of the step it is in (`in_step`), and checkpoints on its way out.
 stop_requested = threading.Event()
+in_step = threading.Event()
 
 
 @dataclass
@@ -113,12 +115,11 @@ class WorkerContext:
 
     def wait_key(self, key: str, timeout_s: float, what: str) -> bytes:
         """A value another rank publishes in the store; TimeoutError naming who waits for what."""
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except (dist.DistStoreError, RuntimeError) as e:
-            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                raise
-            raise TimeoutError(f"{self.name}: no {what} after {timeout_s:.0f}s") from None
+        deadline = time.time() + timeout_s
+        while not self.store.check([key]):
+            if time.time() > deadline:
+                raise TimeoutError(f"{self.name}: no {what} after {timeout_s:.0f}s")
+            time.sleep(0.05)
         return self.store.get(key)
 
     def close(self, timeout_s: float) -> None:
@@ -182,12 +183,13 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float, num_
 
 def _install_signal_handlers(role: str) -> None:
     """SIGTERM (Slurm / Kubernetes preemption, torch elastic stopping the group) and SIGINT: trainers finish the
-    step they are in and checkpoint (common/trainer/trainer.py); explorers have nothing to save and stop now."""
+    step they are in, if any, and checkpoint (common/trainer/trainer.py); explorers have nothing to save: they stop
+    now."""
     def handler(signum, frame):
         stop_requested.set()
         if role == "explorer":
             raise SystemExit(128 + signum)
-        if signum == signal.SIGINT:  # a second Ctrl-C, or one while waiting: stop at once (still checkpointing)
+        if not in_step.is_set():
             raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
@@ -244,41 +246,50 @@ def _die(line: str) -> None:
 
 # ----------------------------------------------------------------------------- failures, as the agent reports them
 def report_error(message: str, tb: str = "") -> None:
-    """Write this worker's failure where torch elastic reads it (TORCHELASTIC_ERROR_FILE): the launcher shows a
-    one-line error as is, and a traceback's last line."""
+    """Write this worker's failure where torch elastic reads it (TORCHELASTIC_ERROR_FILE), for the launcher's
+    one-line report (`_root_cause`)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": message, "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time())),
+                                                          "time": time.time()}}}
     with open(path, "w") as f:
         json.dump(data, f)
 
 
+def _exit(code: int, text: str = "") -> None:
+    """Leave now, without interpreter teardown: a gloo thread still blocked in a receive would abort it."""
+    if text and not os.environ.get("TANDEM_LOCAL"):  # under `python train_X.py` the launcher prints the report
+        print(text, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_worker(fn, *args) -> None:
-    """Run a worker's main: a one-line error (SystemExit("error: ...")) and any other failure are reported to the
-    agent, then the process exits non-zero."""
+    """Run a worker's main. A one-line error (SystemExit("error: ...")) or a traceback is reported to the agent
+    and printed once (by this worker under torchrun, by the launcher under python), then the process exits."""
+    name = os.environ.get("TANDEM_WORKER", f"rank{os.environ.get('RANK')}")
     try:
         fn(*args)
     except KeyboardInterrupt:
         if not stop_requested.is_set():
             raise
         # SIGTERM / Ctrl-C: the trainer checkpointed on its way out (common/trainer/trainer.py)
-        name = os.environ.get("TANDEM_WORKER", "worker")
-        report_error(f"error: {name}: stopped by a signal (checkpoint saved)")
-        raise SystemExit(f"[tandem] {name}: stopped by a signal; checkpoint saved" if not os.environ.get(
-            "TANDEM_LOCAL") else 143) from None
+        _exit(143, f"[tandem] {os.environ.get('TANDEM_WORKER', name)}: stopped by a signal")
     except SystemExit as e:
         if e.code in (0, None):
             return
-        if isinstance(e.code, str) and e.code.startswith("error: "):
-            name = os.environ.get("TANDEM_WORKER", "worker")
-            line = e.code if e.code.startswith(f"error: {name}") else f"error: {name}: {e.code[len('error: '):]}"
-            report_error(line)
-            raise SystemExit(line if not os.environ.get("TANDEM_LOCAL") else 1) from None
-        raise
+        if not (isinstance(e.code, str) and e.code.startswith("error: ")):
+            _exit(e.code if isinstance(e.code, int) else 1)
+        name = os.environ.get("TANDEM_WORKER", name)
+        line = e.code if e.code.startswith(f"error: {name}") else f"error: {name}: {e.code[len('error: '):]}"
+        report_error(line)
+        _exit(1, line)
     except BaseException as e:
-        report_error(f"{type(e).__name__}: {e}", traceback.format_exc())
-        raise
+        tb = traceback.format_exc()
+        report_error(f"{type(e).__name__}: {e}", tb)
+        _exit(1, tb.rstrip())
 
 
 def _free_port() -> int:
@@ -287,10 +298,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(script: str, argv: list[str], names: list[str], shutdown_s: float = 30.0) -> None:
-    """`python train_X.py ...`: run `script argv` as `nproc` ranks on this node through torch's elastic launcher
-    API (what torchrun runs), so one code path serves one node and many. The first failure stops every rank; it is
-    raised as one line naming the worker (its traceback, if any, is above it on stderr)."""
+def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0) -> None:
+    """`python train_X.py ...`: run `python command` once per worker in `names` on this node, through torch's
+    elastic launcher API (what torchrun runs), so one code path serves one node and many. The first failure stops
+    every rank; it is raised as one line naming the worker (its traceback, if any, is above it on stderr)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -300,7 +311,7 @@ def launch_local(script: str, argv: list[str], names: list[str], shutdown_s: flo
                           monitor_interval=0.1, start_method="spawn", shutdown_timeout=int(shutdown_s))
     os.environ["TANDEM_LOCAL"] = "1"  # workers leave one-line errors to this process
     try:
-        elastic_launch(config, sys.executable)("-u", script, *argv)
+        elastic_launch(config, sys.executable)("-u", *command)
     except ChildFailedError as e:
         raise SystemExit(_root_cause(e, names)) from None
     finally:
@@ -310,15 +321,48 @@ def launch_local(script: str, argv: list[str], names: list[str], shutdown_s: flo
 def _root_cause(e, names: list[str]) -> str:
     """The failure that started it: a rank killed by a signal (its peers then fail on closed connections), else
     the earliest reported one."""
-    failures = sorted(e.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0]))
-    rank, failure = failures[0]
+    def info(failure) -> dict:
+        message = failure.error_file_data.get("message")
+        return message.get("extraInfo", {}) if isinstance(message, dict) else {}
+
+    def order(item):
+        rank, failure = item
+        return failure.exitcode >= 0, not info(failure), info(failure).get("time", failure.timestamp), rank
+
+    rank, failure = min(e.failures.items(), key=order)
     name = names[rank] if rank < len(names) else f"rank{rank}"
     if failure.exitcode < 0:
         return f"error: worker {name} was killed by signal {-failure.exitcode} (no traceback: killed, out of " \
                "memory or crashed in native code)"
-    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    if not info(failure):
+        return f"error: worker {name} exited with code {failure.exitcode} and reported nothing"
+    message = failure.error_file_data["message"]["message"]
     if message.startswith("error: "):
         return message
-    last = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}, no message"
-    return f"error: worker {name} failed: {last}"
+    print(f"[tandem] worker {name} failed; all workers stopped.\n{info(failure)['py_callstack']}", file=sys.stderr,
+          flush=True)
+    return f"error: worker {name} failed: {message.splitlines()[0] if message else 'no message'}"
 
+
+
+def run_function(target: str, trainers: int, explorers: int, *args: str, timeout_s: float = 120) -> None:
+    """Run `module:function(ctx, *args)` on every rank of a CPU world of `trainers` + `explorers` ranks (tests and
+    benchmarks that drive the workers' parts directly)."""
+    names = [w.name for w in plan_world(["cpu"] * trainers, ["cpu"] * explorers)]
+    launch_local(["-m", "common.runtime.launcher", target, str(trainers), str(explorers), str(timeout_s), *args],
+                 names)
+
+
+def _function_rank(target: str, trainers: str, explorers: str, timeout_s: str, *args: str) -> None:
+    import importlib
+
+    module, function = target.split(":")
+    ctx = join_world(plan_world(["cpu"] * int(trainers), ["cpu"] * int(explorers)), float(timeout_s), 15.0, 1)
+    getattr(importlib.import_module(module), function)(ctx, *args)
+    ctx.close(float(timeout_s))
+
+
+if __name__ == "__main__":
+    from common.runtime import launcher  # the module the workers' code imports (not a second copy as __main__)
+
+    launcher.run_worker(launcher._function_rank, *sys.argv[1:])

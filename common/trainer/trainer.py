@@ -23,7 +23,7 @@ from common.trainer import checkpoints as ckpt
 from common.trainer.checkpoints import tensor_bytes
 from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
-from common.runtime.launcher import stop_requested
+from common.runtime.launcher import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline
 from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
 from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
@@ -365,6 +365,7 @@ class TrainerRun:
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0),
                         "evals": state.get("evals", [])}  # every evaluation's metrics, in the order they came
         self.start_time = time.time() - state.get("elapsed", 0.0)
+        self.logged_step = self.trainer.step
         self.replay = None  # Kimi k1.5 replay: groups trained up to --max-reuse times (in memory: not resumed)
         if args.max_reuse > 1:
             self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
@@ -404,6 +405,7 @@ class TrainerRun:
         return batch
 
     def train(self, batch, step: int) -> dict:
+        in_step.set()  # from here to the end of `log`, a stop signal waits for the step to finish
         experiences, replay_metrics = batch.experiences, {}
         if self.replay is not None:
             experiences, replay_metrics = self.replay.mix(experiences, self.trainer.version)
@@ -426,7 +428,9 @@ class TrainerRun:
             self.samples.log(sample_rows(batch.experiences, self.trainer.tokenizer, step, self.args.log_samples))
         if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
             self.checkpoint()
-        if stop_requested.is_set():  # SIGTERM (preemption) or Ctrl-C: checkpoint at this step boundary, then stop
+        self.logged_step = step
+        in_step.clear()
+        if stop_requested.is_set():  # SIGTERM (preemption) or Ctrl-C during the step: checkpoint now, then stop
             raise KeyboardInterrupt
 
     def checkpoint(self, name: str | None = None):
@@ -478,8 +482,10 @@ class TrainerRun:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is KeyboardInterrupt or stop_requested.is_set():
-            self.checkpoint()  # Ctrl-C, SIGTERM, or peers gone while stopping: keep what was learned
+        # Ctrl-C, SIGTERM, or peers gone while stopping: keep what was learned, if its metrics row is written (a
+        # step cut before its row would be missing from metrics.jsonl after resuming; the previous one is kept)
+        if (exc_type is KeyboardInterrupt or stop_requested.is_set()) and self.trainer.step == self.logged_step:
+            self.checkpoint()
         if self.logger:
             self.logger.close()
         return False
