@@ -118,12 +118,11 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
             batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
             if not batch.experiences:
                 continue
-            metrics = run.train(batch, run.step + 1)
+            run.log(batch, run.train(batch, run.step + 1))
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up
                 weights.push(run.trainer.named_weights(), run.trainer.version, run.step, args.sync_method,
                              in_flight=args.sync_method == "broadcast")
                 sent = run.trainer.version
-            run.log(batch, metrics)
         # Shutdown: explorers stop generating and join every send up to the final version.
         final_version.value = run.trainer.version
         stop.set()

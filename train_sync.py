@@ -65,9 +65,8 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         while run.step < args.steps:
             step = run.step + 1
             batch = run.get(queue)
-            metrics = run.train(batch, step)
+            run.log(batch, run.train(batch, step))
             weights.push(run.trainer.named_weights(), run.trainer.version, step, args.sync_method)
-            run.log(batch, metrics)
         run.finish()  # waits for the final evaluation on the control channel
 
 

@@ -24,7 +24,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 SETTINGS = {
     "replica": [],
@@ -68,9 +69,11 @@ def experiences(n: int, prompt_len: int, shortest: int, vocab: int, seed: int = 
     return out
 
 
-def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
+def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting, threads):
     import torch
 
+    argv, steps, prompt_len, shortest = json.loads(argv), int(steps), int(prompt_len), int(shortest)
+    torch.set_num_threads(int(threads))
     from common.config import parse_args
     from common.trainer.parallel import DataParallel
     from common.trainer.trainer import Trainer
@@ -107,15 +110,15 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting):
 
 
 def measure(setting, flags, opts, result_dir):
-    from common.runtime.launcher import WorkerSpec, launch
+    from common.runtime.launcher import run_function
 
     argv = ["--model", opts.model, "--tasks-per-step", str(opts.samples // 2), "--samples-per-task", "2",
             "--minibatch-size", str(opts.samples), "--micro-batch-size", str(opts.micro_batch_size),
             "--no-drop-zero-signal-groups", "--trainer-devices", "cpu,cpu", "--max-new-tokens", str(10 * opts.shortest + 1),
             *[str(opts.pack_tokens) if f == "PACK" else f for f in flags]]
-    specs = [WorkerSpec(f"trainer{i}", "trainer", "cpu", worker,
-                        (argv, opts.steps, opts.prompt_len, opts.shortest, result_dir, setting)) for i in range(2)]
-    launch(specs, num_threads=opts.threads, timeout_s=1800)
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])  # the ranks import this file
+    run_function("memory:worker", 2, 0, json.dumps(argv), str(opts.steps), str(opts.prompt_len), str(opts.shortest),
+                 result_dir, setting, str(opts.threads), timeout_s=1800)
     return [json.load(open(os.path.join(result_dir, f"{setting}-trainer{i}.json"))) for i in range(2)]
 
 

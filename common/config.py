@@ -14,7 +14,6 @@ from typing import Literal
 
 from common.cli import check_choice, choices, cli
 from common.explorer.engine import vllm_available
-from common.runtime.launcher import normalize_device
 from common.runtime.plugins import load_object
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
@@ -470,7 +469,7 @@ def check_placement(explorers: list[str], trainers: list[str]) -> None:
     if len(kinds) > 1:
         raise ConfigError(f"--trainer-devices {','.join(trainers)}: data-parallel trainers must be all cpu or all cuda")
     if "cuda" in kinds:
-        seen = [normalize_device(d) for d in trainers]
+        seen = [d for d in trainers if d != "cuda"]  # bare cuda: each rank's own GPU (LOCAL_RANK)
         twice = next((d for d in seen if seen.count(d) > 1), None)
         if twice:
             raise ConfigError(f"--trainer-devices lists {twice} twice: each data-parallel trainer needs its own GPU")

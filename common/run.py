@@ -120,20 +120,21 @@ def check_shared_folder(ctx: WorkerContext, folder: str, timeout_s: float) -> No
     across nodes); checked with a token file before any model loads."""
     probe = os.path.join(folder, ".probe")
     if ctx.rank == 0:
-        token = uuid.uuid4().hex
         os.makedirs(folder, exist_ok=True)
+        mine = {"token": uuid.uuid4().hex, "folder": os.path.abspath(folder), "node": socket.gethostname()}
         with open(probe, "w") as f:
-            f.write(token)
-        ctx.store.set("probe", token)
+            f.write(mine["token"])
+        ctx.store.set("probe", json.dumps(mine))
         return
     if ctx.role != "explorer":
         return
-    token = ctx.wait_key("probe", timeout_s, "sync folder token from trainer0").decode()
+    trainer = json.loads(ctx.wait_key("probe", timeout_s, "sync folder token from trainer0"))
     seen = open(probe).read() if os.path.exists(probe) else None
-    if seen != token:
-        raise SystemExit(f"error: {ctx.name} on node {socket.gethostname()}: --sync-method checkpoint needs the "
-                         f"trainer's folder {os.path.abspath(folder)} on every node (a shared filesystem), and "
-                         "this node does not see it; share --out-dir or use --sync-method broadcast")
+    if seen != trainer["token"]:
+        raise SystemExit(f"error: {ctx.name} on node {socket.gethostname()}: --sync-method checkpoint needs "
+                         f"trainer0's folder {trainer['folder']} (node {trainer['node']}) here as "
+                         f"{os.path.abspath(folder)}, and this node does not see it: put --out-dir on a shared "
+                         "filesystem or use --sync-method broadcast")
 
 
 def check_out_dir(out_dir: str) -> None:

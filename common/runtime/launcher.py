@@ -59,11 +59,6 @@ def plan_world(trainer_devices: list[str], explorer_devices: list[str]) -> list[
             + [Worker(f"explorer{i}", "explorer", i, d) for i, d in enumerate(explorer_devices)])
 
 
-def normalize_device(device: str) -> str:
-    """'cuda' -> 'cuda:0' (so placements on one GPU can be compared); other names unchanged."""
-    return "cuda:0" if device == "cuda" else device
-
-
 def rank_device(device: str, local_rank: int) -> str:
     """A configured device on the rank with this LOCAL_RANK: bare `cuda` is the rank's own GPU."""
     if device != "cuda":

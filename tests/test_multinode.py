@@ -1,0 +1,182 @@
+"""Several nodes, tested as several torchrun agents on localhost (`--nnodes 2 --node-rank 0/1`, static, and one
+c10d rendezvous): the trainer on one node, explorers on the other; faults handled by torch elastic."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.runtime.metrics import read_metrics, read_timeline
+from common.trainer.checkpoints import step_checkpoints
+from conftest import ROOT, TINY, alive, assert_trained, descendants, run_script, worker_pid
+
+pytestmark = pytest.mark.timeout(300)
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(node_rank: int, nnodes: int, nproc: int, port: int, script: str, *args: str, cwd=ROOT, rdzv="static",
+         torchrun=()):
+    """One torchrun agent: a 'node' of the run."""
+    where = (["--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+             if rdzv == "static" else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                       "--rdzv-id", f"test{port}"])
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                             "--nproc-per-node", str(nproc), *where, *torchrun, os.path.join(ROOT, script), *args],
+                            cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def finish(*procs, timeout=240) -> list[str]:
+    errs = []
+    for p in procs:
+        try:
+            errs.append(p.communicate(timeout=timeout)[1])
+        finally:
+            p.kill()
+    return errs
+
+
+def _hashes_match(out, explorers, last_version):
+    events = read_timeline(str(out))
+    phases = ("sync", "sync-checkpoint")
+    sent = {e["version"]: e["hash"] for e in events if e["process"] == "trainer0" and e["phase"] in phases
+            and "version" in e}
+    for i in range(explorers):
+        got = [e for e in events if e["process"] == f"explorer{i}" and e["phase"] in phases and "version" in e]
+        assert got and all(e["hash"] == sent[e["version"]] for e in got), f"explorer{i}: {got}"
+        assert got[-1]["version"] == last_version
+
+
+@pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py"])
+def test_trainer_on_one_node_explorer_on_the_other(tmp_path, script):
+    """Static rendezvous for sync; c10d for off-policy (ranks are then assigned by the rendezvous, and the roles
+    still follow them)."""
+    out, port = tmp_path / "run", _port()
+    args = [*TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync"]
+    rdzv = "static" if script == "train_sync.py" else "c10d"
+    errs = finish(node(0, 2, 1, port, script, *args, rdzv=rdzv), node(1, 2, 1, port, script, *args, rdzv=rdzv))
+    assert "Traceback" not in errs[1], errs[1][-3000:]
+    assert_trained(out, steps=3)
+    _hashes_match(out, 1, 3)
+    assert all("Traceback" not in e for e in errs), errs
+
+
+def test_async_two_explorers_on_two_nodes(tmp_path):
+    """Node 0: trainer0 + explorer0; node 1: explorer1. Both explorers feed the one buffer across nodes and end
+    on the final weights, bit-identical to the trainer's."""
+    out, port = tmp_path / "run", _port()
+    args = [*TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync", "--num-explorers", "2",
+            "--max-staleness", "1"]
+    finish(node(0, 2, 2, port, "train_async.py", *args), node(1, 2, 1, port, "train_async.py", *args))
+    rows = assert_trained(out, steps=6)
+    assert all(r["staleness/max"] <= 1 for r in rows)
+    _hashes_match(out, 2, 6)
+    got = {e["get"].split("-")[0] for e in read_timeline(str(out)) if e["phase"] == "wait" and "get" in e}
+    assert got == {"0", "1"}, "both explorers' batches reach the trainer"
+
+
+def test_dead_explorer_without_restarts_ends_both_nodes_in_seconds(tmp_path):
+    """kill -9 of the explorer on node 1: node 1's agent stops; node 0 (no process of its own died) learns it from
+    the liveness watch and exits non-zero within --peer-timeout-s, naming the dead worker; no process is left."""
+    out, port = tmp_path / "run", _port()
+    args = [*TINY, "--steps", "100000", "--out-dir", str(out), "--peer-timeout-s", "3"]
+    n0, n1 = node(0, 2, 1, port, "train_sync.py", *args), node(1, 2, 1, port, "train_sync.py", *args)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(read_metrics(str(out))) < 2:
+            time.sleep(0.2)
+        workers = descendants(n0.pid) + descendants(n1.pid)
+        killed_at = time.time()
+        os.kill(worker_pid(n1.pid, 1), signal.SIGKILL)
+        err0, _ = finish(n0, n1, timeout=60)
+    finally:
+        n0.kill(), n1.kill()
+    assert time.time() - killed_at < 20
+    assert n0.returncode != 0 and n1.returncode != 0
+    errors = [line for line in err0.splitlines() if "error:" in line and "explorer0" in line]
+    assert errors, err0[-3000:]
+    time.sleep(0.5)
+    assert not [p for p in workers if alive(p)]
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["trainer", "explorer"])
+def test_kill9_under_max_restarts_resumes_with_every_step_once(tmp_path, victim):
+    """torchrun --max-restarts 1: a worker killed with SIGKILL after step 3 (checkpoints every 2 steps) makes the
+    agent restart the group; the new workers resume from step_2 on their own and metrics.jsonl holds steps 1..6
+    once each."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--max-restarts", "1", os.path.join(ROOT, "train_sync.py"), *TINY, "--steps", "6",
+                             "--checkpoint-every", "2", "--out-dir", str(out), "--stall-log-s", "600"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(read_metrics(str(out))) < 3:
+            time.sleep(0.01)
+        os.kill(worker_pid(proc.pid, victim), signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rows = assert_trained(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert any(r.get("resumed") for r in rows), "the restarted group resumed from a checkpoint"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    """SIGTERM (what Slurm and Kubernetes send before preempting) to `python train_sync.py`: the trainer saves a
+    checkpoint of the last finished step, everything exits within the grace period, no traceback; --resume goes
+    on from there."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_sync.py"), *TINY, "--steps", "100000",
+                             "--checkpoint-every", "1000", "--out-dir", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(read_metrics(str(out))) < 2:
+            time.sleep(0.1)
+        workers = descendants(proc.pid)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - sent < 15
+    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert "stopped by SIGTERM" in err.strip().splitlines()[-1]
+    steps = [r["step"] for r in read_metrics(str(out))]
+    assert [s for s, _ in step_checkpoints(str(out))] == [steps[-1]]  # the last finished step, saved
+    time.sleep(0.5)
+    assert not [p for p in workers if alive(p)]
+
+
+def test_node_that_never_joins_is_one_line_within_the_rendezvous_timeout(tmp_path):
+    port = _port()
+    start = time.time()
+    proc = node(0, 2, 1, port, "train_sync.py", *TINY, "--steps", "1", "--out-dir", str(tmp_path / "run"),
+                torchrun=["--rdzv-conf", "timeout=5"])
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - start < 60
+    assert "1/2 clients joined" in err or "Timed out" in err, err[-2000:]
+
+
+def test_checkpoint_sync_needs_a_folder_every_node_sees(tmp_path):
+    """--sync-method checkpoint with a relative --out-dir from two working folders: the explorer's node does not see
+    the trainer's folder, and says so in one line before any model loads."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    port = _port()
+    args = [*TINY, "--steps", "2", "--out-dir", "run", "--sync-method", "checkpoint"]
+    _, err1 = finish(node(0, 2, 1, port, "train_sync.py", *args, cwd=tmp_path / "a"),
+                     node(1, 2, 1, port, "train_sync.py", *args, cwd=tmp_path / "b"), timeout=120)
+    lines = [line for line in err1.splitlines() if line.startswith("error: explorer0 on node")]
+    assert lines and str(tmp_path / "a" / "run" / "sync") in lines[0] and "shared filesystem" in lines[0], err1[-2000:]
+    assert not (tmp_path / "a" / "run" / "timeline" / "explorer0.jsonl").exists()
