@@ -78,7 +78,7 @@ def test_impossible_placements_are_one_line_errors():
     with pytest.raises(ConfigError, match="--trainer-devices cpu,cuda:0: data-parallel trainers must be all cpu"):
         check_placement(["cpu"], ["cpu", "cuda:0"])
     with pytest.raises(ConfigError, match="--trainer-devices lists cuda:0 twice"):
-        check_placement(["cpu"], ["cuda:0", "cuda"])
+        check_placement(["cpu"], ["cuda:0", "cuda:0"])
     with pytest.raises(ConfigError, match="'tpu:0' in --explorer-devices/--trainer-devices"):
         check_placement(["tpu:0"], ["cpu"])
     with pytest.raises(ConfigError, match="--explorer-devices and --trainer-devices each need"):
