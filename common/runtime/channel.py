@@ -2,8 +2,9 @@
 
 Transport (nothing of our own on sockets): payloads are pickled into uint8 tensors and sent point-to-point over
 gloo on the world's buffer group; admission and the run's flags go through the c10d store the elastic agent hosts.
-The same path serves one node and many: on one node gloo runs over loopback TCP, which moves rollout batches far
-faster than they are made (docs/BENCHMARKS.md "Buffer"), so there is no second, shared-memory path to keep true.
+The same path serves one node and many: on one node gloo runs over loopback TCP at about half a multiprocessing
+queue's throughput (~100 MB/s of rollout batches here, bench/multinode.py), far more than explorers produce, so
+there is no second, shared-memory path to keep true.
 
 Bounded with backpressure, as a queue of `capacity` items: a batch may be sent only with a ticket, and tickets are
 granted in order, `capacity` ahead of what the trainer has taken. An explorer with no grant blocks (its put times
