@@ -91,10 +91,30 @@ def check_workflows(tasks: list[dict]) -> None:
                               f"(one of {', '.join(WORKFLOWS)})")
 
 
+def check_episode_prompts(args, tasks: list[dict]) -> None:
+    """An environment task whose first prompt (the environment's reset, tools and chat template applied) leaves
+    no room for a turn in --episode-token-budget is rejected with file:line, before any compute."""
+    tasks = [t for t in tasks if WHERE in t and "env" in t]
+    if not tasks:
+        return
+    from common.explorer.multi_turn import MultiTurn
+    from common.explorer.rollouts import Context
+
+    ctx = Context.from_args(load_tokenizer(args.model, args.chat_template), args)
+    for task in tasks:
+        e = MultiTurn(task, 0, 1, ctx).group.responses[0]
+        if e.end_reason is not None:
+            raise ConfigError(f"{task[WHERE]}: the episode cannot start: {e.error or e.end_reason} (a first "
+                              f"prompt needs fewer than --episode-token-budget {args.episode_token_budget} tokens "
+                              f"minus one turn)")
+        e._end("done")
+
+
 def check_prompt_lengths(args, tasks: list[dict]) -> None:
     """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
     (rejected, not truncated: a cut question is a different task)."""
-    tasks = [t for t in tasks if WHERE in t]  # from files (the built-in arith prompts are short)
+    check_episode_prompts(args, tasks)
+    tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
     if args.model == "tiny":

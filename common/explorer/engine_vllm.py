@@ -479,12 +479,14 @@ class VLLMEngine(RolloutEngine):
                             between_steps)
         return results
 
-    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None) -> None:
+    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None, poll=None) -> None:
         """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). This process drives
         vLLM's step loop; the moment a request finishes, `on_finish(key, Generation)` runs and the requests it
         returns (an episode's next turn) join the running batch, so no episode waits for the slowest of its turn.
-        `between_steps()`, if given, runs after every engine step (new weights may land there; each token's
-        version is then in `Generation.versions`)."""
+        `poll(block)`, if given, returns more requests whose work went on elsewhere (environment steps in a
+        pool): after every engine step without blocking, and blocking while the engine has nothing to run; None
+        once nothing is pending. `between_steps()`, if given, runs after every engine step (new weights may land
+        there; each token's version is then in `Generation.versions`)."""
         from vllm.inputs import TokensPrompt
 
         engine, truncated = self.llm.llm_engine, self._truncated(sampling)
@@ -500,7 +502,14 @@ class VLLMEngine(RolloutEngine):
             add(*request)
         self._generating = between_steps is not None
         try:
-            while engine.has_unfinished_requests():
+            while True:
+                if not engine.has_unfinished_requests():
+                    more = poll(True) if poll is not None else None
+                    if more is None:
+                        break
+                    for request in more:
+                        add(*request)
+                    continue
                 done = [out for out in engine.step() if out.finished]
                 logz = self.llm.collective_rpc("tandem_pop_logz", args=([o.request_id for o in done],))[0] \
                     if truncated and done else {}
@@ -510,6 +519,8 @@ class VLLMEngine(RolloutEngine):
                                                   between_steps is not None)
                     for request in on_finish(key, generation):
                         add(*request)
+                for request in (poll(False) or []) if poll is not None else []:
+                    add(*request)
                 if between_steps is not None:
                     between_steps()
         finally:
