@@ -72,7 +72,9 @@ class ChatRenderer:
             raise ValueError("multi-turn episodes need a tokenizer with a chat template (or --chat-template FILE)")
         self.tokenizer = tokenizer
         self.lock = threading.Lock()  # episodes step in worker threads; a fast tokenizer is not re-entrant
-        probe = self.render(PROBE)
+        probe = self._renders(PROBE)
+        if probe is None:
+            raise ValueError("the chat template raises on a user + assistant conversation")
         if SENTINEL not in probe:
             raise ValueError("the chat template does not render an assistant message's content")
         self.glue_text = probe[probe.rindex(SENTINEL) + len(SENTINEL):]  # ChatML: "<|im_end|>\n"
