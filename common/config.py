@@ -139,7 +139,7 @@ class CommonArgs:
     fields of the environment's Settings dataclass (common/envs/)."""
     env_workers: int = 8
     """Threads that step environments, run tool calls and render observations off the decode path (a slow tool
-    delays its own episode only)."""
+    delays its own episode only); 0: inline, between decode steps (the reference path, for comparison)."""
     env_step_timeout_s: float = 300.0
     """Longest an environment step (tool calls included) may take before the explorer stops with an error
     naming the task (a tool's own bound, --tool-timeout-s, normally ends it long before)."""
@@ -455,8 +455,8 @@ class CommonArgs:
             raise ConfigError(str(e)) from None
         if self.reasoning_parser not in ("think", "none"):
             raise ConfigError(f"--reasoning-parser must be think or none (got {self.reasoning_parser!r})")
-        if self.env_workers < 1 or self.env_step_timeout_s <= 0:
-            raise ConfigError(f"--env-workers must be >= 1 and --env-step-timeout-s > 0 (got {self.env_workers}, "
+        if self.env_workers < 0 or self.env_step_timeout_s <= 0:
+            raise ConfigError(f"--env-workers must be >= 0 and --env-step-timeout-s > 0 (got {self.env_workers}, "
                               f"{self.env_step_timeout_s})")
         if self.chat_template is not None:
             check_chat_template(self.chat_template)

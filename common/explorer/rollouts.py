@@ -135,9 +135,11 @@ class Rollouts:
             turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
             generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook)
             calls += 1
-            steps = [(todo[i][1], self.pool.submit(w.receive, s, g, version))
-                     for i, ((w, s, _, _), (g,)) in enumerate(zip(todo, generations))]
-            tokens += sum(self._wait(s, f) for s, f in steps)  # the turn's environment steps run in parallel
+            if not self.ctx.env_workers:
+                tokens += sum(w.receive(s, g, version) for (w, s, _, _), (g,) in zip(todo, generations))
+            else:  # the turn's environment steps run in parallel
+                steps = [(s, self.pool.submit(w.receive, s, g, version)) for (w, s, _, _), (g,) in zip(todo, generations)]
+                tokens += sum(self._wait(s, f) for s, f in steps)
             if self.ctx.token_budget:
                 break
         return {"continued": continued, "tokens": tokens, "engine_calls": calls}
@@ -171,7 +173,11 @@ class Rollouts:
         pending: dict = {}  # key -> when its environment step was submitted
 
         def on_finish(key, generation):
+            nonlocal tokens
             workflow, sample = owner[key]
+            if not self.ctx.env_workers:  # inline, inside the decode loop (--env-workers 0: the reference path)
+                tokens += workflow.receive(sample, generation, version)
+                return [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
             pending[key] = time.monotonic()
             future = self.pool.submit(workflow.receive, sample, generation, version)
             future.add_done_callback(lambda f, key=key: answered.put((key, f)))
