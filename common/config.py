@@ -137,7 +137,7 @@ class CommonArgs:
     env_setting: tuple[str, ...] = ()
     """An environment's typed setting, NAME.FIELD=VALUE (repeatable), e.g. calculator.sandbox_timeout_s=2: the
     fields of the environment's Settings dataclass (common/envs/)."""
-    env_workers: int = 8
+    env_workers: int = 64
     """Threads that step environments, run tool calls and render observations off the decode path (a slow tool
     delays its own episode only); 0: inline, between decode steps (the reference path, for comparison)."""
     env_step_timeout_s: float = 300.0

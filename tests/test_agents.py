@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from common.envs import ENVS, Env, StepResult, make_env, parse_env_settings
+from common.envs import ENVS, Env, StepResult, env_class, make_env, parse_env_settings
 from common.envs.tools import ToolEnv
 from common.experience import Experience, collate
 from common.explorer.chat import ChatRenderer, strip_reasoning
@@ -328,3 +328,67 @@ def test_grpo_turn_and_in_turn_tools_each_train_two_steps(tmp_path):
     bad = run_script("train_sync.py", *common, "--taskset", "guess_number", "--chat-template", str(tmp_path / "no"),
                      "--out-dir", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "--chat-template" in bad.stderr and "Traceback" not in bad.stderr
+
+
+class Sleepy(Env):
+    """Every step sleeps the task's "sleep_s" (a slow tool) and answers; never done (runs to --max-turns)."""
+
+    def reset(self, task):
+        self.sleep_s = float(task.get("sleep_s", 0))
+        return [{"role": "user", "content": task["prompt"]}]
+
+    def step(self, action):
+        time.sleep(self.sleep_s)
+        return StepResult([{"role": "user", "content": "Go on."}], 0.0, False, {})
+
+    def close(self):
+        Sleepy.closed.append(time.monotonic())
+
+
+Sleepy.closed = []  # when each episode ended (close runs the moment it ends, in whichever thread stepped it)
+
+
+def timed_episodes(engine, tok, env_workers: int):
+    """One episode whose every step takes 3 s beside three instant ones, 3 turns each, through the vLLM engine
+    loop: (seconds until the three fast episodes had all ended, their sampled tokens, the whole run's seconds)."""
+    from common.explorer.rollouts import Rollouts
+
+    ctx = Context(tok, max_new_tokens=16, max_turns=3, episode_token_budget=400, env_workers=env_workers)
+    rollouts = Rollouts(ctx)
+    tasks = [{"id": "slow", "env": "sleepy", "prompt": "Count.", "sleep_s": 3.0}] + \
+        [{"id": f"fast{i}", "env": "sleepy", "prompt": f"Count to {i}."} for i in range(3)]
+    for i, task in enumerate(tasks):
+        rollouts.start(task, i, 1)
+    fast = [w.group.responses[0] for w in rollouts.workflows[1:]]
+    closed = env_class("sleepy").closed  # the class as the registry imports it (the module may load twice)
+    closed.clear()
+    t0 = time.monotonic()
+    rollouts.generate(engine, SamplingConfig(temperature=1.0, max_new_tokens=16, n=1), 0)
+    total = time.monotonic() - t0
+    assert all(e.end_reason == "max_turns" and e.turns == 3 for e in fast)
+    return sorted(closed)[2] - t0, sum(e.sampled_tokens for e in fast), total  # the third to end
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(monkeypatch, tmp_path):
+    """vLLM: with the environment step in the worker pool the three fast episodes end (all 3 turns decoded) while
+    the slow one's first 3 s step is still running; stepped inline between decode steps they wait for it."""
+    from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny, vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setitem(ENVS, "sleepy", "tests.test_agents:Sleepy")
+    tok = build_tiny_tokenizer()
+    engine = VLLMEngine(save_servable_tiny(str(tmp_path)), tokenizer=tok, dtype="float32", kv_cache_gb=0.25,
+                        max_model_len=512)
+    try:
+        timed_episodes(engine, tok, 4)  # warm-up
+        pool_s, pool_tokens, pool_total = timed_episodes(engine, tok, 4)
+        inline_s, inline_tokens, inline_total = timed_episodes(engine, tok, 0)
+    finally:
+        engine.close()
+    print(f"fast episodes: pool {pool_tokens / pool_s:.0f} tokens/s (ended after {pool_s:.2f}s of {pool_total:.1f}s), "
+          f"inline {inline_tokens / inline_s:.0f} tokens/s (after {inline_s:.2f}s of {inline_total:.1f}s)")
+    assert pool_s < 2.5 < 3.0 <= inline_s
+    assert pool_total >= 9.0  # the slow episode itself still took its 3 x 3 s

@@ -60,7 +60,7 @@ class Context:
     tool_timeout_s: float = 10.0
     env_reward: str = "sum"
     env_setting: tuple = ()             # --env-setting NAME.FIELD=VALUE
-    env_workers: int = 8
+    env_workers: int = 64
     env_step_timeout_s: float = 300.0
     reasoning_parser: str = "think"
     in_turn_tools: bool = False
