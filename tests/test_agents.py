@@ -392,3 +392,16 @@ def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(monkeypatch, tmp_
           f"inline {inline_tokens / inline_s:.0f} tokens/s (after {inline_s:.2f}s of {inline_total:.1f}s)")
     assert pool_s < 2.5 < 3.0 <= inline_s
     assert pool_total >= 9.0  # the slow episode itself still took its 3 x 3 s
+
+
+def test_stop_tokens_come_from_the_generation_config_too(tmp_path):
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok)
+    other = tok.convert_tokens_to_ids("<|im_start|>")
+    model.generation_config.eos_token_id = [other, tok.eos_token_id]
+    assert HFEngine(model, tok).stop_ids == [tok.eos_token_id, other]
+    model.save_pretrained(tmp_path)
+    from common.explorer.engine import default_stop_ids, folder_generation_config
+
+    assert default_stop_ids(tok, folder_generation_config(str(tmp_path))) == [tok.eos_token_id, other]
+    assert folder_generation_config(str(tmp_path / "none")) is None

@@ -58,7 +58,8 @@ import uuid
 
 import torch
 
-from common.explorer.engine import Generation, RolloutEngine, SamplingConfig, vllm_available  # noqa: F401 (re-exported)
+from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
+                                     folder_generation_config, vllm_available)  # (re-exported)
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -393,7 +394,8 @@ class VLLMEngine(RolloutEngine):
         shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
         of the whole machine's memory).
     max_model_len: longest prompt + response (default: the model's max_position_embeddings).
-    stop_token_ids: end a response at these (default: the tokenizer's eos), like the HF engine.
+    stop_token_ids: end a response at these (default: the tokenizer's eos and the folder's generation config's),
+        like the HF engine.
     """
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
@@ -421,7 +423,7 @@ class VLLMEngine(RolloutEngine):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model)
-        self.stop_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+        self.stop_ids = list(stop_token_ids or default_stop_ids(tokenizer, folder_generation_config(model)))
         on_cpu = self.device.type == "cpu"
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30))} if on_cpu else \
             {"gpu_memory_utilization": gpu_memory_utilization}
