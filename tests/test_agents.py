@@ -405,3 +405,51 @@ def test_stop_tokens_come_from_the_generation_config_too(tmp_path):
 
     assert default_stop_ids(tok, folder_generation_config(str(tmp_path))) == [tok.eos_token_id, other]
     assert folder_generation_config(str(tmp_path / "none")) is None
+
+
+class Counting(Env):
+    """A new environment with a task generator: one file plus one registry line makes `--taskset counting`."""
+
+    make_task = staticmethod(lambda rng, index, difficulty, arg=None: {"id": f"count-{index}", "env": "counting",
+                                                                        "upto": difficulty + int(arg or 0)})
+
+    def reset(self, task):
+        return [{"role": "user", "content": f"Count to {task['upto']}."}]
+
+    def step(self, action):
+        return StepResult([], 1.0, True, {})
+
+
+def test_env_tasksets_come_from_the_registry_and_games_without_their_data_are_refused(monkeypatch):
+    from common.tasks import build_tasksets
+
+    monkeypatch.setitem(ENVS, "counting", "tests.test_agents:Counting")
+    train, held_out = build_tasksets("counting:10", None, 2, 3, 0)
+    assert [t["upto"] for t in held_out] == [12, 12, 12] and train.next_batch(1)[0]["env"] == "counting"
+    pytest.importorskip("textarena")
+    from common.envs.textarena_env import nltk_words_installed
+
+    if not nltk_words_installed():
+        with pytest.raises(SystemExit, match=r"textarena:Wordle-v0: the game needs NLTK's 'words' corpus"):
+            build_tasksets("textarena:Wordle-v0", None, 1, 2, 0)
+    assert build_tasksets("textarena:GuessTheNumber-v0", None, 1, 2, 0)[1][0]["game"] == "GuessTheNumber-v0"
+
+
+def test_gem_adapter_plays_a_gem_game():
+    """GEM (gem-llm 0.1.0) is installed beside the pins with --no-deps (common/envs/gem_env.py says why)."""
+    pytest.importorskip("gem", reason="gem-llm not installed (pip install --no-deps gem-llm==0.1.0)")
+    from common.tasks import build_tasksets
+
+    _, held_out = build_tasksets("gem:game:GuessTheNumber-v0-easy", None, 1, 1, 0)
+    env = make_env("gem")
+    first = env.reset(held_out[0])
+    assert "Guess The Number" in first[0]["content"]
+    lo, hi, result = 1, 10, None
+    for _ in range(4):
+        guess = (lo + hi) // 2
+        result = env.step(f"\\boxed{{{guess}}}")
+        if result.done:
+            break
+        hint = result.messages[0]["content"]
+        lo, hi = (guess + 1, hi) if "higher" in hint else (lo, guess - 1)
+    assert result.done and result.reward > 0

@@ -29,6 +29,7 @@ ENVS = {
     "retry": "common.envs.retry:Retry",
     "textarena": "common.envs.textarena_env:TextArena",
     "reasoning_gym": "common.envs.reasoning_gym_env:ReasoningGym",
+    "gem": "common.envs.gem_env:Gem",
 }
 
 
@@ -54,7 +55,8 @@ class Env:
 
     Settings = EnvSettings
     required_fields: tuple[str, ...] = ()  # task fields reset() needs: a row without one is a one-line load error
-    make_task = None  # procedural environments: staticmethod (rng, index, difficulty) -> task dict
+    make_task = None  # procedural tasksets (`--taskset NAME[:ARG]`): staticmethod (rng, index, difficulty, arg)
+    task_list = None  # finite ones: staticmethod (arg, size, seed, id_prefix) -> [task dict]
 
     def __init__(self, settings: EnvSettings | None = None):
         self.settings = settings if settings is not None else self.Settings()

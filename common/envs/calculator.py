@@ -62,7 +62,7 @@ def evaluate_arithmetic(expression: str) -> float | int:
     return walk(ast.parse(expression, mode="eval"))
 
 
-def calculator_task(rng: random.Random, index: int, difficulty: int) -> dict:
+def calculator_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
     from common.tasks.procedural import ANSWER_FORMAT, arithmetic_task
 
     task = arithmetic_task(rng, difficulty)

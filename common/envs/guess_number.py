@@ -12,7 +12,7 @@ from common.envs import Env, StepResult
 NUMBER = re.compile(r"-?\d+")
 
 
-def guess_number_task(rng: random.Random, index: int, difficulty: int) -> dict:
+def guess_number_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
     """Level 1: 1..8, 2: 1..16, 3: 1..32, 4: 1..64."""
     high = 2 ** (difficulty + 2)
     return {"id": f"guess-{index}", "env": "guess_number", "high": high, "secret": rng.randint(1, high),

@@ -29,7 +29,7 @@ def numbers_match(response: str, answer: str) -> bool:
         return pred == str(answer).strip()
 
 
-def retry_task(rng: random.Random, index: int, difficulty: int) -> dict:
+def retry_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
     from common.tasks.procedural import arithmetic_task
 
     task = arithmetic_task(rng, difficulty)
