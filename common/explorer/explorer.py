@@ -191,5 +191,6 @@ class Explorer:
                 "eval/turns_mean": rollout_metrics(flat).get("rollout/turns_mean", 0.0)}
 
     def close(self):
+        self.in_flight.close()
         self.rewards.close()
         self.engine.close()

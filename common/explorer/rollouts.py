@@ -212,6 +212,12 @@ class Rollouts:
         engine.generate_turns(first, dataclasses.replace(sampling, n=1), on_finish, between_steps, poll=poll)
         return tokens
 
+    def close(self) -> None:
+        """Let the environment pool's threads go (a step still running finishes in its thread)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
     def pop_finished(self) -> list:
         """The groups whose samples have all ended (removed from here), oldest first."""
         done = [w.group for w in self.workflows if w.finished()]
@@ -324,7 +330,10 @@ def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConf
     for i, task in enumerate(tasks):
         rollouts.start(task, first_group + i, sampling.n)
     t0 = time.time()
-    counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), version)
+    try:
+        counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), version)
+    finally:
+        rollouts.close()
     counts["seconds"] = time.time() - t0
     groups = rollouts.pop_finished()
     return groups, counts
