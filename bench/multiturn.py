@@ -87,9 +87,11 @@ def main():
     episodes = [{"id": str(i), "env": "bench_chatter", "prompt": q} for i, q in enumerate(prompts)]
     runs = {"single": ([{"id": str(i), "prompt": q} for i, q in enumerate(prompts)], single_ctx),
             "multi": (episodes, multi_ctx)}
-    if args.tool_latency_s:
-        import dataclasses
+    import dataclasses
 
+    if args.tool_latency_s and "env_workers" not in {f.name for f in dataclasses.fields(Context)}:
+        runs = {"single": runs["single"], "inline": (episodes, multi_ctx)}  # a checkout without the worker pool
+    elif args.tool_latency_s:
         runs = {"single": runs["single"], "inline": (episodes, dataclasses.replace(multi_ctx, env_workers=0)),
                 "pool": (episodes, multi_ctx)}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=total, n=1)
