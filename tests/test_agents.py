@@ -453,3 +453,42 @@ def test_gem_adapter_plays_a_gem_game():
         hint = result.messages[0]["content"]
         lo, hi = (guess + 1, hi) if "higher" in hint else (lo, guess - 1)
     assert result.done and result.reward > 0
+
+
+def test_reward_fn_gets_the_whole_trajectory_and_shaping_sees_episodes(tmp_path):
+    from rewards import RewardPool, UserReward
+    from rewards.shaping import shape_batch
+    from common.explorer.rollouts import ScoreFuture
+
+    fn = tmp_path / "traj_reward.py"
+    fn.write_text("def score(response, task):\n"
+                  "    turns = [m for m in task['trajectory'] if m['role'] == 'assistant']\n"
+                  "    return len(turns) + sum(task['turn_rewards']) + (task['end_reason'] == 'done')\n")
+    tok = tiny_with()
+    ctx = Context(tok, max_new_tokens=50, max_turns=4, episode_token_budget=2000)
+    task = {"id": "g", "env": "guess_number", "secret": 5, "high": 8}
+    groups, _ = run_episodes(Scripted(tok, ["3", "no idea", "5"]), ctx, [task], SamplingConfig(n=1))
+    flat = [(groups[0], e) for e in groups[0].responses]
+    pool = RewardPool(num_workers=1, timeout_s=20, score_fn=UserReward(f"{fn}:score"))
+    try:
+        rewards = ScoreFuture(pool, flat, tok, "sum", whole_episodes=True).result(timeout=60)
+    finally:
+        pool.close()
+    # 3 assistant turns + env reward 1 (found) + done; plus the env's own sum (1.0) that episode_reward adds
+    assert rewards[0].score == 3 + 1 + 1 + 1.0
+    assert rewards[0].info["format_ok"] is True  # the last step's verdict (it held a number)
+    shaped = shape_batch(rewards, [flat[0][1].sampled_tokens], 1, format_weight=0.5)
+    assert shaped[0][1]["format"] == 0.5
+
+
+def test_an_over_long_environment_task_is_rejected_at_load_with_file_and_line(tmp_path):
+    import json
+
+    rows = [{"env": "retry", "prompt": "2+2?", "answer": "4"}, {"env": "retry", "prompt": "x" * 3000, "answer": "1"}]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    proc = run_script("train_sync.py", *TINY, "--taskset", str(path), "--eval-size", "1", "--steps", "1",
+                      "--episode-token-budget", "1000", "--out-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}:2: the episode cannot start") and "--episode-token-budget 1000" in last
