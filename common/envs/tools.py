@@ -9,8 +9,12 @@ malformed call, an unknown tool, bad arguments, a tool that raises or one that h
 error observation ("error: <reason>: ...") and the episode goes on; the reason is counted in the step's metrics
 (rollout/tool_error/<reason>). A turn without any tool call is the model's answer: `ToolEnv.answer` decides.
 
-Tools run in this process (they are the environment's own code). A tool that runs model-written code must hand it
-to rewards/sandbox.py (see common/envs/calculator.py's `python` tool), never exec it here.
+Tools run in this process (they are the environment's own code), the calls of one turn in parallel threads, each
+waited on for at most tool_timeout_s (an environment setting, --tool-timeout-s); an output longer than
+max_tool_output_chars keeps its head and tail. A thread cannot be killed, so a tool must bound its own work (the
+calculator refuses over-large integers before computing them), and a tool that runs model-written code must hand
+it to rewards/sandbox.py (see common/envs/calculator.py's `python` tool: a process with time and memory limits),
+never exec it here.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ single_turn; a taskset may mix them. Adding a workflow is one file plus one line
 *every* live sample of every task (single-turn responses and episodes alike), so multi-turn episodes are batched
 turn by turn instead of run one after another. With vLLM (`generate_turns`) there is one engine loop for all
 turns: an episode's next turn joins the running batch as soon as its environment has answered, so no episode waits
-for the slowest of its turn.
+for the slowest of its turn. Environment steps (tool calls, rendering) run in a thread pool beside the engine loop,
+never inside it (`--env-workers`).
 """
 
 from __future__ import annotations
