@@ -33,6 +33,8 @@ from common.envs import parse_env_settings
 if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
     from common.explorer.engine import RolloutEngine, SamplingConfig
 
+STEP_GRACE_S = 0.005  # how long the engine loop waits for an environment step it just handed to the pool
+
 WORKFLOWS = {
     "single_turn": "common.explorer.single_turn:SingleTurn",
     "multi_turn": "common.explorer.multi_turn:MultiTurn",
@@ -185,15 +187,19 @@ class Rollouts:
             return []
 
         def poll(block: bool) -> list:
-            """Next requests of the episodes whose environment answered; with `block`, waits for one (the engine
-            has nothing else to do). None once no environment step is pending."""
+            """Next requests of the episodes whose environment answered: with `block` (the engine has nothing
+            else to do), waits for one; otherwise waits at most STEP_GRACE_S after the newest submission, so a
+            quick step rejoins the batch at once, as if run inline. None once no environment step is pending."""
             nonlocal tokens
             if not pending:
                 return None
             out = []
-            while True:
+            deadline = time.monotonic() + 1.0 if block else max(pending.values()) + STEP_GRACE_S
+            while pending:
+                remaining = deadline - time.monotonic()
                 try:
-                    key, future = answered.get(timeout=1.0) if block and not out else answered.get_nowait()
+                    key, future = answered.get(timeout=remaining) if remaining > 0 and not (block and out) \
+                        else answered.get_nowait()
                 except queue.Empty:
                     oldest = min(pending.items(), key=lambda kv: kv[1])
                     if time.monotonic() - oldest[1] > self.ctx.env_step_timeout_s:
@@ -201,14 +207,14 @@ class Rollouts:
                                            f"(--env-step-timeout-s) for an environment step of group "
                                            f"{self._group_of(owner[oldest[0]][1])}") from None
                     if block and not out:
+                        deadline = time.monotonic() + 1.0
                         continue
                     return out
                 del pending[key]
                 tokens += future.result()  # an exception here is a bug of ours (receive catches the env's)
                 workflow, sample = owner[key]
                 out += [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
-                if not pending:
-                    return out
+            return out
 
         engine.generate_turns(first, dataclasses.replace(sampling, n=1), on_finish, between_steps, poll=poll)
         return tokens
