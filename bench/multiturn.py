@@ -3,6 +3,7 @@
     python bench/multiturn.py                                  # default model, 16 samples x 4 turns x 32 tokens, HF
     python bench/multiturn.py --engine vllm                    # the same with vLLM (prefix cache across turns)
     python bench/multiturn.py --model tiny --turn-tokens 64    # quick run
+    python bench/multiturn.py --engine vllm --tool-latency-s 1 # every environment step takes 1 s more (a tool)
 
 Single-turn: 16 prompts, one response of turns x turn-tokens new tokens each. Multi-turn: 16 episodes of `turns`
 turns of turn-tokens each in an environment that never ends an episode early (it answers every turn with a short
@@ -11,6 +12,11 @@ engine loop in which an episode's next turn starts as soon as its last one has f
 sampled tokens / second of each (observation tokens are not counted as generated), best of --repeats alternating
 runs, and the ratio multi / single. A model that emits its stop token early makes the two generate different
 totals; the tiny random model almost never does, so --model tiny measures the machinery at exactly equal tokens.
+
+--tool-latency-s S: every environment step sleeps S seconds (a slow tool call). The multi-turn run is then done
+twice: "inline" (--env-workers 0: the step runs between decode steps, as an explorer without a worker pool does)
+and "pool" (the default: steps run in worker threads while the engine decodes the other episodes), so the ratio
+pool / single is the latency hidden and inline / single the latency paid.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.envs import ENVS, Env, StepResult  # noqa: E402
 
 
+TOOL_LATENCY_S = 0.0
+
+
 class Chatter(Env):
     """Never done: every turn gets a short reply, so an episode lasts exactly --max-turns turns."""
 
@@ -32,6 +41,7 @@ class Chatter(Env):
         return [{"role": "user", "content": task["prompt"]}]
 
     def step(self, action):
+        time.sleep(TOOL_LATENCY_S)
         return StepResult([{"role": "user", "content": "Go on."}], 0.0, False, {})
 
 
@@ -45,7 +55,10 @@ def main():
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     p.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: VLLMEngine's default, 32 on CPU)")
+    p.add_argument("--tool-latency-s", type=float, default=0.0, help="seconds every environment step sleeps (a tool)")
     args = p.parse_args()
+    global TOOL_LATENCY_S
+    TOOL_LATENCY_S = args.tool_latency_s
     import torch
 
     from common.explorer.engine import HFEngine, SamplingConfig
@@ -71,8 +84,16 @@ def main():
     total = args.turns * args.turn_tokens
     single_ctx = Context(tok, max_new_tokens=total)
     multi_ctx = Context(tok, max_new_tokens=args.turn_tokens, max_turns=args.turns, episode_token_budget=4 * total + 512)
+    episodes = [{"id": str(i), "env": "bench_chatter", "prompt": q} for i, q in enumerate(prompts)]
     runs = {"single": ([{"id": str(i), "prompt": q} for i, q in enumerate(prompts)], single_ctx),
-            "multi": ([{"id": str(i), "env": "bench_chatter", "prompt": q} for i, q in enumerate(prompts)], multi_ctx)}
+            "multi": (episodes, multi_ctx)}
+    import dataclasses
+
+    if args.tool_latency_s and "env_workers" not in {f.name for f in dataclasses.fields(Context)}:
+        runs = {"single": runs["single"], "inline": (episodes, multi_ctx)}  # a checkout without the worker pool
+    elif args.tool_latency_s:
+        runs = {"single": runs["single"], "inline": (episodes, dataclasses.replace(multi_ctx, env_workers=0)),
+                "pool": (episodes, multi_ctx)}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=total, n=1)
     run_episodes(engine, single_ctx, runs["single"][0][:2], SamplingConfig(1.0, 1.0, 8, 1))  # warm-up
     best, paired = {}, []
@@ -92,11 +113,12 @@ def main():
           f"{args.turn_tokens} tokens, torch threads {torch.get_num_threads()}")
     for name, (rate, tokens, seconds) in best.items():
         print(f"{name}-turn: {rate:.1f} generated tokens/s ({tokens} tokens, {seconds:.1f}s)")
-    print(f"ratio multi/single: {best['multi'][0] / best['single'][0]:.2f} (best of each)")
-    ratios = sorted(m / s for s, m in zip(paired[::2], paired[1::2]))  # each repeat ran single then multi
-    print(f"ratio multi/single per repeat: {', '.join(f'{x:.2f}' for x in ratios)} (median "
-          f"{ratios[len(ratios) // 2]:.2f}; a busy machine makes single runs noisy)")
-
+    k = len(runs)
+    for name in list(runs)[1:]:
+        i = list(runs).index(name)
+        ratios = sorted(m / s for s, m in zip(paired[::k], paired[i::k]))  # each repeat ran single first
+        print(f"ratio {name}/single: {best[name][0] / best['single'][0]:.2f} (best of each); per repeat "
+              f"{', '.join(f'{x:.2f}' for x in ratios)} (median {ratios[len(ratios) // 2]:.2f})")
 
 if __name__ == "__main__":
     main()

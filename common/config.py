@@ -17,12 +17,27 @@ from common.explorer.engine import vllm_available
 from common.runtime.plugins import load_object
 from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
 
+from common.envs import parse_env_settings
 from common.tasks.named import taskset_has_envs
 from common.trainer.losses import ALGOS, config_kwargs
 from rewards.base import KINDS
 from common.tasks.processors import TASK_PROCESSORS
 
 AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
+
+
+def check_chat_template(path: str) -> None:
+    """--chat-template FILE must be a readable Jinja template: a one-line error naming file:line otherwise."""
+    import jinja2
+
+    try:
+        text = open(path).read()
+    except OSError as e:
+        raise ConfigError(f"--chat-template {path}: {e.strerror}") from None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template {path}:{e.lineno}: {e.message}") from None
 
 
 @dataclass
@@ -119,7 +134,25 @@ class CommonArgs:
     """An episode's environment reward: sum (of its step rewards) or last (the final step's); a verifier named by
     the task's 'reward' field adds its score of the last assistant turn."""
     tool_timeout_s: float = 10.0
-    """A tool call that takes longer gives an error observation ('timeout') and the episode goes on."""
+    """A tool call that takes longer gives an error observation ('timeout') and the episode goes on (the calls
+    of one turn run in parallel)."""
+    env_setting: tuple[str, ...] = ()
+    """An environment's typed setting, NAME.FIELD=VALUE (repeatable), e.g. calculator.sandbox_timeout_s=2: the
+    fields of the environment's Settings dataclass (common/envs/)."""
+    env_workers: int = 64
+    """Threads that step environments, run tool calls and render observations off the decode path (a slow tool
+    delays its own episode only); 0: inline, between decode steps (the reference path, for comparison)."""
+    env_step_timeout_s: float = 300.0
+    """Longest an environment step (tool calls included) may take before the explorer stops with an error
+    naming the task (a tool's own bound, --tool-timeout-s, normally ends it long before)."""
+    reasoning_parser: str = "think"
+    """think: the text inside <think>...</think> of a turn never reaches the environment or the tool parser (a
+    turn that never closes </think> is all reasoning); none: the whole turn does."""
+    in_turn_tools: bool = False
+    """Tool calls inside one assistant turn (ReTool / Search-R1): generation stops at a complete
+    <tool_call>...</tool_call>, the result is appended as masked tokens and the same turn goes on."""
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the model's (as TRL's chat_template_path), for every prompt."""
     task_processors: str = ""
     """Comma-separated task processors applied between taskset and workflow, in order (common/tasks/
     processors.py: difficulty_tag, max_prompt_chars); each counted in metrics (tasks/...)."""
@@ -418,6 +451,17 @@ class CommonArgs:
             raise ConfigError(f"--env-reward must be sum or last (got {self.env_reward!r})")
         if self.tool_timeout_s <= 0:
             raise ConfigError(f"--tool-timeout-s must be > 0 (got {self.tool_timeout_s})")
+        try:
+            parse_env_settings(self.env_setting)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.reasoning_parser not in ("think", "none"):
+            raise ConfigError(f"--reasoning-parser must be think or none (got {self.reasoning_parser!r})")
+        if self.env_workers < 0 or self.env_step_timeout_s <= 0:
+            raise ConfigError(f"--env-workers must be >= 0 and --env-step-timeout-s > 0 (got {self.env_workers}, "
+                              f"{self.env_step_timeout_s})")
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
         for name in filter(None, (n.strip() for n in self.task_processors.split(","))):
             if name not in TASK_PROCESSORS:
                 raise ConfigError(f"--task-processors: unknown processor {name!r} (one of {', '.join(TASK_PROCESSORS)})")

@@ -29,6 +29,9 @@ class Experience:
     timings: dict = field(default_factory=dict)
     segment_versions: list[int] = field(default_factory=list)  # weights version of each response token (partial
                                    # rollouts: a response's segments may come from different versions)
+    turn_ends: list[int] = field(default_factory=list)     # per assistant turn: the end of its sampled ids in
+                                   # response_ids (a single-turn response: one turn)
+    turn_rewards: list[float] = field(default_factory=list)  # reward credited at each turn's end (sums to reward)
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Batch:
     rewards: torch.Tensor          # [B]
     group_ids: torch.Tensor        # [B]
     versions: torch.Tensor         # [B]
+    turn_rewards: torch.Tensor     # [B, T-1] each turn's reward at its last sampled token (turn-level credit)
+    turn_ends: torch.Tensor        # [B, T-1] 1 at each turn's last sampled token
 
     def __len__(self):
         return self.input_ids.shape[0]
@@ -59,6 +64,7 @@ def collate(experiences: list[Experience], pad_id: int) -> Batch:
     attention_mask = torch.zeros(B, T, dtype=torch.long)
     response_mask = torch.zeros(B, T - 1)
     old_logprobs = torch.zeros(B, T - 1)
+    turn_rewards, turn_ends = torch.zeros(B, T - 1), torch.zeros(B, T - 1)
     for i, e in enumerate(experiences):
         p, r = len(e.prompt_ids), len(e.response_ids)
         input_ids[i, : p + r] = torch.tensor(e.prompt_ids + e.response_ids)
@@ -66,11 +72,18 @@ def collate(experiences: list[Experience], pad_id: int) -> Batch:
         # Position t of the shifted tensors predicts token t+1, so response token j sits at p-1+j.
         response_mask[i, p - 1 : p - 1 + r] = torch.tensor(e.loss_mask, dtype=torch.float)
         old_logprobs[i, p - 1 : p - 1 + r] = torch.tensor(e.logprobs, dtype=torch.float)
+        ends = e.turn_ends or [r]
+        credit = e.turn_rewards or [0.0] * (len(ends) - 1) + [e.reward]
+        for end, reward in zip(ends, credit):
+            if end > 0:
+                turn_ends[i, p - 2 + end] = 1.0
+                turn_rewards[i, p - 2 + end] = reward
     return Batch(
         input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, old_logprobs=old_logprobs,
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float),
         group_ids=torch.tensor([e.group_id for e in experiences]),
         versions=torch.tensor([e.policy_version for e in experiences]),
+        turn_rewards=turn_rewards, turn_ends=turn_ends,
     )
 
 

@@ -106,14 +106,19 @@ def resolve_model(name: str, flag: str = "--model") -> str:
     return name  # a hub id: from_pretrained resolves it (needs the hub or its local cache)
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (--chat-template FILE, a Jinja file) replaces its chat template."""
     if name == "tiny":
-        return build_tiny_tokenizer()
-    from transformers import AutoTokenizer
+        tokenizer = build_tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        with open(chat_template) as f:
+            tokenizer.chat_template = f.read()
     return tokenizer
 
 

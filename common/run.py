@@ -23,6 +23,7 @@ from common.runtime.launcher import WorkerContext, join_world, launch_local, pla
 from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model
+from common.tasks.named import taskset_has_envs
 from common.tasks.validate import WHERE
 from common.tasks import build_tasksets
 from common.trainer.trainer import latest_checkpoint
@@ -174,10 +175,35 @@ def check_workflows(tasks: list[dict]) -> None:
                               f"(one of {', '.join(WORKFLOWS)})")
 
 
+def check_episode_prompts(args, tasks: list[dict]) -> None:
+    """An environment task whose first prompt (the environment's reset, tools and chat template applied) leaves
+    no room for a turn in --episode-token-budget is rejected with file:line, before any compute."""
+    from common.explorer.multi_turn import MultiTurn
+    from common.explorer.rollouts import Context
+
+    if not (taskset_has_envs(args.taskset) or any("env" in t for t in tasks)):
+        return
+    ctx = Context.from_args(load_tokenizer(args.model, args.chat_template), args)
+    try:
+        ctx.renderer
+    except ValueError as e:
+        raise ConfigError(f"--model {args.model}" + (f" --chat-template {args.chat_template}"
+                                                     if args.chat_template else "") + f": {e}") from None
+    tasks = [t for t in tasks if WHERE in t and "env" in t]
+    for task in tasks:
+        e = MultiTurn(task, 0, 1, ctx).group.responses[0]
+        if e.end_reason is not None:
+            raise ConfigError(f"{task[WHERE]}: the episode cannot start: {e.error or e.end_reason} (a first "
+                              f"prompt needs fewer than --episode-token-budget {args.episode_token_budget} tokens "
+                              f"minus one turn)")
+        e._end("done")
+
+
 def check_prompt_lengths(args, tasks: list[dict]) -> None:
     """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
     (rejected, not truncated: a cut question is a different task)."""
-    tasks = [t for t in tasks if WHERE in t]  # from files (the built-in arith prompts are short)
+    check_episode_prompts(args, tasks)
+    tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
     if args.model == "tiny":

@@ -23,8 +23,8 @@ def clipped_surrogate_loss(logp, old, adv, mask, clip_eps=0.2, token_weights=Non
 
 
 def test_every_algorithm_is_one_registered_loss():
-    assert set(ALGOS) == {"grpo", "dr_grpo", "opmd", "ppo"}
-    assert ALGOS["grpo"].loss is ALGOS["ppo"].loss is ppo_clip_loss  # GRPO = PPO's surrogate, group advantages
+    assert set(ALGOS) == {"grpo", "grpo_turn", "dr_grpo", "opmd", "ppo"}
+    assert ALGOS["grpo"].loss is ALGOS["grpo_turn"].loss is ALGOS["ppo"].loss is ppo_clip_loss  # GRPO = PPO's surrogate, group advantages
     assert [name for name, a in ALGOS.items() if a.critic] == ["ppo"]
 
 

@@ -93,7 +93,8 @@ def test_three_turn_episode_is_token_exact(smol_tokenizer, monkeypatch):
                     renderer.render(e.messages[:2 * turn + 1], add_generation_prompt=True)
                 delta = renderer.ids(after)[len(renderer.ids(before)):]
                 sampled_stop = runs[k - 1][1][-1] == tok.eos_token_id
-                glue = renderer.glue_ids[1:] if sampled_stop else renderer.glue_ids
+                glue_ids = renderer.ids(renderer.glue_text)  # the probe-rendered delta equals the full-render one
+                glue = glue_ids[1:] if sampled_stop else glue_ids
                 assert ids == glue + delta
         assert e.prompt_ids == renderer.prompt_ids(e.messages[:1])
     assert retokenised_differs, "no turn whose text re-tokenises to other ids: the test lost its point"

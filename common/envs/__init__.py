@@ -4,7 +4,12 @@
     messages = env.reset(task)                      # the first observation: chat messages
     result = env.step(action_text)                  # StepResult(messages, reward, done, info)
 
-An environment is one class in one file of this folder plus one line in `ENVS` below. Tool-using environments
+An environment is one class in one file of this folder plus one line in `ENVS` below. Its typed settings are a
+`Settings` dataclass on the class (subclassing `EnvSettings`); `make_env(name, overrides)` is the one way in: the
+config's `--env-setting NAME.FIELD=VALUE` (and --tool-timeout-s for every tool environment) fill it, checked
+against the dataclass before any compute (`parse_env_settings`). A procedural environment also names its task
+generator (`Env.make_task(rng, index, difficulty)`): the registry then gives `--taskset NAME` for free
+(common/tasks/named.py). Tool-using environments
 subclass `common.envs.tools.ToolEnv`: their public methods become tools (JSON schema from signature + docstring),
 tool calls are parsed from the model's text, results come back as `tool` messages.
 
@@ -14,6 +19,7 @@ when a task uses it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 
@@ -23,6 +29,7 @@ ENVS = {
     "retry": "common.envs.retry:Retry",
     "textarena": "common.envs.textarena_env:TextArena",
     "reasoning_gym": "common.envs.reasoning_gym_env:ReasoningGym",
+    "gem": "common.envs.gem_env:Gem",
 }
 
 
@@ -34,17 +41,32 @@ class StepResult:
     info: dict = field(default_factory=dict)  # anything; "tool_errors": [reason, ...] and "success" are counted
 
 
+@dataclass
+class EnvSettings:
+    """Settings every environment has (a subclass per environment adds its own)."""
+    tool_timeout_s: float = 10.0
+    """seconds a tool call may take (from the start of the turn's calls, which run in parallel)"""
+    max_tool_output_chars: int = 4000
+    """a tool's output beyond this keeps its head and tail"""
+
+
 class Env:
     """Base class. One instance runs one episode (a fresh one per episode: nothing is shared between episodes)."""
 
+    Settings = EnvSettings
     required_fields: tuple[str, ...] = ()  # task fields reset() needs: a row without one is a one-line load error
+    make_task = None  # procedural tasksets (`--taskset NAME[:ARG]`): staticmethod (rng, index, difficulty, arg)
+    task_list = None  # finite ones: staticmethod (arg, size, seed, id_prefix) -> [task dict]
+
+    def __init__(self, settings: EnvSettings | None = None):
+        self.settings = settings if settings is not None else self.Settings()
 
     def reset(self, task: dict) -> list[dict]:
         """Start an episode for `task`; return the first messages (e.g. [{"role": "user", "content": ...}])."""
         raise NotImplementedError
 
     def step(self, action: str) -> StepResult:
-        """The model's turn as text (special tokens stripped) -> observation, reward, done, info."""
+        """The model's turn as text (special tokens and reasoning stripped) -> observation, reward, done, info."""
         raise NotImplementedError
 
     def tool_schemas(self) -> list[dict]:
@@ -62,5 +84,39 @@ def env_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def make_env(name: str) -> Env:
-    return env_class(name)()
+def settings_for(name: str, cls, overrides: dict | None) -> EnvSettings:
+    """cls.Settings filled from `overrides` ({field: value} common to all environments, or {"NAME.field": value}
+    for environment NAME); fields the class does not have are ignored (a shared setting such as tool_timeout_s
+    means nothing to a text game)."""
+    names = {f.name for f in dataclasses.fields(cls.Settings)}
+    own = {k: v for k, v in (overrides or {}).items() if "." not in k and k in names}
+    prefix = f"{name}."
+    own.update({k[len(prefix):]: v for k, v in (overrides or {}).items() if k.startswith(prefix)})
+    return cls.Settings(**own)
+
+
+def make_env(name: str, overrides: dict | None = None) -> Env:
+    cls = env_class(name)
+    return cls(settings_for(name, cls, overrides))
+
+
+def parse_env_settings(items: tuple[str, ...] | list[str]) -> dict:
+    """`--env-setting NAME.FIELD=VALUE` -> {"NAME.FIELD": typed value}; a one-line ValueError naming the item when
+    NAME is no environment, FIELD not in its Settings or VALUE not of the field's type."""
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        name, dot, fname = key.partition(".")
+        if not eq or not dot:
+            raise ValueError(f"--env-setting {item!r}: expected NAME.FIELD=VALUE")
+        fields = {f.name: f for f in dataclasses.fields(env_class(name).Settings)}
+        if fname not in fields:
+            raise ValueError(f"--env-setting {item!r}: {name} has no setting {fname!r} (one of {', '.join(fields)})")
+        kind = fields[fname].type if isinstance(fields[fname].type, type) else \
+            {"float": float, "int": int, "str": str, "bool": bool}.get(str(fields[fname].type), str)
+        try:
+            value = (raw.lower() in ("1", "true", "yes")) if kind is bool else kind(raw)
+        except ValueError:
+            raise ValueError(f"--env-setting {item!r}: {raw!r} is not a {kind.__name__}") from None
+        out[key] = value
+    return out

@@ -12,7 +12,7 @@ from common.envs import Env, StepResult
 NUMBER = re.compile(r"-?\d+")
 
 
-def guess_number_task(rng: random.Random, index: int, difficulty: int) -> dict:
+def guess_number_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
     """Level 1: 1..8, 2: 1..16, 3: 1..32, 4: 1..64."""
     high = 2 ** (difficulty + 2)
     return {"id": f"guess-{index}", "env": "guess_number", "high": high, "secret": rng.randint(1, high),
@@ -21,6 +21,7 @@ def guess_number_task(rng: random.Random, index: int, difficulty: int) -> dict:
 
 class GuessNumber(Env):
     required_fields = ("secret",)
+    make_task = staticmethod(guess_number_task)
 
     def reset(self, task: dict) -> list[dict]:
         self.secret, self.high = int(task["secret"]), int(task.get("high", 16))
@@ -32,10 +33,10 @@ class GuessNumber(Env):
         numbers = NUMBER.findall(action)
         if not numbers:
             return StepResult([{"role": "user", "content": "Reply with one number."}], 0.0, False,
-                              {"invalid": True})
+                              {"invalid": True, "format_ok": False})
         guess = int(numbers[-1])
         self.guesses += 1
         if guess == self.secret:
-            return StepResult([], 1.0, True, {"success": True, "guesses": self.guesses})
+            return StepResult([], 1.0, True, {"success": True, "guesses": self.guesses, "format_ok": True})
         hint = "Higher." if guess < self.secret else "Lower."
-        return StepResult([{"role": "user", "content": hint}], 0.0, False, {})
+        return StepResult([{"role": "user", "content": hint}], 0.0, False, {"format_ok": True})

@@ -36,8 +36,16 @@ def final_answer(text: str) -> str:
     return (answer if answer is not None else text).strip()
 
 
+def reasoning_gym_task_list(arg: str | None, size: int, seed: int, prefix: str) -> list[dict]:
+    names = [n for n in (arg or "").split(",") if n]
+    if not names:
+        raise SystemExit("error: --taskset reasoning_gym:NAME[,NAME]: name at least one dataset")
+    return reasoning_gym_tasks(names, max(1, size // len(names)), seed, prefix)
+
+
 class ReasoningGym(Env):
     required_fields = ("entry", "prompt")
+    task_list = staticmethod(reasoning_gym_task_list)
 
     def reset(self, task: dict) -> list[dict]:
         import reasoning_gym

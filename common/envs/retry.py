@@ -5,8 +5,9 @@ attempt (up to the task's "attempts", default 3, and --max-turns). Reward 1 for 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
-from common.envs import Env, StepResult
+from common.envs import Env, EnvSettings, StepResult
 
 
 def numbers_match(response: str, answer: str) -> bool:
@@ -28,7 +29,7 @@ def numbers_match(response: str, answer: str) -> bool:
         return pred == str(answer).strip()
 
 
-def retry_task(rng: random.Random, index: int, difficulty: int) -> dict:
+def retry_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
     from common.tasks.procedural import arithmetic_task
 
     task = arithmetic_task(rng, difficulty)
@@ -36,9 +37,16 @@ def retry_task(rng: random.Random, index: int, difficulty: int) -> dict:
     return {**task, "id": f"retry-{index}", "env": "retry", "attempts": 3}
 
 
+@dataclass
+class RetrySettings(EnvSettings):
+    retry_discount: float = 0.5
+    """a correct answer after k wrong ones is worth retry_discount**k"""
+
+
 class Retry(Env):
+    Settings = RetrySettings
     required_fields = ("answer",)
-    retry_discount = 0.5
+    make_task = staticmethod(retry_task)
 
     def reset(self, task: dict) -> list[dict]:
         self.answer, self.attempts, self.tries = str(task["answer"]), int(task.get("attempts", 3)), 0
@@ -47,7 +55,7 @@ class Retry(Env):
     def step(self, action: str) -> StepResult:
         self.tries += 1
         if numbers_match(action, self.answer):
-            return StepResult([], self.retry_discount ** (self.tries - 1), True, {"success": True})
+            return StepResult([], self.settings.retry_discount ** (self.tries - 1), True, {"success": True})
         if self.tries >= self.attempts:
             return StepResult([], 0.0, True, {"success": False})
         return StepResult([{"role": "user", "content": "That is not correct. Try again."}], 0.0, False, {})

@@ -1,6 +1,8 @@
 """Adapter for TextArena (pip textarena==0.7.4) single-player games, offline: `--taskset textarena:GAME[,GAME]`,
-e.g. textarena:GuessTheNumber-v0 (also checked: Mastermind-v0, TowerOfHanoi-v0; Wordle and Hangman need NLTK
-downloads). The game's own text is the observation (only what is new since the last turn, minus the echo of the
+e.g. textarena:GuessTheNumber-v0 (also checked: Mastermind-v0, TowerOfHanoi-v0). Games whose code reads NLTK's
+corpora (Wordle, Hangman, WordLadder, ...: their modules call nltk.download at import) are refused when the
+taskset is built, in one line, unless NLTK's 'words' corpus is installed (NLTK_DATA): no package on PyPI ships
+it, and offline the download would fail inside the run. The game's own text is the observation (only what is new since the last turn, minus the echo of the
 player's move), and the reward is the library's own: `env.close()`'s reward of player 0 at the end of the game."""
 
 from __future__ import annotations
@@ -12,8 +14,48 @@ def textarena_task(game: str, seed: int, index: int) -> dict:
     return {"id": f"textarena-{game}-{index}", "env": "textarena", "game": game, "seed": seed}
 
 
+def games_of(arg: str | None) -> list[str]:
+    """The games of `textarena:GAME[,GAME]`, each checked: known to TextArena, and its NLTK data present if its
+    code needs some (a one-line SystemExit otherwise)."""
+    import importlib.util
+
+    from textarena.envs.registration import ENV_REGISTRY
+
+    games = [g for g in (arg or "").split(",") if g]
+    if not games:
+        raise SystemExit("error: --taskset textarena:GAME[,GAME]: name at least one game (e.g. GuessTheNumber-v0)")
+    for game in games:
+        if game not in ENV_REGISTRY:
+            raise SystemExit(f"error: --taskset textarena:{game}: no such TextArena game")
+        module = ENV_REGISTRY[game].entry_point.split(":")[0] if isinstance(ENV_REGISTRY[game].entry_point, str) \
+            else None
+        spec = importlib.util.find_spec(module) if module else None
+        source = open(spec.origin).read() if spec and spec.origin else ""
+        if ("nltk" in source or "word_lists" in source) and not nltk_words_installed():
+            raise SystemExit(f"error: --taskset textarena:{game}: the game needs NLTK's 'words' corpus, which is not "
+                             f"installed (no network to download it; set NLTK_DATA to a copy, or pick a game "
+                             f"such as GuessTheNumber-v0)")
+    return games
+
+
+def nltk_words_installed() -> bool:
+    try:
+        import nltk
+
+        nltk.data.find("corpora/words")
+        return True
+    except (ImportError, LookupError):
+        return False
+
+
+def make_textarena_task(rng, index: int, difficulty: int, arg: str | None = None) -> dict:
+    games = games_of(arg)
+    return textarena_task(games[index % len(games)], rng.randint(0, 2**31 - 1), index)
+
+
 class TextArena(Env):
     required_fields = ("game",)
+    make_task = staticmethod(make_textarena_task)
 
     def reset(self, task: dict) -> list[dict]:
         import textarena as ta

@@ -9,8 +9,12 @@ malformed call, an unknown tool, bad arguments, a tool that raises or one that h
 error observation ("error: <reason>: ...") and the episode goes on; the reason is counted in the step's metrics
 (rollout/tool_error/<reason>). A turn without any tool call is the model's answer: `ToolEnv.answer` decides.
 
-Tools run in this process (they are the environment's own code). A tool that runs model-written code must hand it
-to rewards/sandbox.py (see common/envs/calculator.py's `python` tool), never exec it here.
+Tools run in this process (they are the environment's own code), the calls of one turn in parallel threads, each
+waited on for at most tool_timeout_s (an environment setting, --tool-timeout-s); an output longer than
+max_tool_output_chars keeps its head and tail. A thread cannot be killed, so a tool must bound its own work (the
+calculator refuses over-large integers before computing them), and a tool that runs model-written code must hand
+it to rewards/sandbox.py (see common/envs/calculator.py's `python` tool: a process with time and memory limits),
+never exec it here.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import inspect
 import json
 import re
 import threading
+import time
 
 from common.envs import Env, StepResult
 
@@ -64,29 +69,40 @@ def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
     return calls
 
 
-def call_with_timeout(fn, kwargs: dict, timeout_s: float):
-    """fn(**kwargs) in a daemon thread, waited on for at most `timeout_s`. A tool that hangs past it gives a
-    ToolError("timeout"); its thread cannot be killed and is left behind (daemon: it dies with the process), which
-    is why tools that run model code use the sandbox (a process that is killed) instead."""
-    box: dict = {}
+class ToolThread:
+    """fn(**kwargs) in a daemon thread, started at once; `result()` waits for at most `timeout_s` from the start.
+    A tool that hangs past it gives a ToolError("timeout"); its thread cannot be killed and is left behind (daemon:
+    it dies with the process), which is why a tool must bound its own work (the calculator bounds operand sizes)
+    and tools that run model code use the sandbox (a process that is killed) instead."""
 
-    def target():
+    def __init__(self, fn, kwargs: dict, timeout_s: float):
+        self.box: dict = {}
+        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
+        self.thread = threading.Thread(target=self._target, args=(fn, kwargs), daemon=True,
+                                       name=f"tool-{getattr(fn, '__name__', 'fn')}")
+        self.thread.start()
+
+    def _target(self, fn, kwargs):
         try:
-            box["value"] = fn(**kwargs)
+            self.box["value"] = fn(**kwargs)
         except Exception as e:  # noqa: BLE001  (a tool's failure is the model's observation, not our crash)
-            box["error"] = e
+            self.box["error"] = e
 
-    thread = threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'fn')}")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise ToolError("timeout", f"tool did not answer within {timeout_s:g}s")
-    if "error" in box:
-        e = box["error"]
-        if isinstance(e, ToolError):  # the tool's own verdict (e.g. the sandbox's timeout)
-            raise e
-        raise ToolError("exception", f"{type(e).__name__}: {e}")
-    return box.get("value")
+    def result(self):
+        self.thread.join(max(0.0, self.deadline - time.monotonic()))
+        if self.thread.is_alive():
+            raise ToolError("timeout", f"tool did not answer within {self.timeout_s:g}s")
+        if "error" in self.box:
+            e = self.box["error"]
+            if isinstance(e, ToolError):  # the tool's own verdict (e.g. the sandbox's timeout)
+                raise e
+            raise ToolError("exception", f"{type(e).__name__}: {e}")
+        return self.box.get("value")
+
+
+def call_with_timeout(fn, kwargs: dict, timeout_s: float):
+    """fn(**kwargs), waited on for at most `timeout_s` (see ToolThread)."""
+    return ToolThread(fn, kwargs, timeout_s).result()
 
 
 def tool_schema(fn) -> dict:
@@ -101,8 +117,16 @@ class ToolEnv(Env):
     of the Env API) are the model's tools. Subclasses write `reset`, the tool methods and `answer`."""
 
     tools: tuple[str, ...] | None = None
-    tool_timeout_s: float = 10.0
-    API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "API"}
+    API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "max_tool_output_chars",
+           "API", "settings", "Settings", "make_task", "required_fields"}
+
+    @property
+    def tool_timeout_s(self) -> float:
+        return self.settings.tool_timeout_s
+
+    @property
+    def max_tool_output_chars(self) -> int:
+        return self.settings.max_tool_output_chars
 
     def tool_names(self) -> list[str]:
         if self.tools is not None:
@@ -119,30 +143,51 @@ class ToolEnv(Env):
         return StepResult([], 0.0, True, {})
 
     def step(self, action: str) -> StepResult:
+        """The calls of one turn run in parallel (each bounded by tool_timeout_s from the same start); their
+        results come back in the order of the calls."""
         calls = parse_tool_calls(action)
         if calls is None:
             return self.answer(action)
+        started = [self._start(c) for c in calls]
         messages, errors = [], []
-        for call in calls:
+        for call in started:
             try:
                 if isinstance(call, ToolError):
                     raise call
-                content = self._run(call["name"], call["arguments"])
+                content = self._clip(str(call.result()))
             except ToolError as e:
                 errors.append(e.reason)
                 content = f"error: {e.reason}: {e}"
             messages.append({"role": "tool", "content": content})
         return StepResult(messages, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors})
 
-    def _run(self, name: str, arguments: dict) -> str:
+    def _clip(self, text: str) -> str:
+        """Tool output beyond max_tool_output_chars keeps its head and tail (a tool may print megabytes)."""
+        limit = self.max_tool_output_chars
+        if len(text) <= limit:
+            return text
+        half = limit // 2
+        return f"{text[:half]}\n...[{len(text) - 2 * half} characters cut]...\n{text[-half:]}"
+
+    def _start(self, call) -> "ToolThread | ToolError":
+        if isinstance(call, ToolError):
+            return call
+        name, arguments = call["name"], call["arguments"]
         if name not in self.tool_names():
-            raise ToolError("unknown_tool", f"no tool named {name!r} (tools: {', '.join(self.tool_names())})")
+            return ToolError("unknown_tool", f"no tool named {name!r} (tools: {', '.join(self.tool_names())})")
         fn = getattr(self, name)
         try:
             inspect.signature(fn).bind(**arguments)
         except TypeError as e:
-            raise ToolError("bad_arguments", str(e)) from None
-        return str(call_with_timeout(fn, arguments, self.tool_timeout_s))
+            return ToolError("bad_arguments", str(e))
+        return ToolThread(fn, arguments, self.tool_timeout_s)
+
+    def _run(self, name: str, arguments: dict) -> str:
+        """One call, waited on (for tests and environments that call their tools themselves)."""
+        started = self._start({"name": name, "arguments": arguments})
+        if isinstance(started, ToolError):
+            raise started
+        return self._clip(str(started.result()))
 
 
 def tools_system_prompt(schemas: list[dict]) -> str:

@@ -1,46 +1,108 @@
 """Token-in/token-out between turns: the ids of what the chat template puts after a sampled assistant turn.
 
-An episode is one token sequence: the first prompt's ids, then per turn the exact sampled ids, then the ids of the
-observation as the template renders it. The sampled text is decoded (for the environment) but never re-encoded:
-re-tokenising "12 apples" may give other ids than the ones sampled, and the trainer would then score tokens the
-policy never chose (TRL #5224). What is tokenised is only template text *after* the assistant turn:
+An episode is one token sequence, built only by appending: the first prompt's ids, then per turn the exact
+sampled ids, then the ids of the observation as the template renders it. The engine's next prompt *is* that list
+(`prompt_ids + response_ids`) and the trainer gets the same list, so the trainer scores exactly the ids the model
+was conditioned on and sampled. The sampled text is decoded (for the environment) but never re-encoded:
+re-tokenising "12 apples" may give other ids than the ones sampled (TRL #5224).
 
-    glue:  what the template writes after an assistant message's content (SmolLM2/ChatML: "<|im_end|>\\n"), minus
-           the stop token the model sampled itself (so the sampled <|im_end|> stays the sampled one);
-    delta: render(conversation + observation, generation prompt) minus render(conversation), checked prefix-wise
-           on text and on ids (a template that does not extend prefix-wise raises TemplateMismatch: that episode
-           ends with reason "template" rather than being re-tokenised).
+What is tokenised is only template text that comes *after* an assistant turn, rendered against a fixed two-message
+probe conversation (user "hi", assistant SENTINEL) rather than the episode's own history:
+
+    delta = render(probe + observation, generation prompt) after SENTINEL
+          = glue (what the template writes after an assistant message, ChatML "<|im_end|>\\n")
+            + the observation's messages + the generation prompt
+
+minus the stop token the model sampled itself (so the sampled <|im_end|> stays the sampled one). Why the probe:
+templates that rewrite earlier turns (thinking models such as Qwen3 and DeepSeek-R1 drop the `<think>` block of
+every assistant turn before the last user message) never render the history as the episode holds it, so a diff
+of two full renders of the real conversation cannot match; the probe's assistant turn has no reasoning to drop.
+Cost: one render of a two-message conversation per turn, whatever the episode's length (no quadratic
+re-render). Templates with strict roles (Gemma: no system role, user/assistant alternation, no tool role) get the
+observation as one user message and the system text inside the first user message. A template that still raises
+gives TemplateMismatch: that episode ends with reason "template" (counted), never the run.
 """
 
 from __future__ import annotations
 
+import threading
+
+import jinja2
+
 SENTINEL = "TANDEMSENTINEL7"
+PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}]
 
 
 class TemplateMismatch(Exception):
     pass
 
 
+def strip_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> str:
+    """The reasoning parser: the text after the last `</think>`; a turn that opened `<think>` and never closed
+    it is all reasoning (""). What the environment and the tool parser see, so a tool call or an answer written
+    while thinking counts for nothing."""
+    if close_tag in text:
+        return text.rsplit(close_tag, 1)[1].lstrip()
+    if open_tag in text:
+        return text.split(open_tag, 1)[0].strip()
+    return text
+
+
+def as_user_message(observation: list[dict]) -> list[dict]:
+    """An observation as one user message (for templates without a tool role or with strict alternation); tool
+    results in Hermes <tool_response> blocks."""
+    parts = [f"<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else m["content"]
+             for m in observation]
+    return [{"role": "user", "content": "\n".join(parts)}]
+
+
+def merge_system(messages: list[dict]) -> list[dict]:
+    """A leading system message moved into the first user message (templates that reject the system role)."""
+    if not messages or messages[0]["role"] != "system":
+        return messages
+    system, rest = messages[0]["content"], messages[1:]
+    if rest and rest[0]["role"] == "user":
+        return [{**rest[0], "content": f"{system}\n\n{rest[0]['content']}"}] + rest[1:]
+    return [{"role": "user", "content": system}] + rest
+
+
 class ChatRenderer:
     def __init__(self, tokenizer):
         if not tokenizer.chat_template:
-            raise ValueError("multi-turn episodes need a tokenizer with a chat template")
+            raise ValueError("multi-turn episodes need a tokenizer with a chat template (or --chat-template FILE)")
         self.tokenizer = tokenizer
-        probe = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}])
+        self.lock = threading.Lock()  # episodes step in worker threads; a fast tokenizer is not re-entrant
+        probe = self._renders(PROBE)
+        if probe is None:
+            raise ValueError("the chat template raises on a user + assistant conversation")
+        if SENTINEL not in probe:
+            raise ValueError("the chat template does not render an assistant message's content")
         self.glue_text = probe[probe.rindex(SENTINEL) + len(SENTINEL):]  # ChatML: "<|im_end|>\n"
-        self.glue_ids = self.ids(self.glue_text)
         user = [{"role": "user", "content": "hi"}]
         schema = {"type": "function", "function": {"name": "probe_tool", "description": "probe",
                                                     "parameters": {"type": "object", "properties": {}}}}
-        self.renders_tools = self.render(user, tools=[schema]) != self.render(user)
+        self.renders_tools = self._renders(user, tools=[schema]) not in (None, self._renders(user))
+        self.renders_system = self._renders([{"role": "system", "content": "s"}] + user) is not None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
         kwargs = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **kwargs)
 
+    def _renders(self, messages: list[dict], **kwargs) -> str | None:
+        """The render, or None where the template raises (raise_exception in its Jinja text)."""
+        try:
+            return self.render(messages, **kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError):
+            return None
+
     def ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        with self.lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def with_tools(self, messages: list[dict], schemas: list[dict]) -> tuple[list[dict], list[dict] | None]:
         """(messages, tools= argument): the schemas go to the template when it renders them, else into the system
@@ -58,24 +120,32 @@ class ChatRenderer:
         return [{"role": "system", "content": text}] + messages, None
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.ids(self.render(messages, add_generation_prompt=True, tools=tools))
+        """The first prompt's ids; a template without a system role gets the system text in the first user
+        message. TemplateMismatch where the template raises either way."""
+        text = self._renders(messages, add_generation_prompt=True, tools=tools)
+        if text is None and not self.renders_system:
+            text = self._renders(merge_system(messages), add_generation_prompt=True, tools=tools)
+        if text is None:
+            raise TemplateMismatch("the chat template raises on the first prompt's messages")
+        return self.ids(text)
 
-    def observation_ids(self, conversation: list[dict], observation: list[dict], sampled_stop: int | None,
-                        tools: list[dict] | None = None) -> list[int]:
-        """Ids to append after a sampled assistant turn (the last message of `conversation`) so that the sequence
-        continues as the template renders `conversation + observation` with a generation prompt. `sampled_stop`:
-        the stop token the model sampled at the end of its turn (None when the turn was cut at the token limit)."""
-        content = conversation[-1]["content"]
-        before = self.render(conversation, tools=tools)
-        if not before.endswith(content + self.glue_text):
-            raise TemplateMismatch("the template does not render the assistant turn verbatim")
-        after = self.render(conversation + observation, add_generation_prompt=True, tools=tools)
-        if not after.startswith(before):
-            raise TemplateMismatch("the template does not extend the conversation prefix-wise")
-        before_ids, after_ids = self.ids(before), self.ids(after)
-        if after_ids[:len(before_ids)] != before_ids:
-            raise TemplateMismatch("the rendered conversation's ids do not extend prefix-wise")
-        glue = self.glue_ids
-        if sampled_stop is not None and glue and glue[0] == sampled_stop:
-            glue = glue[1:]
-        return list(glue) + after_ids[len(before_ids):]
+    def observation_ids(self, observation: list[dict], sampled_stop: int | None) -> list[int]:
+        """Ids to append after a sampled assistant turn so that the sequence goes on as the template renders
+        `observation` after an assistant message, generation prompt included. `sampled_stop`: the stop token the
+        model sampled at the end of its turn (None when the turn was cut at the token limit)."""
+        delta = self._delta(observation)
+        if delta is None:
+            delta = self._delta(as_user_message(observation))
+        if delta is None:
+            raise TemplateMismatch("the chat template cannot render the observation after an assistant turn")
+        ids = self.ids(delta)
+        if sampled_stop is not None and ids and ids[0] == sampled_stop:
+            ids = ids[1:]
+        return ids
+
+    def _delta(self, observation: list[dict]) -> str | None:
+        after = self._renders(PROBE + observation, add_generation_prompt=True)
+        if after is None or after.count(SENTINEL) != 1:
+            return None
+        delta = after[after.index(SENTINEL) + len(SENTINEL):]
+        return delta if delta.startswith(self.glue_text) else None

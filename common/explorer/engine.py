@@ -67,13 +67,32 @@ class RolloutEngine(ABC):
         """Free what the engine holds outside this process (vLLM: its engine core, shared memory)."""
 
 
+def default_stop_ids(tokenizer, generation_config=None) -> list[int]:
+    """Where a response ends: the tokenizer's eos and every eos_token_id of the model's generation config (Qwen3,
+    Llama 3: <|im_end|> / <|eot_id|> next to <|endoftext|>), in that order, without repeats."""
+    ids = [tokenizer.eos_token_id]
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    ids += eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def folder_generation_config(path: str):
+    """The generation_config.json of a model folder (None when it has none)."""
+    if not os.path.exists(os.path.join(path, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(path)
+
+
 class HFEngine(RolloutEngine):
-    """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place)."""
+    """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place).
+    Stop tokens: `stop_token_ids`, else the tokenizer's eos and the model's generation config's."""
 
     def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None):
         self.model = model.eval()
         self.pad_id = tokenizer.pad_token_id
-        self.stop_ids = stop_token_ids or [tokenizer.eos_token_id]
+        self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
 
     @torch.no_grad()
     def generate(self, prompts, sampling):

@@ -58,7 +58,8 @@ import uuid
 
 import torch
 
-from common.explorer.engine import Generation, RolloutEngine, SamplingConfig, vllm_available  # noqa: F401 (re-exported)
+from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
+                                     folder_generation_config, vllm_available)  # (re-exported)
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -393,7 +394,8 @@ class VLLMEngine(RolloutEngine):
         shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
         of the whole machine's memory).
     max_model_len: longest prompt + response (default: the model's max_position_embeddings).
-    stop_token_ids: end a response at these (default: the tokenizer's eos), like the HF engine.
+    stop_token_ids: end a response at these (default: the tokenizer's eos and the folder's generation config's),
+        like the HF engine.
     """
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
@@ -421,7 +423,7 @@ class VLLMEngine(RolloutEngine):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model)
-        self.stop_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+        self.stop_ids = list(stop_token_ids or default_stop_ids(tokenizer, folder_generation_config(model)))
         on_cpu = self.device.type == "cpu"
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30))} if on_cpu else \
             {"gpu_memory_utilization": gpu_memory_utilization}
@@ -479,12 +481,14 @@ class VLLMEngine(RolloutEngine):
                             between_steps)
         return results
 
-    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None) -> None:
+    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None, poll=None) -> None:
         """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). This process drives
         vLLM's step loop; the moment a request finishes, `on_finish(key, Generation)` runs and the requests it
         returns (an episode's next turn) join the running batch, so no episode waits for the slowest of its turn.
-        `between_steps()`, if given, runs after every engine step (new weights may land there; each token's
-        version is then in `Generation.versions`)."""
+        `poll(block)`, if given, returns more requests whose work went on elsewhere (environment steps in a
+        pool): after every engine step without blocking, and blocking while the engine has nothing to run; None
+        once nothing is pending. `between_steps()`, if given, runs after every engine step (new weights may land
+        there; each token's version is then in `Generation.versions`)."""
         from vllm.inputs import TokensPrompt
 
         engine, truncated = self.llm.llm_engine, self._truncated(sampling)
@@ -500,7 +504,14 @@ class VLLMEngine(RolloutEngine):
             add(*request)
         self._generating = between_steps is not None
         try:
-            while engine.has_unfinished_requests():
+            while True:
+                if not engine.has_unfinished_requests():
+                    more = poll(True) if poll is not None else None
+                    if more is None:
+                        break
+                    for request in more:
+                        add(*request)
+                    continue
                 done = [out for out in engine.step() if out.finished]
                 logz = self.llm.collective_rpc("tandem_pop_logz", args=([o.request_id for o in done],))[0] \
                     if truncated and done else {}
@@ -510,6 +521,8 @@ class VLLMEngine(RolloutEngine):
                                                   between_steps is not None)
                     for request in on_finish(key, generation):
                         add(*request)
+                for request in (poll(False) or []) if poll is not None else []:
+                    add(*request)
                 if between_steps is not None:
                     between_steps()
         finally:

@@ -20,7 +20,7 @@ from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline
 from common.model import DTYPES, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
-from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes
+from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
 from common.tasks.processors import apply_task_processors
 from rewards import RewardFuture, RewardPool, UserReward, score
 from rewards.shaping import shape_batch
@@ -28,7 +28,7 @@ from rewards.shaping import shape_batch
 
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, args.chat_template)
     if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
         args.engine = resolve_engine(args.engine, resolve_model(args.model))[0]
     if args.engine == "vllm":
@@ -118,7 +118,7 @@ class Explorer:
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
         # verifiers run in the pool's worker processes; episodes add their environment's reward
-        future = ScoreFuture(self.rewards, flat, self.tokenizer, args.env_reward)
+        future = ScoreFuture(self.rewards, flat, self.tokenizer, args.env_reward, bool(args.reward_fn))
         generated["tasks"] = task_counts
         return _Round(step, groups, flat, future, generated, time.time() - t0)
 
@@ -130,14 +130,15 @@ class Explorer:
         t2 = time.time()
         self.timeline.record("reward-in-flight", round_.future.submitted_at, round_.future.done_at, step=round_.step)
         # ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward); reward_info keeps the parts
-        shaped = shape_batch(scores, [len(r.response_ids) for _, r in flat], args.samples_per_task,
-                             args.length_penalty, args.format_reward)
+        shaped = shape_batch(scores, [r.sampled_tokens for _, r in flat], args.samples_per_task,
+                             args.length_penalty, args.format_reward)  # episodes: sampled tokens only
         experiences = [Experience(
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
             group_id=g.group_id, task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
             finish_reason=r.finish_reason, timings={"rollout": round_.generated_s, "reward": t2 - t1},
-            segment_versions=r.versions,
+            segment_versions=r.versions, turn_ends=r.turn_ends,
+            turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward),
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         n = args.samples_per_task
         for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
@@ -147,6 +148,7 @@ class Explorer:
             "time/rollout": round_.generated_s, "time/reward": t2 - t1,
             "rollout/tokens_per_s": generated["tokens"] / max(round_.generated_s, 1e-9),
             "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
+            "rollout/sampled_tokens_mean": sum(r.sampled_tokens for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
             **rollout_metrics(flat), **generated.get("tasks", {}),
         }
@@ -183,10 +185,12 @@ class Explorer:
             tasks, _ = apply_task_processors(self.eval_tasks, self.args.task_processors, self.args)
             groups, _ = run_episodes(self.engine, self.workflow_ctx, tasks, greedy, self.version)
             flat = [(g, r) for g in groups for r in g.responses]
-            scores = ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward).result(self.args.timeout_s)
+            scores = ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward,
+                                 bool(self.args.reward_fn)).result(self.args.timeout_s)
         return {"eval/accuracy": sum(r.score >= 1.0 for r in scores) / len(scores), "eval/version": self.version,
                 "eval/turns_mean": rollout_metrics(flat).get("rollout/turns_mean", 0.0)}
 
     def close(self):
+        self.in_flight.close()
         self.rewards.close()
         self.engine.close()

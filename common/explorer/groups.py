@@ -47,6 +47,18 @@ class Response:
         elif len(self.response_ids) >= max_new_tokens:
             self.finish_reason = "length"
 
+    @property
+    def sampled_tokens(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def turn_ends(self) -> list[int]:
+        return [len(self.response_ids)]
+
+    @property
+    def turn_rewards(self) -> list[float]:
+        return []
+
     # ALGO LOGIC: which tokens of a partial rollout are trained, and how old the experience counts
     def loss_mask(self, partial_loss: str) -> list[int]:
         newest = self.versions[-1]

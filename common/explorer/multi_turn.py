@@ -4,9 +4,18 @@ Each episode is one token sequence (common/explorer/chat.py): first prompt | sam
 sampled turn 2 | ... The experience trains the sampled ids only (loss mask 1), each with its behaviour log-prob and
 the weights version that sampled it; observation and tool tokens have mask 0, log-prob 0.
 
-An episode ends when the environment says done ("done"), after --max-turns turns ("max_turns"), when the next
-turn would not fit in --episode-token-budget ("budget": the finish reason is then "length", like a truncated
-response), when the environment raises ("error") or the template cannot be extended prefix-wise ("template").
+What the environment sees of a turn is its text with the reasoning stripped (chat.strip_reasoning: nothing inside
+`<think>...</think>` reaches the environment or the tool parser). With in-turn tools (--in-turn-tools, ReTool /
+Search-R1 style) a turn that writes a complete `<tool_call>...</tool_call>` is cut right after it (the ids sampled
+after the call are dropped: the kept prefix and its log-probs are exactly what the model sampled), the result is
+appended as masked tokens and generation goes on in the same turn.
+
+An episode ends (`end_reason`, counted as rollout/end/<reason>) when the environment says done ("done"), after
+--max-turns turns ("max_turns"), when the next turn would not fit in --episode-token-budget ("budget"), when the
+environment raises in reset or step ("error") or the chat template cannot render its messages ("template"). The
+cut ones (max_turns, budget) carry finish reason "length" like a truncated response, so --mask-truncated and
+rollout/truncated_frac see them. The verifier scores `final_text`: the last turn's answer, "" when that turn was a
+tool call or was cut by the budget (an earlier turn's text never counts).
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.envs import make_env
-from common.explorer.chat import TemplateMismatch
+from common.explorer.chat import TemplateMismatch, strip_reasoning
+
+TOOL_CLOSE = "</tool_call>"
 
 
 @dataclass
@@ -24,18 +35,22 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None          # None while live; "stop", or "length" when the budget ended it
+    finish_reason: str | None = None          # None while live; "stop", or "length" when max_turns / budget cut it
     end_reason: str | None = None             # done | max_turns | budget | error | template
     turns: int = 0
     turn_rewards: list[float] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)  # per turn: end of its sampled ids in response_ids
     tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)
     success: bool | None = None
-    final_text: str = ""                      # the last assistant turn (what a verifier scores)
+    final_text: str = ""                      # the last turn's answer (what a verifier scores)
+    format_ok: bool | None = None             # the environment's verdict on the answer's format, if it gives one
     error: str = ""
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     env: object = None
+    in_turn: bool = False                     # the current turn goes on after an in-turn tool result
+    tool_rounds: int = 0                      # in-turn tool results so far (bounded by --max-turns)
 
     @property
     def segments(self) -> int:
@@ -47,11 +62,25 @@ class Episode:
     def trained_version(self, partial_loss: str = "last_segment") -> int:
         return min((v for v, m in zip(self.versions, self.mask) if m), default=self.versions[0] if self.versions else 0)
 
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the model wrote (what a length penalty counts; observations excluded)."""
+        return sum(self.mask)
+
     def env_reward(self, mode: str) -> float:
         """ALGO LOGIC: the environment's reward of the episode: the sum of its step rewards, or the last one."""
         if not self.turn_rewards:
             return 0.0
         return sum(self.turn_rewards) if mode == "sum" else self.turn_rewards[-1]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(start, end, trained) runs of the response: sampled (1) and observation (0) tokens."""
+        out, start = [], 0
+        for i in range(1, len(self.mask) + 1):
+            if i == len(self.mask) or self.mask[i] != self.mask[start]:
+                out.append((start, i, self.mask[start]))
+                start = i
+        return out
 
     def _append(self, ids, logprobs, trained: int, version: int, versions: list[int] | None = None):
         self.response_ids += ids
@@ -61,15 +90,35 @@ class Episode:
 
     def _end(self, reason: str):
         self.end_reason = reason
-        self.finish_reason = "length" if reason == "budget" else "stop"
+        self.finish_reason = "length" if reason in ("budget", "max_turns") else "stop"
+        if reason == "budget":
+            self.final_text = ""  # the cut turn has no answer, and an earlier turn's text is not one
         if self.env is not None:
-            self.env.close()
-            self.env = None
+            env, self.env = self.env, None
+            try:
+                env.close()
+            except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
+                self.error = self.error or f"close: {type(exc).__name__}: {exc}"
+
+
+def tool_call_end(ids: list[int], decode) -> int | None:
+    """The number of leading ids whose text first contains a complete tool call (None: there is none)."""
+    if TOOL_CLOSE not in decode(ids):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:  # the text of a prefix grows with it: binary search for the first prefix with the close tag
+        mid = (lo + hi) // 2
+        if TOOL_CLOSE in decode(ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class MultiTurn:
     """The samples of one task as episodes; `requests` / `receive` let the runner batch every live episode's next
-    turn (of every task) into one engine call."""
+    turn (of every task) into one engine call. `receive` may run in a worker thread (Rollouts runs environment
+    steps off the decode path): it touches only its own episode."""
 
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         from common.explorer.groups import Group
@@ -78,15 +127,29 @@ class MultiTurn:
         self.group = Group(task, group_id, [self._start(task) for _ in range(n)])
 
     def _start(self, task: dict) -> Episode:
-        env = make_env(task["env"])
-        if hasattr(env, "tool_timeout_s"):
-            env.tool_timeout_s = self.ctx.tool_timeout_s
-        messages, tools = self.ctx.renderer.with_tools(env.reset(task), env.tool_schemas())
-        prompt = self.ctx.renderer.prompt_ids(messages, tools)
-        if len(prompt) >= self.ctx.episode_token_budget:
-            raise ValueError(f"task {task.get('id')}: its first prompt has {len(prompt)} tokens, not below "
-                             f"--episode-token-budget {self.ctx.episode_token_budget}")
-        return Episode(prompt_ids=prompt, messages=messages, tools=tools, env=env)
+        renderer = self.ctx.renderer
+        try:
+            env = make_env(task["env"], self.ctx.env_settings)
+            messages, tools = renderer.with_tools(env.reset(task), env.tool_schemas())
+        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
+            return self._failed(renderer, "error", f"reset: {type(exc).__name__}: {exc}")
+        try:
+            prompt = renderer.prompt_ids(messages, tools)
+        except TemplateMismatch as exc:
+            env.close()
+            return self._failed(renderer, "template", str(exc))
+        e = Episode(prompt_ids=prompt, messages=list(messages), tools=tools, env=env)
+        if len(prompt) >= self.ctx.episode_token_budget:  # files are checked at load (common/run.py); not built-ins
+            e.error = f"first prompt has {len(prompt)} tokens, --episode-token-budget {self.ctx.episode_token_budget}"
+            e._end("budget")
+        return e
+
+    @staticmethod
+    def _failed(renderer, reason: str, error: str) -> Episode:
+        """An episode that could not start: no tokens to train (an empty response), its reason counted."""
+        e = Episode(prompt_ids=renderer.ids(renderer.glue_text)[:1] or [0], error=error)
+        e._end(reason)
+        return e
 
     def _cap(self, e: Episode) -> int:
         return min(self.ctx.max_new_tokens, self.ctx.episode_token_budget - len(e.prompt_ids) - len(e.response_ids))
@@ -96,47 +159,91 @@ class MultiTurn:
                 if e.finish_reason is None]
 
     def receive(self, e: Episode, generation, version: int) -> int:
-        """One sampled turn: append its exact ids, step the environment, append the observation's ids. Returns the
-        number of sampled tokens kept."""
+        """One sampled turn (or the rest of one, after an in-turn tool result): append its exact ids, step the
+        environment, append the observation's ids. Returns the number of sampled tokens kept."""
         cap = self._cap(e)
         ids, logprobs = generation.response_ids[:cap], generation.logprobs[:cap]
         stopped = generation.finish_reason == "stop" and len(generation.response_ids) <= cap
+        decode = self.ctx.renderer.decode
+        if self.ctx.in_turn_tools and e.env is not None and e.env.tool_schemas():
+            cut = tool_call_end(ids, decode)
+            if cut is not None:
+                return self._in_turn_call(e, ids[:cut], logprobs[:cut], version, generation.versions)
         e._append(ids, logprobs, 1, version, generation.versions)
-        e.turns += 1
+        if not e.in_turn:
+            e.turns += 1
+        e.in_turn = False
+        e.turn_ends.append(len(e.response_ids))
         if not stopped and cap < self.ctx.max_new_tokens:  # cut by the episode budget, not the per-turn limit
+            e.turn_rewards.append(0.0)
             e._end("budget")
             return len(ids)
-        text = self.ctx.tokenizer.decode(ids, skip_special_tokens=True)
+        text = decode(ids)  # in-turn tools: only the part after the last tool result (the calls already ran)
         e.messages.append({"role": "assistant", "content": text})
-        e.final_text = text
+        action = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
         try:
-            result = e.env.step(text)
+            result = e.env.step(action)
         except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
-            e.error = f"{type(exc).__name__}: {exc}"
+            e.turn_rewards.append(0.0)
+            e.error = f"step: {type(exc).__name__}: {exc}"
             e._end("error")
             return len(ids)
         e.turn_rewards.append(float(result.reward))
-        e.tool_calls += int(result.info.get("tool_calls", 0))
+        calls = int(result.info.get("tool_calls", 0))
+        e.tool_calls += calls
         e.tool_errors += list(result.info.get("tool_errors", []))
+        e.final_text = "" if calls else action  # a tool-call turn is no answer
         if "success" in result.info:
             e.success = bool(result.info["success"])
+        if "format_ok" in result.info:
+            e.format_ok = bool(result.info["format_ok"])
         if result.done:
             e._end("done")
         elif e.turns >= self.ctx.max_turns:
             e._end("max_turns")
         else:
-            try:
-                obs = self.ctx.renderer.observation_ids(e.messages, result.messages, ids[-1] if stopped else None,
-                                                        e.tools)
-            except TemplateMismatch as exc:
-                e.error = str(exc)
-                e._end("template")
-                return len(ids)
-            if len(e.prompt_ids) + len(e.response_ids) + len(obs) >= self.ctx.episode_token_budget:
-                e._end("budget")
-            else:
-                e._append(obs, [0.0] * len(obs), 0, version)
-                e.messages += result.messages
+            self._observe(e, result.messages, ids[-1] if stopped and ids else None, version)
+        return len(ids)
+
+    def _observe(self, e: Episode, observation: list[dict], sampled_stop: int | None, version: int) -> None:
+        try:
+            obs = self.ctx.renderer.observation_ids(observation, sampled_stop)
+        except TemplateMismatch as exc:
+            e.error = str(exc)
+            e._end("template")
+            return
+        if len(e.prompt_ids) + len(e.response_ids) + len(obs) >= self.ctx.episode_token_budget:
+            e._end("budget")
+        else:
+            e._append(obs, [0.0] * len(obs), 0, version)
+            e.messages += observation
+
+    def _in_turn_call(self, e: Episode, ids, logprobs, version: int, versions) -> int:
+        """The turn called a tool mid-way: run it, append the result as masked tokens, and let the turn go on."""
+        e._append(ids, logprobs, 1, version, versions)
+        if not e.in_turn:
+            e.turns += 1
+        text = self.ctx.renderer.decode(ids)
+        action = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
+        try:
+            result = e.env.step(action[:action.rindex(TOOL_CLOSE) + len(TOOL_CLOSE)])
+        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
+            e.error = f"step: {type(exc).__name__}: {exc}"
+            e._end("error")
+            return len(ids)
+        e.tool_calls += int(result.info.get("tool_calls", 0))
+        e.tool_errors += list(result.info.get("tool_errors", []))
+        results = "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>" for m in result.messages) + "\n"
+        obs = self.ctx.renderer.ids(results)
+        e.tool_rounds += 1
+        if len(e.prompt_ids) + len(e.response_ids) + len(obs) >= self.ctx.episode_token_budget \
+                or e.tool_rounds >= self.ctx.max_turns:
+            e.turn_ends.append(len(e.response_ids))
+            e.turn_rewards.append(0.0)
+            e._end("budget" if e.tool_rounds < self.ctx.max_turns else "max_turns")
+            return len(ids)
+        e._append(obs, [0.0] * len(obs), 0, version)
+        e.in_turn = True
         return len(ids)
 
     def finished(self) -> bool:

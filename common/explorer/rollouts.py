@@ -13,20 +13,27 @@ single_turn; a taskset may mix them. Adding a workflow is one file plus one line
 *every* live sample of every task (single-turn responses and episodes alike), so multi-turn episodes are batched
 turn by turn instead of run one after another. With vLLM (`generate_turns`) there is one engine loop for all
 turns: an episode's next turn joins the running batch as soon as its environment has answered, so no episode waits
-for the slowest of its turn.
+for the slowest of its turn. Environment steps (tool calls, rendering) run in a thread pool beside the engine loop,
+never inside it (`--env-workers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import queue
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.envs import parse_env_settings
+
 if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
     from common.explorer.engine import RolloutEngine, SamplingConfig
+
+STEP_GRACE_S = 0.005  # how long the engine loop waits for an environment step it just handed to the pool
 
 WORKFLOWS = {
     "single_turn": "common.explorer.single_turn:SingleTurn",
@@ -55,6 +62,11 @@ class Context:
     episode_token_budget: int = 1024
     tool_timeout_s: float = 10.0
     env_reward: str = "sum"
+    env_setting: tuple = ()             # --env-setting NAME.FIELD=VALUE
+    env_workers: int = 64
+    env_step_timeout_s: float = 300.0
+    reasoning_parser: str = "think"
+    in_turn_tools: bool = False
     _renderer: object = None
 
     @property
@@ -65,19 +77,34 @@ class Context:
             self._renderer = ChatRenderer(self.tokenizer)
         return self._renderer
 
+    @property
+    def env_settings(self) -> dict:
+        """make_env's overrides: the shared tool timeout, then every --env-setting."""
+        return {"tool_timeout_s": self.tool_timeout_s, **parse_env_settings(self.env_setting)}
+
     @classmethod
     def from_args(cls, tokenizer, args) -> "Context":
-        return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, getattr(args, "max_turns", 8),
-                   getattr(args, "episode_token_budget", 1024), getattr(args, "tool_timeout_s", 10.0),
-                   getattr(args, "env_reward", "sum"))
+        return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
+                   args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
+                   args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools)
 
 
 class Rollouts:
-    """The workflows (one per task) in flight on one explorer."""
+    """The workflows (one per task) in flight on one explorer. Environment steps, tool calls and observation
+    rendering (`workflow.receive`) run in a thread pool, never inside the engine's decode loop: with vLLM a
+    finished turn is handed to the pool and the engine keeps stepping the other requests; the episode's next turn
+    joins the running batch when its step is done, so a slow tool delays its own episode only."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.workflows: list = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.ctx.env_workers, thread_name_prefix="env-step")
+        return self._pool
 
     @property
     def groups(self) -> list:
@@ -111,31 +138,92 @@ class Rollouts:
             turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
             generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook)
             calls += 1
-            for (workflow, sample, _, _), (generation,) in zip(todo, generations):
-                tokens += workflow.receive(sample, generation, version)
+            if not self.ctx.env_workers:
+                tokens += sum(w.receive(s, g, version) for (w, s, _, _), (g,) in zip(todo, generations))
+            else:  # the turn's environment steps run in parallel
+                steps = [(s, self.pool.submit(w.receive, s, g, version)) for (w, s, _, _), (g,) in zip(todo, generations)]
+                tokens += sum(self._wait(s, f) for s, f in steps)
             if self.ctx.token_budget:
                 break
         return {"continued": continued, "tokens": tokens, "engine_calls": calls}
 
+    def _wait(self, sample, future) -> int:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        try:
+            return future.result(timeout=self.ctx.env_step_timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(f"explorer: waited {self.ctx.env_step_timeout_s:g}s (--env-step-timeout-s) for an "
+                               f"environment step of group {self._group_of(sample)}") from None
+
+    def _group_of(self, sample) -> str:
+        for w in self.workflows:
+            if any(s is sample for s in w.group.responses):
+                return f"{w.group.group_id} (task {w.group.task.get('id')})"
+        return "?"
+
     def _generate_continuously(self, engine, sampling: SamplingConfig, version: int, between_steps) -> int:
-        """One engine loop for every turn of every sample (vLLM): an episode's next turn is queued the moment its
-        last one finishes and the environment has answered, while the others are still decoding."""
-        owner = {}  # id(sample) -> its workflow
+        """One engine loop for every turn of every sample (vLLM): a finished turn goes to the environment pool
+        and the engine steps on; the episode's next turn is queued the moment its environment has answered."""
+        owner = {}  # id(sample) -> (its workflow, the sample)
         first = []
         for workflow in self.workflows:
             for sample, ids, cap in workflow.requests():
                 owner[id(sample)] = (workflow, sample)
                 first.append((id(sample), ids, cap))
         tokens = 0
+        answered: queue.Queue = queue.Queue()
+        pending: dict = {}  # key -> when its environment step was submitted
 
         def on_finish(key, generation):
             nonlocal tokens
             workflow, sample = owner[key]
-            tokens += workflow.receive(sample, generation, version)
-            return [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
+            if not self.ctx.env_workers:  # inline, inside the decode loop (--env-workers 0: the reference path)
+                tokens += workflow.receive(sample, generation, version)
+                return [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
+            pending[key] = time.monotonic()
+            future = self.pool.submit(workflow.receive, sample, generation, version)
+            future.add_done_callback(lambda f, key=key: answered.put((key, f)))
+            return []
 
-        engine.generate_turns(first, dataclasses.replace(sampling, n=1), on_finish, between_steps)
+        def poll(block: bool) -> list:
+            """Next requests of the episodes whose environment answered: with `block` (the engine has nothing
+            else to do), waits for one; otherwise waits at most STEP_GRACE_S after the newest submission, so a
+            quick step rejoins the batch at once, as if run inline. None once no environment step is pending."""
+            nonlocal tokens
+            if not pending:
+                return None
+            out = []
+            deadline = time.monotonic() + 1.0 if block else max(pending.values()) + STEP_GRACE_S
+            while pending:
+                remaining = deadline - time.monotonic()
+                try:
+                    key, future = answered.get(timeout=remaining) if remaining > 0 and not (block and out) \
+                        else answered.get_nowait()
+                except queue.Empty:
+                    oldest = min(pending.items(), key=lambda kv: kv[1])
+                    if time.monotonic() - oldest[1] > self.ctx.env_step_timeout_s:
+                        raise RuntimeError(f"explorer: waited {self.ctx.env_step_timeout_s:g}s "
+                                           f"(--env-step-timeout-s) for an environment step of group "
+                                           f"{self._group_of(owner[oldest[0]][1])}") from None
+                    if block and not out:
+                        deadline = time.monotonic() + 1.0
+                        continue
+                    return out
+                del pending[key]
+                tokens += future.result()  # an exception here is a bug of ours (receive catches the env's)
+                workflow, sample = owner[key]
+                out += [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
+            return out
+
+        engine.generate_turns(first, dataclasses.replace(sampling, n=1), on_finish, between_steps, poll=poll)
         return tokens
+
+    def close(self) -> None:
+        """Let the environment pool's threads go (a step still running finishes in its thread)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def pop_finished(self) -> list:
         """The groups whose samples have all ended (removed from here), oldest first."""
@@ -145,19 +233,28 @@ class Rollouts:
 
 
 # ---------------------------------------------------------------------------------------------- rewards
-def verifier_input(sample, task: dict, tokenizer) -> str | None:
-    """What the task's verifier scores: a single-turn response's text, an episode's last assistant turn (only when
-    the task names a verifier in "reward"), or None (the environment's reward alone)."""
+def verifier_input(sample, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
+    """What the task's verifier scores: a single-turn response's text, an episode's final answer (only when the
+    task names a verifier in "reward", or every episode with `whole_episodes`: --reward-fn), or None (the
+    environment's reward alone)."""
     from common.explorer.multi_turn import Episode
 
     if isinstance(sample, Episode):
-        return sample.final_text if "reward" in task else None
+        return sample.final_text if "reward" in task or whole_episodes else None
     return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+
+def trajectory_task(task: dict, episode) -> dict:
+    """The task as a --reward-fn sees it for an episode: with the whole trajectory (every message, the assistant
+    turns as sampled), the per-turn environment rewards and the end reason."""
+    return {**task, "trajectory": list(episode.messages), "turn_rewards": list(episode.turn_rewards),
+            "end_reason": episode.end_reason}
 
 
 def episode_reward(episode, verifier, env_reward: str):
     """ALGO LOGIC: an episode's reward = the environment's (sum or last step reward) + the verifier's score (if the
-    task names one). reward_info keeps the parts, the per-turn rewards and the end reason."""
+    task names one). reward_info keeps the parts, the per-turn rewards, the end reason and format_ok (the
+    verifier's, else the environment's verdict) for --format-reward."""
     from rewards import Reward
 
     env = episode.env_reward(env_reward)
@@ -166,23 +263,32 @@ def episode_reward(episode, verifier, env_reward: str):
             "tool_errors": list(episode.tool_errors)}
     if episode.error:
         info["error"] = episode.error
+    if episode.format_ok is not None:
+        info["format_ok"] = episode.format_ok
     score = env
     if verifier is not None:
         score += verifier.score
         info.update({"verifier": verifier.score, "verifier_reason": verifier.info.get("reason", "")})
+        if "format_ok" in verifier.info:
+            info["format_ok"] = bool(verifier.info["format_ok"]) and episode.end_reason == "done"
         if verifier.info.get("failed"):
             info["failed"] = True
     return Reward(score, info)
 
 
 class ScoreFuture:
-    """RewardPool.submit for a round of mixed samples: verifiers run in the pool; episodes add their env reward."""
+    """RewardPool.submit for a round of mixed samples: verifiers run in the pool; episodes add their env reward.
+    With `whole_episodes` (--reward-fn) every episode goes to the function, its task carrying the trajectory."""
 
-    def __init__(self, pool, flat: list, tokenizer, env_reward: str):
+    def __init__(self, pool, flat: list, tokenizer, env_reward: str, whole_episodes: bool = False):
+        from common.explorer.multi_turn import Episode
+
         self.flat, self.env_reward = flat, env_reward
-        inputs = [verifier_input(s, g.task, tokenizer) for g, s in flat]
+        inputs = [verifier_input(s, g.task, tokenizer, whole_episodes) for g, s in flat]
         self.scored = [i for i, text in enumerate(inputs) if text is not None]
-        self.future = pool.submit([inputs[i] for i in self.scored], [flat[i][0].task for i in self.scored])
+        tasks = [trajectory_task(g.task, s) if whole_episodes and isinstance(s, Episode) else g.task
+                 for g, s in flat]
+        self.future = pool.submit([inputs[i] for i in self.scored], [tasks[i] for i in self.scored])
         self.submitted_at = self.future.submitted_at
 
     @property
@@ -195,6 +301,15 @@ class ScoreFuture:
         verified = dict(zip(self.scored, self.future.result(timeout)))
         return [episode_reward(s, verified.get(i), self.env_reward) if isinstance(s, Episode) else verified[i]
                 for i, (_, s) in enumerate(self.flat)]
+
+
+def turn_credit(env_turn_rewards: list[float], turns: int, reward: float) -> list[float]:
+    """ALGO LOGIC: the reward credited at the end of each turn (for turn-level advantages): the environment's
+    step rewards, and the last turn gets the rest of the sample's (shaped) reward, so they add up to it."""
+    if turns == 0:
+        return []
+    early = [float(r) for r in env_turn_rewards[:turns - 1]] + [0.0] * max(0, turns - 1 - len(env_turn_rewards))
+    return early + [float(reward) - sum(early)]
 
 
 def rollout_metrics(flat: list) -> dict:
@@ -210,6 +325,7 @@ def rollout_metrics(flat: list) -> dict:
         out["rollout/episodes"] = len(episodes)
         out["rollout/tool_calls"] = sum(e.tool_calls for e in episodes)
         out.update({f"rollout/end/{k}": v for k, v in Counter(e.end_reason for e in episodes).items()})
+        out["rollout/episode_truncated_frac"] = sum(e.finish_reason == "length" for e in episodes) / len(episodes)
         out.update({f"rollout/tool_error/{k}": v for k, v in Counter(r for e in episodes for r in e.tool_errors).items()})
     return out
 
@@ -221,7 +337,10 @@ def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConf
     for i, task in enumerate(tasks):
         rollouts.start(task, first_group + i, sampling.n)
     t0 = time.time()
-    counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), version)
+    try:
+        counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), version)
+    finally:
+        rollouts.close()
     counts["seconds"] = time.time() - t0
     groups = rollouts.pop_finished()
     return groups, counts

@@ -1,11 +1,13 @@
-"""Procedural tasksets of the environments, by name (`--taskset NAME`), and the mixture of several (`--taskset A+B`,
-built by common/tasks/__init__.py):
+"""Procedural tasksets of the environments, by name (`--taskset NAME[:ARG]`), and the mixture of several
+(`--taskset A+B`, built by common/tasks/__init__.py). Every environment in common/envs' `ENVS` registry that names
+a task generator (`make_task`) or a task list (`task_list`) is a taskset, nothing to add here:
 
 - guess_number          guess a secret number with higher/lower replies (--difficulty: range 1..2^(d+2))
 - calculator            the arithmetic word problems with calculator + sandboxed Python tools, verifier math
 - retry                 the arithmetic word problems, a wrong answer gets feedback and another attempt
 - textarena:GAME[,GAME] TextArena single-player games (e.g. textarena:GuessTheNumber-v0), the library's reward
 - reasoning_gym:NAME[,NAME]  reasoning-gym datasets, its score_answer as the verifier
+- gem:ENV_ID[,ENV_ID]   GEM environments (pip install --no-deps gem-llm==0.1.0), GEM's rewards
 - A+B                   round-robin over the tasksets A and B (any of the above, arith, or a .jsonl file):
                         e.g. arith+guess_number mixes single- and multi-turn tasks in every batch
 """
@@ -16,30 +18,29 @@ import json
 import os
 import random
 
+from common.envs import ENVS, env_class
 from common.tasks.stream import TaskStream
 
-ENV_TASKSETS = ("guess_number", "calculator", "retry")
-REASONING_GYM_SIZE = 512  # questions drawn per dataset for training (the held-out ones use another seed)
+TASK_LIST_SIZE = 512  # tasks drawn from a finite source (reasoning-gym) for training (the held-out: another seed)
 
 
-def _generator(name: str):
-    if name == "guess_number":
-        from common.envs.guess_number import guess_number_task as fn
-    elif name == "calculator":
-        from common.envs.calculator import calculator_task as fn
-    else:
-        from common.envs.retry import retry_task as fn
-    return fn
+def env_taskset(taskset: str):
+    """(name, arg, environment class) when `taskset` is NAME or NAME:ARG of an environment with tasks, else None."""
+    name, _, arg = taskset.partition(":")
+    if name not in ENVS:
+        return None
+    cls = env_class(name)
+    return (name, arg or None, cls) if cls.make_task is not None or cls.task_list is not None else None
 
 
 def is_named_taskset(taskset: str) -> bool:
-    return taskset in ENV_TASKSETS or taskset.startswith(("textarena:", "reasoning_gym:"))
+    return env_taskset(taskset) is not None
 
 
 def taskset_has_envs(taskset: str) -> bool:
     """Whether a --taskset has multi-turn (env) tasks, without building it (files: any row with an "env")."""
     for part in taskset.split("+"):
-        if part in ENV_TASKSETS or part.startswith(("textarena:", "reasoning_gym:")):
+        if is_named_taskset(part):
             return True
         if part.endswith(".jsonl") and os.path.exists(part):
             with open(part) as f:
@@ -86,22 +87,16 @@ class MixedStream:
 def named_taskset(taskset: str, eval_taskset, difficulty: int, eval_size: int, seed: int, sampling: str,
                   curriculum: bool):
     """(training stream, held-out list) of an environment's taskset."""
-    if taskset.startswith("reasoning_gym:"):
-        from common.envs.reasoning_gym_env import reasoning_gym_tasks
-
-        names = [n for n in taskset.split(":", 1)[1].split(",") if n]
-        train = reasoning_gym_tasks(names, REASONING_GYM_SIZE, seed, "rg-")
-        held_out = reasoning_gym_tasks(names, max(1, eval_size // len(names)), seed + 10_007, "rg-eval-")
+    name, arg, cls = env_taskset(taskset)
+    if cls.task_list is not None:
+        train = cls.task_list(arg, TASK_LIST_SIZE, seed, f"{name}-")
+        held_out = cls.task_list(arg, eval_size, seed + 10_007, f"{name}-eval-")
         return TaskStream(tasks=train, seed=seed, sampling=sampling), held_out[:eval_size]
-    if taskset.startswith("textarena:"):
-        from common.envs.textarena_env import textarena_task
 
-        games = [g for g in taskset.split(":", 1)[1].split(",") if g]
+    def fn(rng, index, level):
+        return cls.make_task(rng, index, level, arg)
 
-        def fn(rng, index, level):
-            return textarena_task(games[index % len(games)], rng.randint(0, 2**31 - 1), index)
-    else:
-        fn = _generator(taskset)
+    fn(random.Random(seed), 0, difficulty)  # a bad ARG is a one-line error now, before any compute
     eval_rng = random.Random(f"{taskset}-eval-{seed}")
     held_out = [{**fn(eval_rng, i, difficulty), "id": f"{taskset}-eval-{i}"} for i in range(eval_size)]
     levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]

@@ -61,4 +61,5 @@ def validate_env_task(task: dict, where: str) -> dict:
     if "reward" in task:
         if task["reward"] not in KINDS:
             raise SystemExit(f"error: {where}: unknown reward {task['reward']!r} (one of {', '.join(KINDS)})")
+    task[WHERE] = where  # for errors found later (a first prompt longer than --episode-token-budget)
     return task

@@ -225,6 +225,46 @@ def gae(batch, rewards: torch.Tensor, critic, gamma: float, lam: float, normaliz
     return Advantages(advantages, returns, values)
 
 
+def turn_returns(turn_rewards: torch.Tensor, turn_ends: torch.Tensor, mask: torch.Tensor,
+                 gamma: float = 1.0) -> torch.Tensor:
+    """Per token, the discounted return from its turn on: G_k = r_k + gamma * G_{k+1} over the turns k of a row
+    (`turn_rewards` sits at each turn's last sampled token, marked by `turn_ends`); every token of turn k gets
+    G_k; 0 where mask is 0. [B, T] -> [B, T]."""
+    out = torch.zeros_like(turn_rewards)
+    running = torch.zeros(turn_rewards.shape[0], dtype=turn_rewards.dtype, device=turn_rewards.device)
+    for t in range(turn_rewards.shape[1] - 1, -1, -1):
+        end = turn_ends[:, t] > 0
+        running = torch.where(end, turn_rewards[:, t] + gamma * running, running)
+        out[:, t] = running
+    return out * mask
+
+
+def turn_group_advantages(returns: torch.Tensor, turn_ends: torch.Tensor, mask: torch.Tensor,
+                          group_ids: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Turn-level GRPO: each token's turn return minus the mean of every turn return in its group (all turns of
+    all samples of the task), divided by their std when `normalize_std`. Equal returns everywhere: 0."""
+    adv = torch.zeros_like(returns)
+    for g in group_ids.unique():
+        rows = group_ids == g
+        values = returns[rows][turn_ends[rows] > 0].float()
+        if values.numel() == 0:
+            continue
+        centred = returns[rows] - values.mean()
+        if normalize_std:
+            centred = centred / (values.std(unbiased=False) + eps) if values.numel() > 1 else centred * 0
+        adv[rows] = centred * mask[rows]
+    return adv
+
+
+def turn_normalised(batch, rewards: torch.Tensor, gamma: float, normalize_std: bool) -> Advantages:
+    """grpo_turn: per-turn rewards (the environment's step rewards, the verifier's score and shaping at the last
+    turn) -> discounted turn returns (--gamma) -> group-normalised per token. A single-turn sample is one turn, so
+    this is grpo there."""
+    returns = turn_returns(batch.turn_rewards, batch.turn_ends, batch.response_mask, gamma)
+    return Advantages(turn_group_advantages(returns, batch.turn_ends, batch.response_mask, batch.group_ids,
+                                            normalize_std))
+
+
 @dataclass(frozen=True)
 class Algo:
     """One line of `ALGOS`. Both functions take what they use by name: a parameter named like a config field gets
@@ -252,6 +292,7 @@ def config_kwargs(fn: Callable, args, skip: int, **given) -> dict:
 
 ALGOS: dict[str, Algo] = {
     "grpo": Algo(ppo_clip_loss, group_normalised),
+    "grpo_turn": Algo(ppo_clip_loss, turn_normalised),
     "dr_grpo": Algo(dr_grpo_loss, group_centred),
     "opmd": Algo(opmd_loss, group_centred),
     "ppo": Algo(ppo_clip_loss, gae, critic=True),

@@ -19,14 +19,40 @@ def samples_due(step: int, every: int) -> bool:
     return bool(every) and (step - 1) % every == 0
 
 
+def mask_spans(mask: list[int]) -> list[list[int]]:
+    """[start, end) runs of response tokens with loss mask 1 (what was trained)."""
+    spans, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append([start, i])
+            start = None
+    return spans
+
+
+def turn_texts(e: Experience, tokenizer) -> list[str]:
+    """Each turn's text: its sampled tokens and the observation before it (everything since the last turn)."""
+    starts = [0] + list(e.turn_ends[:-1])
+    return [tokenizer.decode(e.response_ids[a:b], skip_special_tokens=True) for a, b in zip(starts, e.turn_ends)]
+
+
 def sample_rows(experiences: list[Experience], tokenizer, step: int, n: int) -> list[dict]:
     """The first `n` samples of a trainer step's batch as readable rows (the version is the weights' that wrote
-    the response; step is the trainer step that trained on it)."""
-    return [{"step": step, "version": e.policy_version, "task_id": e.task_id,
-             "prompt": tokenizer.decode(e.prompt_ids, skip_special_tokens=True),
-             "response": tokenizer.decode(e.response_ids, skip_special_tokens=True),
-             "reward": e.reward, "finish_reason": e.finish_reason}
-            for e in experiences[:n]]
+    the response; step is the trainer step that trained on it). Episodes add per-turn text, the loss-mask spans,
+    per-turn rewards and the end reason."""
+    rows = []
+    for e in experiences[:n]:
+        row = {"step": step, "version": e.policy_version, "task_id": e.task_id,
+               "prompt": tokenizer.decode(e.prompt_ids, skip_special_tokens=True),
+               "response": tokenizer.decode(e.response_ids, skip_special_tokens=True),
+               "reward": e.reward, "finish_reason": e.finish_reason}
+        if "end_reason" in e.reward_info:  # an episode
+            row.update({"turns": turn_texts(e, tokenizer), "loss_mask_spans": mask_spans(e.loss_mask),
+                        "turn_rewards": list(e.turn_rewards), "env_turn_rewards": e.reward_info.get("turn_rewards"),
+                        "end_reason": e.reward_info["end_reason"]})
+        rows.append(row)
+    return rows
 
 
 class SamplesLog:

@@ -44,7 +44,7 @@ class Trainer:
         self.args, self.device = args, device
         self.dp = dp or DataParallel()  # one trainer unless --trainer-devices lists several
         self.dp.sharded = args.trainer_shard == "fsdp"
-        self.tokenizer = load_tokenizer(args.model)
+        self.tokenizer = load_tokenizer(args.model, args.chat_template)
         self.model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
         self.model.config.use_cache = False
         self.model.train()
