@@ -391,6 +391,52 @@ if os.fork() == 0:
         '''),
 }
 
+# A test that skips the inputs the candidate fails on, as some hand-written tests do. Every call the candidate
+# fails already raises CandidateError (which `except Exception` cannot catch); these attacks make the *judge*
+# raise an ordinary exception while it handles what the candidate sent, or make the test's own code raise.
+SKIPPING_TEST = """
+def check(candidate):
+    cases = [([1.0, 2.0, 3.0], 0.5, False), ([1.0, 2.8, 3.0], 0.3, True), ([], 1.0, False)]
+    for numbers, threshold, want in cases:
+        try:
+            got = candidate(numbers, threshold)
+        except Exception:
+            continue  # an input the candidate rejects is skipped
+        assert got == want
+"""
+SKIPPING_OWN_ERRORS_TEST = """
+def check(candidate):
+    for numbers, threshold, want in [([1.0, 2.0, 3.0], 0.5, 0), ([1.0, 2.8, 3.0], 0.3, 1)]:
+        try:
+            assert int(candidate(numbers, threshold)) == want
+        except (TypeError, ValueError):
+            continue  # an answer of the wrong type is skipped
+"""
+HARNESS = "import sys\nh = sys.modules['_sandbox_harness']\n"
+
+
+def corrupt(tree_or_line: str, raw: bool = False):
+    """has_close_elements whose process sends `tree_or_line` to the judge in place of its real answer."""
+    if raw:  # the whole answer line, bypassing the harness's own encoder
+        pre = HARNESS + f"class J:\n    loads = staticmethod(h.json.loads)\n    dumps = staticmethod(lambda reply: {tree_or_line})\nh.json = J\n"
+    else:
+        pre = HARNESS + f"h.to_tree = lambda value, depth=0: {tree_or_line}\n"
+    return ("HumanEval/0", fn("return True", pre=pre), {"test": SKIPPING_TEST})
+
+
+ATTACKS.update({
+    # ---- making the judge raise an ordinary exception on what the candidate sent
+    "judge_unhashable_dict_key": corrupt('{"d": [[{"l": [1]}, 1]]}'),
+    "judge_unhashable_set_item": corrupt('{"s": [{"d": []}]}'),
+    "judge_unhashable_tuple_in_set": corrupt('{"f": [{"t": [{"l": []}]}]}'),
+    "judge_complex_overflow": corrupt('{"c": [10 ** 400, 0]}'),
+    "judge_json_recursion": corrupt('\'{"ok": \' + "[" * 200000 + "]" * 200000 + "}"', raw=True),
+    "judge_bad_hex": corrupt('{"b": "zz"}'),
+    "judge_not_json": corrupt('"\\xff\\xfe not json"', raw=True),
+    # ---- making the test's own code raise, where the test swallows it
+    "wrong_type_the_test_skips": ("HumanEval/0", fn("return 'many'"), {"test": SKIPPING_OWN_ERRORS_TEST}),
+})
+
 
 STDIN_TASK = {"id": "sum-hidden", "reward": "code", "timeout_s": 4,
               "tests": [{"input": "17 25\n", "output": "42\n"}, {"input": "1 1\n", "output": "2\n"}]}
@@ -453,6 +499,15 @@ def _host_hack_files() -> list[str]:
     return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(HACK) and "-" + str(os.getpid()) not in n
             and not os.path.isdir(os.path.join(tempfile.gettempdir(), n))] + \
         [n for n in os.listdir(ROOT) if n.endswith(".py") and n in ("math.py", "json.py", "sitecustomize.py")]
+
+
+@pytest.mark.timeout(60)
+def test_the_skipping_tests_pass_an_honest_candidate():
+    """The control for the judge-error attacks: the same lenient tests pass the real solution."""
+    for test in (SKIPPING_TEST, SKIPPING_OWN_ERRORS_TEST):
+        task = {**PROBLEMS["HumanEval/0"], "id": "HumanEval/0", "reward": "code", "timeout_s": 4, "test": test}
+        reward = score(f"```python\n{REAL}\nhas_close_elements = _real\n```", task)
+        assert reward.score == 1.0, reward.info
 
 
 def test_there_are_enough_attacks():
