@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEMS = read_problems()
 MODE = run("pass").mode
 ISOLATED = "pivot-root" in MODE and "seccomp" in MODE
-pytestmark = pytest.mark.skipif(not ISOLATED, reason=f"sandbox without namespaces or seccomp here: {MODE!r}")
+sandboxed = pytest.mark.skipif(not ISOLATED, reason=f"sandbox without namespaces or seccomp here: {MODE!r}")
 HACK = "tandem-hack"  # attacks name any file they try to leave on the host with this
 
 # The real answer, used by an attack only when its trick worked (its prize).
@@ -501,6 +501,7 @@ def _host_hack_files() -> list[str]:
         [n for n in os.listdir(ROOT) if n.endswith(".py") and n in ("math.py", "json.py", "sitecustomize.py")]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_the_skipping_tests_pass_an_honest_candidate():
     """The control for the judge-error attacks: the same lenient tests pass the real solution."""
@@ -510,10 +511,12 @@ def test_the_skipping_tests_pass_an_honest_candidate():
         assert reward.score == 1.0, reward.info
 
 
+@sandboxed
 def test_there_are_enough_attacks():
     assert len(ATTACKS) >= 30
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_scores_zero_and_leaves_nothing(attack, host_services, monkeypatch):
@@ -534,6 +537,7 @@ FALLBACK_MODE = run("pass", isolate=False).mode
 
 @pytest.mark.skipif("landlock" not in FALLBACK_MODE or "seccomp" not in FALLBACK_MODE,
                     reason=f"the fallback here has no Landlock or seccomp: {FALLBACK_MODE!r}")
+@sandboxed
 @pytest.mark.timeout(90)
 def test_attacks_fail_without_namespaces_too(host_services):
     """The same attacks in the fallback for machines without namespaces (Landlock + seccomp + no capabilities,
@@ -562,6 +566,7 @@ BEAT_IN_PROCESS = ["sysexit_in_function", "os_exit_in_function", "atexit_os_exit
                    "settrace_exit_in_check", "patch_math_fabs"]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_these_attacks_beat_an_in_process_verifier():
     won = []
@@ -572,6 +577,7 @@ def test_these_attacks_beat_an_in_process_verifier():
     assert all(won), [a for a, w in zip(BEAT_IN_PROCESS, won) if not w]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_reading_attacks_win_outside_the_sandbox(host_services, tmp_path):
     """The dataset, the project and the taskset are there to read for a program outside the sandbox: the prize
@@ -588,6 +594,7 @@ def test_reading_attacks_win_outside_the_sandbox(host_services, tmp_path):
     assert r.stdout.split() == ["42"], r.stderr[-300:]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_memory_of_the_whole_tree_is_limited():
     """Four children, each under the per-process limit (RLIMIT_AS 400 MB), together over it: killed."""
@@ -615,6 +622,7 @@ def test_memory_of_the_whole_tree_is_limited():
     assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
 
 
+@sandboxed
 @pytest.mark.timeout(120)
 def test_every_canonical_solution_scores_one_and_return_none_scores_zero():
     tasks = [{**p, "id": tid, "reward": "code"} for tid, p in PROBLEMS.items()]
@@ -624,3 +632,63 @@ def test_every_canonical_solution_scores_one_and_return_none_scores_zero():
         none = pool.score_batch(["    return None\n"] * len(tasks), tasks)
     assert [(t["id"], r.info["reason"]) for t, r in zip(tasks, good) if r.score != 1.0] == []
     assert [t["id"] for t, r in zip(tasks, none) if r.score != 0.0] == []
+
+
+# ---------------------------------------------------------------- math: tolerances that equate different answers
+# (gold, reply) pairs that must score 0: a reply of another sign or magnitude that a rounding or `chop` tolerance
+# would call equal, and a percentage read at two magnitudes at once.
+MATH_DIFFERENT = [
+    ("-\\frac{1}{3^{20}}", "0.0000001"),             # 6-decimal rounding: both round to 0
+    ("-\\frac{1}{3^{20}}", "0.000000"),
+    ("\\frac{1}{7^{9}}", "0.0000001"),               # same sign, 4.9e-9 vs 1e-7
+    ("10^{-20}", "-10^{-20}"),                       # both exact: chop=True made the difference 0
+    ("\\sqrt{2}\\cdot 10^{-20}", "-\\sqrt{3}\\cdot 10^{-20}"),
+    ("\\pi \\cdot 10^{-17}", "-\\pi\\cdot 10^{-17}"),
+    ("(10^{-20}, 1]", "(-10^{-20}, 1]"),             # inside an interval
+    ("\\{-\\frac{1}{3^{20}}, 2\\}", "\\{0.0000001, 2\\}"),  # inside a set
+    ("x = -\\frac{1}{3^{20}}", "x = 0.0000001"),     # inside an equation
+    ("0", "0.0000001"),
+    ("0.37", "37\\%"), ("37\\%", "0.37"),            # "%" is a unit: one reading, not two magnitudes
+    ("\\frac{1}{3}", "0.33333"),                     # 5 significant digits
+]
+# Equivalences math-verify gets right, which must keep scoring 1.
+MATH_SAME = [
+    ("\\frac{1}{2}", "0.5"), ("0.5", "\\frac{1}{2}"), ("\\frac{1}{3}", "0.333333"), ("\\frac{1}{7}", "0.142857"),
+    ("\\frac{2}{3}", "0.666667"), ("2\\sqrt{2}", "\\sqrt{8}"), ("\\pi", "3.14159"), ("37", "37\\%"),
+    ("37\\%", "37"), ("\\{1, 2\\}", "\\{2, 1\\}"), ("x = 0.5", "x = \\frac{1}{2}"), ("\\frac{x}{2}", "0.5x"),
+    ("0", "0.0"), ("1.5 \\times 10^{-9}", "\\frac{3}{2 \\cdot 10^{9}}"), ("(0.25, 1]", "(\\frac{1}{4}, 1]"),
+]
+
+
+@pytest.mark.parametrize("gold,reply", MATH_DIFFERENT)
+def test_math_tolerance_does_not_equate_different_values(gold, reply):
+    reward = score(f"\\boxed{{{reply}}}", {"id": "m", "reward": "math", "answer": gold})
+    assert reward.score == 0.0, (gold, reply, reward.info)
+
+
+@pytest.mark.parametrize("gold,reply", MATH_SAME)
+def test_math_right_equivalences_still_score_one(gold, reply):
+    reward = score(f"\\boxed{{{reply}}}", {"id": "m", "reward": "math", "answer": gold})
+    assert reward.score == 1.0, (gold, reply, reward.info)
+
+
+# ---------------------------------------------------------------- K-12: units matched as units
+K12_WRONG_UNIT = [("5 m", "5 ms"), ("5 ms", "5 m"), ("5 n", "5 ns"), ("3 Pa", "3 Pas"), ("3 Pa", "3 pas"),
+                  ("5 mW", "5 MW"), ("5 t", "5 T"), ("5 s", "5 ss"), ("5 cm", "5 cms"), ("5 m", "5 mm"),
+                  ("5 kg", "5 kgs s")]
+K12_SAME_UNIT = [("5 m", "5 meters"), ("5 m", "5 Meters"), ("5 meters", "5 m"), ("1.2 km", "1,200 metres"),
+                 ("2 ms", "0.002 s"), ("3 Pa", "3 pascals"), ("5 km", "5 KM"), ("4 L", "4000 ml"),
+                 ("3 apples", "3 apple"), ("2 boxes", "2 box"), ("7 s", "7 seconds"), ("30°", "30 degrees"),
+                 ("50%", "50 %")]
+
+
+@pytest.mark.parametrize("gold,reply", K12_WRONG_UNIT)
+def test_k12_wrong_unit_scores_zero(gold, reply):
+    reward = score(f"Answer: {reply}", {"id": "k", "reward": "k12", "answer": gold})
+    assert reward.score == 0.0, (gold, reply, reward.info)
+
+
+@pytest.mark.parametrize("gold,reply", K12_SAME_UNIT)
+def test_k12_same_unit_other_spelling_scores_one(gold, reply):
+    reward = score(f"Answer: {reply}", {"id": "k", "reward": "k12", "answer": gold})
+    assert reward.score == 1.0, (gold, reply, reward.info)
