@@ -692,3 +692,66 @@ def test_k12_wrong_unit_scores_zero(gold, reply):
 def test_k12_same_unit_other_spelling_scores_one(gold, reply):
     reward = score(f"Answer: {reply}", {"id": "k", "reward": "k12", "answer": gold})
     assert reward.score == 1.0, (gold, reply, reward.info)
+
+
+# ---------------------------------------------------------------- environment libraries' partial credit
+def _guess_then_cheat(task: dict):
+    """GuessTheNumber: two valid guesses close to the middle, then the same out-of-range move until the game ends
+    on it (the library then pays the closeness of the last valid guess)."""
+    from common.envs import make_env
+
+    env = make_env("textarena")
+    env.reset(task)
+    for move in ("[10]", "[11]", "[99]", "[99]", "[99]"):
+        result = env.step(move)
+        if result.done:
+            return result
+    raise AssertionError("the game never ended on the invalid move")
+
+
+def test_textarena_invalid_play_earns_nothing_unless_asked():
+    pytest.importorskip("textarena")
+    rewards = []
+    for seed in range(8):
+        task = {"id": f"ta-{seed}", "env": "textarena", "game": "GuessTheNumber-v0", "seed": seed}
+        cheat = _guess_then_cheat(task)
+        if not cheat.info["game"].get("invalid_move"):  # a valid guess happened to be the number
+            continue
+        assert cheat.reward == 0.0 and not cheat.info["success"], (seed, cheat.reward, cheat.info)
+        rewards.append(cheat.info["library_reward"])
+        asked = _guess_then_cheat({**task, "partial_credit": True})  # the flag passes the library's reward on
+        assert asked.reward == cheat.info["library_reward"] and not asked.info["success"]
+    assert len(rewards) >= 5 and sum(rewards) / len(rewards) > 0.5  # what the cheat would have earned
+
+
+def test_textarena_partial_credit_flag_is_a_task_processor():
+    from common.tasks.processors import apply_task_processors
+
+    class Args:
+        prompt_template, max_prompt_chars = "{prompt}", 0
+
+    tasks, _ = apply_task_processors([{"env": "textarena", "game": "GuessTheNumber-v0"}, {"prompt": "2+2"}],
+                                     "env_partial_credit", Args)
+    assert tasks == [{"env": "textarena", "game": "GuessTheNumber-v0", "partial_credit": True}, {"prompt": "2+2"}]
+
+
+@pytest.mark.parametrize("dataset,reply", [("letter_counting", "0123456789"), ("leg_counting", "{answer}0"),
+                                           ("gsm_symbolic", "{answer}1")])
+def test_reasoning_gym_partial_credit_pays_nothing_unless_asked(dataset, reply):
+    pytest.importorskip("reasoning_gym")
+    from common.envs import make_env
+    from common.envs.reasoning_gym_env import reasoning_gym_tasks
+
+    task = reasoning_gym_tasks([dataset], 1, 0, "rg-")[0]
+    text = f"Answer: {reply.format(answer=task['entry']['answer'])}"
+    env = make_env("reasoning_gym")
+    env.reset(task)
+    cheat = env.step(text)
+    assert cheat.done and cheat.reward == 0.0 and not cheat.info["success"], (cheat.reward, cheat.info)
+    assert 0.0 < cheat.info["library_reward"] < 1.0  # the library's partial credit for a wrong reply
+    env.reset({**task, "partial_credit": True})
+    asked = env.step(text)
+    assert asked.reward == cheat.info["library_reward"] and not asked.info["success"]
+    env.reset(task)
+    solved = env.step(f"Answer: {task['entry']['answer']}")  # the honest control
+    assert solved.reward == 1.0 and solved.info["success"]
