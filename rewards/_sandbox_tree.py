@@ -24,6 +24,7 @@ import time
 
 ROOT = "/sys/fs/cgroup"
 PREFIX = "tandem-sbx-"
+POOL_PREFIX = "tandem-pool-"  # a reward worker's tree (a sandbox run's stays tandem-sbx-)
 CPU_PERIOD_US = 100_000
 _kind: str | None = None
 
@@ -90,12 +91,12 @@ class TreeLimits:
         self._next_poll = 0.0
 
     @classmethod
-    def create(cls, name: str, memory_mb: int, nproc: int, cpu_s: float) -> "TreeLimits":
+    def create(cls, name: str, memory_mb: int, nproc: int, cpu_s: float, prefix: str = PREFIX) -> "TreeLimits":
         k = kind()
         dirs = []
         try:
             if k == "cgroup-v2":
-                d = os.path.join(_v2_base(), PREFIX + name)
+                d = os.path.join(_v2_base(), prefix + name)
                 os.mkdir(d)
                 dirs.append(d)
                 _write(f"{d}/memory.max", str(memory_mb << 20))
@@ -105,7 +106,7 @@ class TreeLimits:
                 _write(f"{d}/cpu.max", f"{CPU_PERIOD_US} {CPU_PERIOD_US}")
             elif k == "cgroup-v1":
                 for c, base in _v1_bases().items():
-                    d = os.path.join(base, PREFIX + name)
+                    d = os.path.join(base, prefix + name)
                     os.mkdir(d)
                     dirs.append(d)
                 mem, pids, _ = dirs
@@ -216,7 +217,8 @@ def sweep() -> int:
     removed = 0
     for base in bases:
         for name in os.listdir(base):
-            pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+            prefix = next((p for p in (PREFIX, POOL_PREFIX) if name.startswith(p)), "")
+            pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 try:
                     for folder, _, _ in os.walk(f"{base}/{name}", topdown=False):  # nested ones first

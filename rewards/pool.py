@@ -271,9 +271,9 @@ class RewardPool:
     def _worker_tree(self, pid: int):
         """The worker's own cgroups (it joins them while it still imports, before it scores anything), or a
         polled tree rooted at it."""
-        name = f"{os.getpid()}-pool-{pid}"
         try:
-            tree = _tree.TreeLimits.create(name, self.memory_mb, WORKER_NPROC, math.inf)
+            tree = _tree.TreeLimits.create(f"{os.getpid()}-{pid}", self.memory_mb, WORKER_NPROC, math.inf,
+                                           prefix=_tree.POOL_PREFIX)
             tree.join(pid)
         except OSError:  # no cgroups here, or they refuse this one
             if "tree" in locals():

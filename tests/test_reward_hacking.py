@@ -808,6 +808,17 @@ def _sandbox_processes_of(pid: int) -> list[int]:
             if not zombie and uid >= UID_BASE and (uid - UID_BASE) // 64 == pid % (1 << 22)]
 
 
+def _pool_cgroups_of(worker: int) -> list[str]:
+    from rewards import _sandbox_tree
+
+    if _sandbox_tree.kind() == "cgroup-v1":
+        bases = list(_sandbox_tree._v1_bases().values())
+    else:
+        bases = [_sandbox_tree._v2_base()] if _sandbox_tree.kind() == "cgroup-v2" else []
+    name = f"{_sandbox_tree.POOL_PREFIX}{os.getpid()}-{worker}"
+    return [f"{b}/{name}" for b in bases if os.path.exists(f"{b}/{name}")]
+
+
 @sandboxed
 @pytest.mark.timeout(60)
 def test_a_worker_killed_mid_run_leaves_nothing_when_its_verdict_arrives():
@@ -820,8 +831,8 @@ def test_a_worker_killed_mid_run_leaves_nothing_when_its_verdict_arrives():
         assert pool.score_batch(["Answer: 4"], [{"id": "m", "answer": "4"}])[0].score == 1.0  # the worker is up
         worker = pool._workers[0].proc.pid
         reward = pool.score_batch([f"```python\n{program}\n```"], [task])[0]
-        others = sandbox_leftovers({os.getpid(), worker})  # the new worker's own cgroups are there, rightly
+        others = sandbox_leftovers({os.getpid(), worker})
         left = {"processes": _sandbox_processes_of(worker), "folders": others["folders"],
-                "cgroups": [g for g in others["cgroups"] if f"-pool-{worker}" in g or f"sbx-{worker}-" in g]}
+                "cgroups": others["cgroups"] + _pool_cgroups_of(worker)}
         assert reward.info["reason"].startswith("timeout"), reward.info
         assert left == {"processes": [], "folders": [], "cgroups": []}
