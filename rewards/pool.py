@@ -7,12 +7,15 @@ Each worker is a process tree of its own (rewards/_sandbox_tree.py): a cgroup wi
 the machine lets us make cgroups, so the kernel stops a worker at the limit however fast it allocates; otherwise
 the dispatcher sums the RSS of the worker and its children every 50 ms while it scores (a burst between two polls
 can pass). Sandbox runs a worker starts live inside its tree. When a worker is replaced (timeout, crash, memory),
-its whole tree is SIGKILLed at once, and its sandbox runs' working folders and cgroups are removed right away.
+its whole tree is SIGKILLed at once (a worker is the child subreaper of its runs' processes and reaps them, so
+none is left even as a zombie), and its sandbox runs' working folders and cgroups are removed, all before the
+item's score is delivered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -39,6 +42,8 @@ from rewards.sandbox import remove_workdirs_of
 MAX_CHUNK = 16  # items sent to a worker at once (each still has its own deadline)
 JUDGE_TIMEOUT_S = 120.0  # per item for tasks with a judge_model (model loading happens inside the first item)
 POLL_S = 0.05  # memory of a busy worker, where no cgroup enforces it
+GRACE_S = 0.5  # a worker whose sandbox run was killed under it: time to reap the run's processes and answer
+PR_SET_CHILD_SUBREAPER = 36
 WORKER_NPROC = 4096  # processes and threads of one worker's tree (a sandbox run has its own, lower limit)
 
 
@@ -68,9 +73,23 @@ def _main_hidden(score_fn):
         sys.modules["__main__"] = saved
 
 
+def _reap_adopted():
+    """Reap the worker's exited children: a verifier waits for its own children, so what is left are orphans of a
+    sandbox run killed from outside, which this worker adopted as a child subreaper (else they would wait for
+    the machine's init, which may take a second)."""
+    while True:
+        try:
+            if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG) is None:
+                return
+        except ChildProcessError:
+            return
+
+
 def _serve(conn, score_fn, parent_pid: int):
     """Verifier worker: warm the imports, say ready, then score (response, task) pairs until the pipe closes."""
     die_with_parent(parent_pid)
+    with contextlib.suppress(OSError, AttributeError):  # Linux: orphans of our sandbox runs come to us
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's business; it closes the pool
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: the pool enforces it
     try:
@@ -84,7 +103,9 @@ def _serve(conn, score_fn, parent_pid: int):
         except (EOFError, OSError):
             return
         for response, task in chunk:
-            conn.send(_safe_score(score_fn, response, task))
+            reward = _safe_score(score_fn, response, task)
+            _reap_adopted()
+            conn.send(reward)
 
 
 def _kill_tree(tree):
@@ -284,7 +305,16 @@ class RewardPool:
 
     def _stop(self, w: _Worker):
         """Kill the worker and everything it started at once (a sandbox run's processes included), then remove
-        its cgroups and its sandbox runs' working folders."""
+        its cgroups and its sandbox runs' working folders. When it was inside a sandbox run, the run's processes
+        go first, and the worker gets GRACE_S to see its run end, clean up after it and answer: it reaps the run's
+        processes (as their subreaper) so that none is left even as a zombie."""
+        run = [pid for pid in w.tree.pids() if pid != w.proc.pid]
+        if run and w.proc.is_alive():
+            for pid in run:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError, EOFError):
+                w.conn.poll(GRACE_S)
         _kill_tree(w.tree)
         w.proc.kill()
         w.proc.join(timeout=5)
