@@ -7,8 +7,9 @@ Two processes inside the sandbox, with different uids (as root) and the judge no
 - the judge process reads the test spec (prompt, test code, entry point, nonce) from a memfd that only it holds,
   runs the prompt (for its helper functions) and the test's `check(candidate)` where `candidate` is a proxy that
   forwards each call to the candidate process and decodes the answer strictly (`decode`: only exact builtin types
-  come out, so no object of the candidate's can reach an `==`). The verdict, with the nonce, goes to a pipe that
-  only the judge holds and that the caller reads.
+  come out, so no object of the candidate's can reach an `==`). Any error while handling the candidate's answer
+  is its failure (`Proxy`), and an exception the test's own code catches fails the verdict (`CaughtInTest`).
+  The verdict, with the nonce, goes to a pipe that only the judge holds and that the caller reads.
 stdlib only; imported before the sandbox's file system is set up.
 """
 

@@ -57,7 +57,8 @@ UNIT_ALIASES = {"meter": "m", "meters": "m", "metre": "m", "metres": "m", "centi
                 "milliliters": "mL", "millisecond": "ms", "milliseconds": "ms", "newton": "N", "newtons": "N",
                 "joule": "J", "joules": "J", "watt": "W", "watts": "W", "volt": "V", "volts": "V", "ampere": "A",
                 "amperes": "A", "amp": "A", "amps": "A", "pascal": "Pa", "pascals": "Pa", "tonne": "t",
-                "tonnes": "t", "l": "L", "m²": "m2", "cm²": "cm2", "km²": "km2", "mm²": "mm2", "m^2": "m2", "cm^2": "cm2",
+                "tonnes": "t", "l": "L", "m²": "m2", "cm²": "cm2", "km²": "km2", "mm²": "mm2", "m^2": "m2",
+                "cm^2": "cm2",
                 "km^2": "km2", "mm^2": "mm2", "cm³": "cm3", "m³": "m3", "cm^3": "cm3", "m^3": "m3", "°": "deg",
                 "degrees": "deg", "degree": "deg", "percent": "%", "kmh": "km/h", "kph": "km/h"}
 

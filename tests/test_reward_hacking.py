@@ -6,6 +6,11 @@ exit code and runs the test in the program's process (`test_these_attacks_beat_a
 on the same sandbox, without the judge); the others compute the real answer (`_real`) only when they managed to
 read the tests, tamper with the judge, escape a limit or reach the host.
 Then every HumanEval canonical solution must score 1 and every one with its body replaced by `return None`, 0.
+
+Further families, each with the honest controls that must keep scoring 1: a candidate that makes the judge raise
+an ordinary exception (or the test's own code raise) under a test that skips failing inputs; math tolerances that
+would equate values of different sign or magnitude; K-12 units; environment libraries' partial credit (TextArena,
+reasoning-gym); a verifier worker over its memory limit; a worker killed mid-run leaving anything behind.
 """
 
 import json
@@ -419,7 +424,8 @@ HARNESS = "import sys\nh = sys.modules['_sandbox_harness']\n"
 def corrupt(tree_or_line: str, raw: bool = False):
     """has_close_elements whose process sends `tree_or_line` to the judge in place of its real answer."""
     if raw:  # the whole answer line, bypassing the harness's own encoder
-        pre = HARNESS + f"class J:\n    loads = staticmethod(h.json.loads)\n    dumps = staticmethod(lambda reply: {tree_or_line})\nh.json = J\n"
+        pre = HARNESS + ("class J:\n    loads = staticmethod(h.json.loads)\n"
+                         f"    dumps = staticmethod(lambda reply: {tree_or_line})\nh.json = J\n")
     else:
         pre = HARNESS + f"h.to_tree = lambda value, depth=0: {tree_or_line}\n"
     return ("HumanEval/0", fn("return True", pre=pre), {"test": SKIPPING_TEST})
