@@ -766,18 +766,24 @@ def test_reasoning_gym_partial_credit_pays_nothing_unless_asked(dataset, reply):
 
 # ---------------------------------------------------------------- verifier workers: memory and clean-up
 def memory_hog(response: str, task: dict) -> Reward:
-    """A verifier that a pathological answer drives to gigabytes (64 MB at a time, every page touched)."""
+    """A verifier that a pathological answer drives to a gigabyte (64 MB at a time, every page touched) and holds
+    it a while, as a slow symbolic computation would (a burst between two polls is out of the polled mode's reach)."""
     if response == "hog":
-        blocks = [b"x" * (64 << 20) for _ in range(64)]
+        blocks = [b"x" * (64 << 20) for _ in range(16)]
+        time.sleep(10)
         return Reward(1.0, {"reason": f"got away with {len(blocks)} blocks"})
     return score(response, task)
 
 
 HOG_FILE = '''
+import time
+
+
 def hog(response, task):
     if response == "hog":
-        blocks = [b"x" * (64 << 20) for _ in range(64)]
-        return 1.0
+        blocks = [b"x" * (64 << 20) for _ in range(16)]
+        time.sleep(10)
+        return float(len(blocks) > 0)
     return 1.0 if response == "Answer: 4" else 0.0
 '''
 
