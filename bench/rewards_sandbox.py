@@ -1,19 +1,21 @@
-"""Sandbox cost per run, before -> after the hardening of issue 12, measured side by side in one run; then
-throughput with N concurrent runs and all 164 HumanEval canonical solutions through RewardPool.
+"""Sandbox cost per run, a git revision -> the working tree, measured side by side in one run; then throughput with
+N concurrent runs and all 164 HumanEval canonical solutions through RewardPool.
 
     .venv/bin/python bench/rewards_sandbox.py [--workers 2] [--n 60] [--before d65799e]
 
-"before" is rewards/sandbox.py + rewards/_sandbox_launch.py as of the git revision `--before` (the per-process
-sandbox whose HumanEval verdict was the exit status of program + test in one process), loaded from git into a
-temporary folder; "after" is the working tree (cgroup tree limits, new root, seccomp, and for HumanEval the
-judge process). Runs alternate between the two so that load on the machine hits both alike. Pin to 2 cores to
-reproduce the README setting: `taskset -c 0,1 .venv/bin/python bench/rewards_sandbox.py`.
+"before" is the sandbox (rewards/sandbox.py, _sandbox_launch.py, and where the revision has them
+_sandbox_harness.py and _sandbox_tree.py) as of the git revision `--before`, loaded from git into a temporary
+folder; "after" is the working tree. With d65799e, "before" is the per-process sandbox whose HumanEval verdict was
+the exit status of program + test in one process; with a later revision, its judge process. Runs alternate
+between the two so that load on the machine hits both alike. Pin to 2 cores to reproduce the README setting:
+`taskset -c 0,1 .venv/bin/python bench/rewards_sandbox.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import statistics
 import subprocess
@@ -31,12 +33,16 @@ from rewards.code import humaneval_program  # noqa: E402
 
 
 def load_before(rev: str, folder: str):
-    """The sandbox module of git revision `rev`, from a temporary folder (it imports only the stdlib)."""
-    for name in ("sandbox.py", "_sandbox_launch.py"):
-        text = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:rewards/{name}"], capture_output=True, text=True,
-                              check=True).stdout
+    """The sandbox module of git revision `rev`, from a temporary folder, with the launcher, harness and tree
+    limits of that revision (where it has them)."""
+    for name in ("sandbox.py", "_sandbox_launch.py", "_sandbox_harness.py", "_sandbox_tree.py"):
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:rewards/{name}"], capture_output=True, text=True)
+        if shown.returncode:
+            continue  # not in that revision
+        text = shown.stdout.replace("from rewards import _sandbox_tree as _tree", "import _sandbox_tree as _tree")
         with open(os.path.join(folder, name), "w") as f:
             f.write(text)
+    sys.path.insert(0, folder)  # its own _sandbox_tree, not the working tree's
     spec = importlib.util.spec_from_file_location("sandbox_before", os.path.join(folder, "sandbox.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules["sandbox_before"] = module  # dataclasses look their module up
@@ -84,12 +90,16 @@ def main():
         small = "import re, math, collections\nprint(sum(math.isqrt(i) for i in range(1000)))"
         he = problems["HumanEval/0"]
         he_code = he["canonical_solution"]
-        he_before = f"{humaneval_program(he_code, he)}\n{he['test']}\ncheck({he['entry_point']})\n"
+        if "harness" in inspect.signature(before.run).parameters:  # a revision with the judge process
+            he_label, run_he_before = "HumanEval/0 canonical (judge process)", lambda: before.run(
+                humaneval_program(he_code, he), harness=he).passed
+        else:  # program + test in one process, the exit status as the verdict
+            he_before = f"{humaneval_program(he_code, he)}\n{he['test']}\ncheck({he['entry_point']})\n"
+            he_label, run_he_before = "HumanEval/0 canonical (after: judge)", lambda: before.run(he_before).ok
         figures = [
             ("trivial program (pass)", lambda: before.run("pass").ok, lambda: after.run("pass").ok),
             ("small program (imports, prints)", lambda: before.run(small).ok, lambda: after.run(small).ok),
-            ("HumanEval/0 canonical (after: judge process)", lambda: before.run(he_before).ok,
-             lambda: after.run(humaneval_program(he_code, he), harness=he).passed),
+            (he_label, run_he_before, lambda: after.run(humaneval_program(he_code, he), harness=he).passed),
         ]
         for label, run_before, run_after in figures:
             ms = per_run_ms({"before": run_before, "after": run_after}, args.n)

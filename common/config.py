@@ -164,6 +164,10 @@ class CommonArgs:
     """Verifier processes of the explorer's RewardPool (math, code, k12, vision; a learned RM has its own process)."""
     reward_timeout_s: float = 10.0
     """Wall-clock limit per scored response; a verifier that hangs past it scores 0 and counts in reward/failed."""
+    reward_memory_mb: int = 4096
+    """Memory limit of each reward worker, everything it starts included (sandbox runs, a --reward-fn function, a
+    judge model): a response that takes it over scores 0 ('memory limit ...', reward/failed), the worker is
+    replaced."""
     reward_fn: str | None = None
     """Score every task (training and held-out) with your own function instead of the verifier the task names:
     `module:function` or `path/to/file.py:function`, called as fn(response: str, task: dict) -> float or

@@ -39,6 +39,7 @@ RANGES: dict[str, tuple] = {
     "max_new_tokens": (1, True, None, False, ""),
     "reward_workers": (1, True, None, False, ""),
     "reward_timeout_s": (0, False, None, False, ""),
+    "reward_memory_mb": (256, True, None, False, "a worker needs ~150 MB for its imports"),
     "lr": (0, False, None, False, ""),
     "ppo_epochs": (1, True, None, False, ""),
     "minibatch_size": (1, True, None, False, ""),

@@ -7,13 +7,15 @@ Two processes inside the sandbox, with different uids (as root) and the judge no
 - the judge process reads the test spec (prompt, test code, entry point, nonce) from a memfd that only it holds,
   runs the prompt (for its helper functions) and the test's `check(candidate)` where `candidate` is a proxy that
   forwards each call to the candidate process and decodes the answer strictly (`decode`: only exact builtin types
-  come out, so no object of the candidate's can reach an `==`). The verdict, with the nonce, goes to a pipe that
-  only the judge holds and that the caller reads.
+  come out, so no object of the candidate's can reach an `==`). Any error while handling the candidate's answer
+  is its failure (`Proxy`), and an exception the test's own code catches fails the verdict (`CaughtInTest`).
+  The verdict, with the nonce, goes to a pipe that only the judge holds and that the caller reads.
 stdlib only; imported before the sandbox's file system is set up.
 """
 
 import json
 import os
+import sys
 
 MAX_LINE = 16 << 20  # the longest answer the judge reads (bytes)
 PLAIN = (type(None), bool, int, float, str)
@@ -51,7 +53,7 @@ def from_tree(tree, depth=0):
     if kind in PLAIN:
         return tree
     if kind is not dict or len(tree) != 1:
-        raise ValueError(f"malformed value {str(tree)[:80]!r}")
+        raise ValueError(f"malformed value of type {kind.__name__}")
     (tag, body), = tree.items()
     if tag in "ltsf" and type(body) is list:
         items = [from_tree(v, depth + 1) for v in body]
@@ -62,7 +64,7 @@ def from_tree(tree, depth=0):
         return bytes.fromhex(body)
     if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
         return complex(*body)
-    raise ValueError(f"malformed value {str(tree)[:80]!r}")
+    raise ValueError(f"malformed value with tag {str(tag)[:20]!r}")
 
 
 def encode(value) -> bytes:
@@ -118,6 +120,11 @@ class CandidateError(BaseException):
 
 
 class Proxy:
+    """The candidate as the test sees it. Everything between the test's call and the value it gets back (encoding
+    the arguments, the pipe, parsing and decoding the answer) runs on data the candidate can shape, so any error
+    there, whatever its type (TypeError of an unhashable key, OverflowError of a huge complex, RecursionError of
+    deep nesting, MemoryError), is the candidate's failure: a CandidateError, which a test cannot catch."""
+
     def __init__(self, name, req_fd, resp_fd):
         self.__name__ = name
         self.req_fd, self.reader, self.calls = req_fd, LineReader(resp_fd), 0
@@ -125,22 +132,24 @@ class Proxy:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         try:
-            write_all(self.req_fd, encode([list(args), kwargs]))
-            reply = json.loads(self.reader.readline())
+            return self._call(args, kwargs)
+        except CandidateError:
+            raise
         except (OSError, EOFError) as e:
             raise CandidateError(f"candidate process gone: {e}") from None
-        except ValueError as e:
-            raise CandidateError(f"unreadable answer: {e}") from None
+        except Exception as e:  # noqa: BLE001 - see the class docstring
+            raise CandidateError(f"unreadable answer: {type(e).__name__}: {str(e)[:120]}") from None
+
+    def _call(self, args, kwargs):
+        write_all(self.req_fd, encode([list(args), kwargs]))
+        reply = json.loads(self.reader.readline())
         if type(reply) is not dict or len(reply) != 1:
             raise CandidateError("malformed answer")
         if "raise" in reply:
             raise CandidateError(f"candidate raised {str(reply['raise'])[:200]}")
         if "ok" not in reply:
             raise CandidateError("malformed answer")
-        try:
-            return from_tree(reply["ok"])
-        except ValueError as e:
-            raise CandidateError(str(e)) from None
+        return from_tree(reply["ok"])
 
 
 def read_spec(fd: int) -> dict:
@@ -162,21 +171,47 @@ def compile_prompt(prompt: str):
         return compile(prompt.rstrip() + "\n    pass\n", "prompt.py", "exec")
 
 
+class CaughtInTest:
+    """A trace function that notes every exception raised in (or passing through) the test's own frames. A test
+    that swallows an exception did not see the candidate pass: it skipped an input (`except Exception: continue`)
+    or caught the CandidateError that stood for the candidate's failure. Honest HumanEval tests never do this."""
+
+    def __init__(self):
+        self.first: str | None = None
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == "test.py":
+            return self.local
+        return None
+
+    def local(self, frame, event, arg):
+        if event == "exception" and self.first is None:
+            self.first = f"{arg[0].__name__}: {str(arg[1])[:160]}"
+        return self.local
+
+
 def judge(spec: dict, req_fd: int, resp_fd: int) -> dict:
     """Run the test's `check(candidate)` against the proxy. -> {"passed": bool, "reason": str, "calls": int}."""
     proxy = Proxy(spec["entry_point"], req_fd, resp_fd)
     env = {"__name__": "__judge__"}
+    caught = CaughtInTest()
     try:
         exec(compile_prompt(spec["prompt"]), env)  # noqa: S102 - the task's own helpers
         env[spec["entry_point"]] = proxy
         exec(compile(spec["test"], "test.py", "exec"), env)  # noqa: S102
-        env["check"](proxy)
+        sys.settrace(caught)
+        try:
+            env["check"](proxy)
+        finally:
+            sys.settrace(None)
     except CandidateError as e:
         return {"passed": False, "reason": str(e), "calls": proxy.calls}
     except AssertionError as e:
         return {"passed": False, "reason": f"AssertionError {str(e)[:200]}".strip(), "calls": proxy.calls}
     except Exception as e:  # noqa: BLE001 - any failure of the test is a failed test
         return {"passed": False, "reason": f"{type(e).__name__}: {str(e)[:200]}", "calls": proxy.calls}
+    if caught.first is not None:
+        return {"passed": False, "reason": f"the test caught {caught.first}", "calls": proxy.calls}
     if proxy.calls == 0:
         return {"passed": False, "reason": "the test never called the candidate", "calls": 0}
     return {"passed": True, "reason": "passed", "calls": proxy.calls}

@@ -12,6 +12,8 @@
   between two polls can exceed it; RLIMIT_AS and RLIMIT_NPROC still bound each process and the uid.
 `violation()` says which limit the tree broke (or None); `kill()` SIGKILLs every process in it; `close()` removes
 the cgroups. Names carry the creating pid, so `sweep()` removes those of callers that died mid-run.
+The reward pool puts each verifier worker in a tree of its own the same way (`join`); the sandbox runs a worker
+starts then nest inside it, and `kill`/`close` take the nested cgroups with them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 ROOT = "/sys/fs/cgroup"
 PREFIX = "tandem-sbx-"
+POOL_PREFIX = "tandem-pool-"  # a reward worker's tree (a sandbox run's stays tandem-sbx-)
 CPU_PERIOD_US = 100_000
 _kind: str | None = None
 
@@ -88,12 +91,12 @@ class TreeLimits:
         self._next_poll = 0.0
 
     @classmethod
-    def create(cls, name: str, memory_mb: int, nproc: int, cpu_s: float) -> "TreeLimits":
+    def create(cls, name: str, memory_mb: int, nproc: int, cpu_s: float, prefix: str = PREFIX) -> "TreeLimits":
         k = kind()
         dirs = []
         try:
             if k == "cgroup-v2":
-                d = os.path.join(_v2_base(), PREFIX + name)
+                d = os.path.join(_v2_base(), prefix + name)
                 os.mkdir(d)
                 dirs.append(d)
                 _write(f"{d}/memory.max", str(memory_mb << 20))
@@ -103,7 +106,7 @@ class TreeLimits:
                 _write(f"{d}/cpu.max", f"{CPU_PERIOD_US} {CPU_PERIOD_US}")
             elif k == "cgroup-v1":
                 for c, base in _v1_bases().items():
-                    d = os.path.join(base, PREFIX + name)
+                    d = os.path.join(base, prefix + name)
                     os.mkdir(d)
                     dirs.append(d)
                 mem, pids, _ = dirs
@@ -150,12 +153,23 @@ class TreeLimits:
             return "memory limit (whole tree)"
         return "cpu time limit (whole tree)" if self._cpu_s() > self.cpu_s else None
 
+    def join(self, pid: int):
+        """Move a running process (all its threads) into the tree's cgroups; polled: make it the tree's root."""
+        self.root_pid = pid
+        for d in self.dirs:
+            _write(f"{d}/cgroup.procs", str(pid))
+
     def pids(self) -> list[int]:
+        """Every process of the tree, including those of cgroups nested in ours (a sandbox run of a worker)."""
         if self.kind == "tree-polled":
             return _descendants(self.root_pid) if self.root_pid else []
         out = []
         for d in self.dirs[:2] if self.kind == "cgroup-v1" else self.dirs:
-            out += [int(p) for p in _read(f"{d}/cgroup.procs").split()]
+            for folder, _, _ in os.walk(d):
+                try:
+                    out += [int(p) for p in _read(f"{folder}/cgroup.procs").split()]
+                except OSError:  # removed meanwhile
+                    continue
         return sorted(set(out))
 
     def kill(self, wait_s: float = 5.0):
@@ -178,7 +192,8 @@ class TreeLimits:
         """Remove the cgroups (after `kill`; a dying process leaves its cgroup a moment later). -> those still
         busy after `wait_s` (left for `sweep` once this process is gone; never seen in the tests)."""
         deadline, left = time.monotonic() + wait_s, []
-        for d in self.dirs:
+        nested = [f for d in self.dirs for f, _, _ in os.walk(d, topdown=False) if f != d]
+        for d in nested + self.dirs:
             while True:
                 try:
                     os.rmdir(d)
@@ -202,12 +217,14 @@ def sweep() -> int:
     removed = 0
     for base in bases:
         for name in os.listdir(base):
-            pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+            prefix = next((p for p in (PREFIX, POOL_PREFIX) if name.startswith(p)), "")
+            pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 try:
-                    for member in _read(f"{base}/{name}/cgroup.procs").split():
-                        os.kill(int(member), signal.SIGKILL)
-                    os.rmdir(f"{base}/{name}")
+                    for folder, _, _ in os.walk(f"{base}/{name}", topdown=False):  # nested ones first
+                        for member in _read(f"{folder}/cgroup.procs").split():
+                            os.kill(int(member), signal.SIGKILL)
+                        os.rmdir(folder)
                     removed += 1
                 except OSError:
                     continue

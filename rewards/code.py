@@ -16,10 +16,15 @@ Why a verdict cannot be forged (the design; an RL policy searches for holes in t
   (rewards/_sandbox_harness.py) that calls the candidate's entry point through a pipe, one call at a time, and
   gets back each return value as JSON of exact builtin types, decoded strictly (`from_tree`): an object with a
   lying `__eq__`, a subclass of int or str, anything that is not plain data, cannot reach the test's `==`; the
-  test's comparisons run in the judge on the judge's own objects. The test code, its expected values, the
-  nonce and the verdict pipe exist only in the judge (the spec comes in through a memfd that the candidate
-  closes before its first line runs; the judge reads it only after forking the candidate). The judge runs under
-  another uid than the program (as root; in a user namespace the program has no capabilities), is non-dumpable
+  test's comparisons run in the judge on the judge's own objects. Whatever goes wrong while the judge handles
+  what the candidate sent (parsing, decoding, re-encoding it as an argument: a TypeError of an unhashable key,
+  an OverflowError, a RecursionError of deep nesting) is the candidate's failure, raised as a BaseException that
+  the test's `except Exception` cannot swallow; and an exception that the test's own code catches (it skips an
+  input with `except Exception: continue`, or catches even BaseException) fails the verdict. The test code, its
+  expected values, the nonce and the verdict pipe exist only in the judge (the spec comes in through a memfd
+  that the candidate closes before its first line runs; the judge reads it only after forking the candidate).
+  The judge runs under another uid than the program (as root; in a user namespace the program has no
+  capabilities), is non-dumpable
   (no /proc/<pid>/mem, fd or environ access), is PID 1 of the sandbox (immune to the program's signals), and the
   seccomp filter forbids ptrace and process_vm_*. The verdict counts only if the judge saw `check` return after
   at least one call, and it carries the run's random nonce; exit status and stdout play no part, so
@@ -35,7 +40,7 @@ Why a verdict cannot be forged (the design; an RL policy searches for holes in t
   project and other runs' files are not there to read.
 What it still cannot stop: a program that special-cases the visible inputs (HumanEval's tests are public and a
 model may have memorised them: hold out your own tests for that); a test that is weak (few cases, loose
-tolerance); a test whose own code catches BaseException around a candidate call; timing side channels; and
+tolerance, or fooled by a plain value it computes with without raising); timing side channels; and
 kernel bugs (seccomp and namespaces shrink the attack surface, they do not remove it). stdin tasks additionally
 trust the exit status as "ran to the end", which a program can only game by printing the right answer.
 """

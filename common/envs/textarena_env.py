@@ -2,8 +2,15 @@
 e.g. textarena:GuessTheNumber-v0 (also checked: Mastermind-v0, TowerOfHanoi-v0). Games whose code reads NLTK's
 corpora (Wordle, Hangman, WordLadder, ...: their modules call nltk.download at import) are refused when the
 taskset is built, in one line, unless NLTK's 'words' corpus is installed (NLTK_DATA): no package on PyPI ships
-it, and offline the download would fail inside the run. The game's own text is the observation (only what is new since the last turn, minus the echo of the
-player's move), and the reward is the library's own: `env.close()`'s reward of player 0 at the end of the game."""
+it, and offline the download would fail inside the run. The game's own text is the observation (only what is new
+since the last turn, minus the echo of the player's move).
+
+The reward is the library's own (`env.close()`'s reward of player 0 at the end of the game) for a game that ended
+by valid play: 1 for a win, and the game's own measure of progress when it ran out of turns. A game that ended on
+an invalid move pays nothing (a penalty the library gives, below 0, stays): some games (GuessTheNumber) grant the
+closeness of the last valid guess there, so repeating an invalid move would end the game on a partial reward on
+purpose. A task with `partial_credit: true` (the `env_partial_credit` task processor) gets the library's reward
+as is. `success` means solved: the library's win reward (>= 1) after valid play."""
 
 from __future__ import annotations
 
@@ -53,6 +60,16 @@ def make_textarena_task(rng, index: int, difficulty: int, arg: str | None = None
     return textarena_task(games[index % len(games)], rng.randint(0, 2**31 - 1), index)
 
 
+def end_reward(library_reward: float, invalid_move: bool, partial_credit: bool) -> tuple[float, dict]:
+    """(reward, info) of a finished game from the library's reward (see the module docstring)."""
+    solved = library_reward >= 1.0 and not invalid_move
+    if invalid_move and not partial_credit:
+        reward = min(library_reward, 0.0)
+    else:
+        reward = library_reward
+    return reward, {"success": solved, "invalid_move": invalid_move, "library_reward": library_reward}
+
+
 class TextArena(Env):
     required_fields = ("game",)
     make_task = staticmethod(make_textarena_task)
@@ -60,6 +77,7 @@ class TextArena(Env):
     def reset(self, task: dict) -> list[dict]:
         import textarena as ta
 
+        self.partial_credit = bool(task.get("partial_credit", False))
         self.env = ta.make(task["game"])
         self.env.reset(num_players=1, seed=int(task.get("seed", 0)))
         _, observation = self.env.get_observation()
@@ -70,8 +88,10 @@ class TextArena(Env):
         done, info = self.env.step(action)
         if done:
             rewards, game_info = self.env.close()
-            reward = float(rewards[0]) if rewards else 0.0
-            return StepResult([], reward, True, {"success": reward > 0, "game": dict(game_info.get(0, {}))})
+            game = dict(game_info.get(0, {}))
+            reward, end = end_reward(float(rewards[0]) if rewards else 0.0, bool(game.get("invalid_move")),
+                                     self.partial_credit)
+            return StepResult([], reward, True, {**end, "game": game})
         _, observation = self.env.get_observation()
         new = observation[len(self.seen):] if observation.startswith(self.seen) else observation
         self.seen = observation

@@ -78,7 +78,8 @@ class Explorer:
         self.in_flight = Rollouts(self.workflow_ctx)  # the tasks' workflows in flight (common/workflows)
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
-                                  rm_model=args.rm_model, judge_model=args.judge_model)
+                                  rm_model=args.rm_model, judge_model=args.judge_model,
+                                  memory_mb=args.reward_memory_mb)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0
         self.next_group = 0

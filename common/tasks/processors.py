@@ -37,8 +37,16 @@ def max_prompt_chars(task: dict, args) -> dict | None:
     return None if args.max_prompt_chars and size > args.max_prompt_chars else task
 
 
+def env_partial_credit(task: dict, args) -> dict | None:
+    """Let environment tasks keep an environment library's partial credit (TextArena's reward for a game ended on
+    an invalid move, reasoning-gym's scores below 1), which the adapters in common/envs/ withhold by default: a
+    policy can collect it without solving anything."""
+    return {**task, "partial_credit": True} if task.get("env") else task
+
+
 TASK_PROCESSORS = {
     "difficulty_tag": difficulty_tag,
+    "env_partial_credit": env_partial_credit,
     "max_prompt_chars": max_prompt_chars,
 }
 
