@@ -179,7 +179,7 @@ class RewardPool:
     - `stats`: scored / failed / timeouts / crashes / errors, cumulative.
 
     Scoring runs on a dispatcher thread, so `submit` returns at once and generation goes on meanwhile.
-    Safe to create inside a (non-daemon) `torch.multiprocessing` spawn child such as the explorer.
+    Safe to create inside any non-daemon process, such as an explorer rank (a process torch elastic started).
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score, rm_model: str | None = None,
