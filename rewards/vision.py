@@ -82,12 +82,12 @@ def load_image(task: dict):
 
 
 def count_in(text: str) -> int | None:
-    """The last whole number a text states ("There are 3 apples" -> 3, "three" -> 3)."""
-    found = COUNT_WORD.findall(text)
-    if not found:
+    """The one whole number a text states ("There are 3 apples" -> 3, "three" -> 3, "3 (three)" -> 3); None when it
+    states none, or several different ones: "2 or 3" is a hedge, and taking its last number would reward it."""
+    values = {float(k12.NUMBER_WORDS.get(w.lower(), w)) for w in COUNT_WORD.findall(text)}
+    if len(values) != 1:
         return None
-    last = found[-1].lower()
-    value = float(k12.NUMBER_WORDS.get(last, last)) if last in k12.NUMBER_WORDS else float(last)
+    value = values.pop()
     return int(value) if value.is_integer() else None
 
 

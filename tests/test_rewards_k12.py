@@ -135,6 +135,7 @@ def test_vision_counting_choice_and_short_answers(tmp_path):
     assert score("Answer: 4", task).score == 0.0
     assert score("Answer: 3", {**task, "answer": "three"}).score == 1.0
     assert score("Answer: many", task).info["reason"] == "no count"
+    assert score("Answer: 2 or 3", task).score == 0.0 and score("Answer: 3 (three)", task).score == 1.0  # hedges
     rel = {"id": "v2", "reward": "vision", "image": "apples.png", "image_root": str(tmp_path), "answer": "B",
            "choices": ["a pear", "apples"]}
     assert score("Answer: apples", rel).score == 1.0 and score("Answer: A", rel).score == 0.0
