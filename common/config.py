@@ -102,9 +102,11 @@ class CommonArgs:
     # --- tasks ---------------------------------------------------------------------------------------------
     taskset: str = "arith"
     """'arith' (built-in procedural word problems), 'parity' (built-in smoke task: characters of a given code-point
-    parity; the random tiny model gets mixed rewards), a .jsonl file, or an HF datasets folder/file."""
+    parity; the random tiny model gets mixed rewards), 'shapes' (built-in image questions, verifier vision), a .jsonl
+    file, or an HF datasets folder/file."""
     difficulty: int = 1
-    """Difficulty level of the 'arith' taskset (1 easiest .. 4); 'parity': longer requests per level."""
+    """Difficulty level of the 'arith' taskset (1 easiest .. 4); 'parity': longer requests per level; 'shapes':
+    1 colour, 2 left or right, 3 how many."""
     eval_taskset: str | None = None
     """Held-out tasks; default: the taskset's own held-out split."""
     eval_size: int = 48
@@ -423,10 +425,10 @@ class CommonArgs:
         if not 0 <= self.rollout_token_budget < self.max_new_tokens:
             raise ConfigError(f"--rollout-token-budget must be 0 (off) or in 1..--max-new-tokens - 1 "
                               f"(got {self.rollout_token_budget} with --max-new-tokens {self.max_new_tokens})")
-        if self.task_sampling == "prioritized" and self.taskset in ("arith", "parity"):
+        if self.task_sampling == "prioritized" and self.taskset in ("arith", "parity", "shapes"):
             raise ConfigError("--task-sampling prioritized needs a finite --taskset (.jsonl or dataset): "
-                              "arith never repeats a task")
-        if self.curriculum and self.taskset in ("arith", "parity") and self.difficulty < 2:
+                              f"{self.taskset} never repeats a task")
+        if self.curriculum and self.taskset in ("arith", "parity", "shapes") and self.difficulty < 2:
             raise ConfigError(f"--curriculum with --taskset {self.taskset} needs --difficulty >= 2 "
                               "(levels 1..difficulty)")
 

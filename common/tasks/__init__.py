@@ -2,6 +2,7 @@
 held-out list).
 
 - arith, parity                 procedural (common/tasks/procedural.py)
+- shapes                        procedural image questions, verifier vision (common/tasks/shapes.py)
 - an environment's name, textarena:GAME, reasoning_gym:NAME, A+B mixtures   (common/tasks/named.py)
 - a .jsonl file, an HF dataset folder / file / Hub id                      (common/tasks/files.py, hub.py)
 
@@ -16,6 +17,7 @@ import random
 from common.tasks.files import load_tasks
 from common.tasks.named import MixedStream, is_named_taskset, named_taskset
 from common.tasks.procedural import arithmetic_split, parity_split
+from common.tasks.shapes import shapes_split
 from common.tasks.stream import TaskStream
 
 
@@ -33,6 +35,8 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
         train, held_out = arithmetic_split(seed, difficulty, eval_size, curriculum)
     elif taskset == "parity":
         train, held_out = parity_split(seed, difficulty, eval_size, curriculum)
+    elif taskset == "shapes":
+        train, held_out = shapes_split(seed, difficulty, eval_size, curriculum)
     elif is_named_taskset(taskset):  # environments' tasksets (common/tasks/named.py)
         train, held_out = named_taskset(taskset, eval_taskset, difficulty, eval_size, seed, sampling, curriculum)
     else:
