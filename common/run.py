@@ -26,7 +26,9 @@ from common.model import chat_prompt_ids, load_tokenizer, resolve_model
 from common.tasks.named import taskset_has_envs
 from common.tasks.validate import WHERE
 from common.tasks import build_tasksets
+from common.trainer.losses import ALGOS
 from common.trainer.trainer import latest_checkpoint
+from common.vlm import is_vlm, task_images
 
 
 def prepare_run(args, schedule: str) -> None:
@@ -43,6 +45,7 @@ def prepare_run(args, schedule: str) -> None:
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
                                      args.dataset_split, args.eval_dataset_split)  # bad rows fail here
     check_workflows((train.tasks or []) + held_out)
+    check_images(args, model_path, (train.tasks or []) + held_out)
     check_prompt_lengths(args, (train.tasks or []) + held_out)
     needs_rm = [t for t in (train.tasks or []) + held_out if t.get("reward") == "rm" and not t.get("rm_model")]
     if needs_rm and not args.rm_model and not args.reward_fn:
@@ -175,6 +178,31 @@ def check_workflows(tasks: list[dict]) -> None:
                               f"(one of {', '.join(WORKFLOWS)})")
 
 
+def check_images(args, model_path: str, tasks: list[dict]) -> None:
+    """Image tasks need a vision-language policy, single-turn workflows and images that decode; a VLM policy runs
+    on the HF engine. One line naming the task (file:line) or the flag, before any compute."""
+    vision = is_vlm(args.model, model_path)
+    if vision and args.engine == "vllm":
+        raise ConfigError(f"--engine vllm: --model {args.model} is a vision-language model, which tandem serves with "
+                          "the HF engine only (--engine hf or auto)")
+    if vision and ALGOS[args.algo].critic:
+        raise ConfigError(f"--algo {args.algo}: its critic is a text-only model; --model {args.model} is a "
+                          "vision-language policy (use a critic-free algorithm such as grpo)")
+    for task in tasks:
+        if not task.get("image"):
+            continue
+        where = task.get(WHERE, f"task {task.get('id')}")
+        if not vision:
+            raise ConfigError(f"{where}: an image task, but --model {args.model} is text-only and would answer "
+                              "without seeing it (use a vision-language model: --model tiny-vlm or a Qwen2-VL folder)")
+        if workflow_name(task) != "single_turn":
+            raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow {workflow_name(task)!r}")
+        try:
+            task_images(task)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+
 def check_episode_prompts(args, tasks: list[dict]) -> None:
     """An environment task whose first prompt (the environment's reset, tools and chat template applied) leaves
     no room for a turn in --episode-token-budget is rejected with file:line, before any compute."""
@@ -206,7 +234,7 @@ def check_prompt_lengths(args, tasks: list[dict]) -> None:
     tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
-    if args.model == "tiny":
+    if args.model in ("tiny", "tiny-vlm"):
         context = 1024
     else:
         from transformers import AutoConfig

@@ -57,7 +57,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=()) -> list[dict]:
+def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=(),
+                   model: str = "tiny") -> list[dict]:
     """The end-to-end check that a run learned: every step's row has loss != 0 and grad_norm > 0 (steps listed in
     `skipped` are exempt: e.g. partial rollouts where no group had finished), and final/ differs from the initial
     tiny model. Returns the metrics rows."""
@@ -74,12 +75,10 @@ def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = Tr
             continue
         assert r["loss"] != 0 and r["grad_norm"] > 0, f"step {r['step']} did not train: {r}"
     if weights_changed:
-        from transformers import AutoModelForCausalLM
+        from common.model import load_model
 
-        from common.model import build_tiny_model, build_tiny_tokenizer
-
-        final = AutoModelForCausalLM.from_pretrained(os.path.join(str(out_dir), "final"))
-        initial = build_tiny_model(build_tiny_tokenizer(), seed=0)
+        final = load_model(os.path.join(str(out_dir), "final"))
+        initial = load_model(model, seed=0)  # the run's --model (tiny or tiny-vlm), as it started
         changed = [n for n, p in final.state_dict().items() if not torch.equal(p, initial.state_dict()[n])]
         assert changed, "final/ holds the initial weights: nothing was learned"
     return rows

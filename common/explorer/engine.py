@@ -39,7 +39,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
-        """For each prompt (token ids, chat template applied), `sampling.n` generations."""
+        """For each prompt (token ids, chat template applied), `sampling.n` generations. Engines that serve
+        vision-language models also take `images=`: per prompt its ImageInputs or None."""
 
     @abstractmethod
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
@@ -95,8 +96,10 @@ class HFEngine(RolloutEngine):
         self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
 
     @torch.no_grad()
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, images=None):
         from transformers import GenerationConfig
+
+        from common.vlm import stack_images
 
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
@@ -111,8 +114,11 @@ class HFEngine(RolloutEngine):
         config = GenerationConfig(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, **sample,
                                   eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                                   return_dict_in_generate=True, output_logits=True)
+        pictures = stack_images([im for im in images for _ in range(sampling.n)]) if images else {}
+        if pictures:  # a VLM: its 3-D rope positions need to know which ids are image placeholders
+            pictures["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=config)
+                                  generation_config=config, **{k: v.to(device) for k, v in pictures.items()})
         new_tokens = out.sequences[:, width:].cpu()
         # Raw logits (before temperature/top-p processors) -> the sampling distribution at `temperature`.
         logits = torch.stack(out.logits, dim=1).float().cpu() / (1.0 if greedy else sampling.temperature)
@@ -155,8 +161,12 @@ def vllm_available() -> tuple[bool, str]:
 def resolve_engine(engine: str, model_path: str) -> tuple[str, str]:
     """(hf | vllm, why) for `--engine` given the resolved model: auto is vllm where it imports and its model
     registry knows the folder's architecture, hf otherwise; hf and vllm stay what they are."""
+    from common.vlm import is_vlm
+
     if engine != "auto":
         return engine, f"--engine {engine}"
+    if is_vlm(model_path, model_path):
+        return "hf", "--engine auto: a vision-language policy, which tandem serves with the HF engine"
     ok, why = vllm_available()
     if not ok:
         return "hf", f"--engine auto: {why}"

@@ -53,6 +53,14 @@ def build_vllm_engine(args, device, tokenizer):
     return engine
 
 
+def build_processor(args, tokenizer):
+    """A VLM policy's processor (common/vlm.py), None for a text-only model."""
+    from common.vlm import is_vlm, load_processor
+
+    path = resolve_model(args.model)
+    return load_processor(args.model, path, tokenizer) if is_vlm(args.model, path) else None
+
+
 @dataclass
 class _Round:
     """One generation round whose rewards are being scored in the RewardPool."""
@@ -74,7 +82,7 @@ class Explorer:
                                                            args.task_sampling, args.curriculum,
                                                            DatasetOptions.from_args(args), args.dataset_split,
                                                            args.eval_dataset_split)
-        self.workflow_ctx = Context.from_args(self.tokenizer, args)
+        self.workflow_ctx = Context.from_args(self.tokenizer, args, build_processor(args, self.tokenizer))
         self.in_flight = Rollouts(self.workflow_ctx)  # the tasks' workflows in flight (common/workflows)
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
@@ -139,7 +147,7 @@ class Explorer:
             group_id=g.group_id, task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
             finish_reason=r.finish_reason, timings={"rollout": round_.generated_s, "reward": t2 - t1},
             segment_versions=r.versions, turn_ends=r.turn_ends,
-            turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward),
+            turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=getattr(r, "images", None),
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         n = args.samples_per_task
         for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these

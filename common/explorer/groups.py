@@ -33,6 +33,7 @@ class Response:
     versions: list[int] = field(default_factory=list)       # weights version that made each token
     segments: int = 0
     finish_reason: str | None = None                        # None while unfinished, then "stop" or "length"
+    images: object = None                                   # the prompt's ImageInputs (shared by the group)
 
     def extend(self, generation: Generation, version: int, max_new_tokens: int) -> None:
         """Append one generated segment (cut to what is left of max_new_tokens) and decide whether it ended."""

@@ -67,6 +67,7 @@ class Context:
     env_step_timeout_s: float = 300.0
     reasoning_parser: str = "think"
     in_turn_tools: bool = False
+    processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     _renderer: object = None
 
     @property
@@ -83,10 +84,10 @@ class Context:
         return {"tool_timeout_s": self.tool_timeout_s, **parse_env_settings(self.env_setting)}
 
     @classmethod
-    def from_args(cls, tokenizer, args) -> "Context":
+    def from_args(cls, tokenizer, args, processor=None) -> "Context":
         return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
                    args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
-                   args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools)
+                   args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools, processor)
 
 
 class Rollouts:
@@ -136,7 +137,9 @@ class Rollouts:
             if not todo:
                 break
             turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
-            generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook)
+            images = [getattr(s, "images", None) for _, s, _, _ in todo]
+            pictures = {"images": images} if any(im is not None for im in images) else {}
+            generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook, **pictures)
             calls += 1
             if not self.ctx.env_workers:
                 tokens += sum(w.receive(s, g, version) for (w, s, _, _), (g,) in zip(todo, generations))
@@ -321,6 +324,9 @@ def rollout_metrics(flat: list) -> dict:
         return {}
     episodes = [s for _, s in flat if isinstance(s, Episode)]
     out = {"rollout/turns_mean": sum(getattr(s, "turns", 1) for _, s in flat) / len(flat)}
+    images = [getattr(s, "images", None) for _, s in flat]
+    if any(im is not None for im in images):  # what images cost: placeholder tokens per sample
+        out["rollout/image_tokens_mean"] = sum(im.tokens for im in images if im is not None) / len(flat)
     if episodes:
         out["rollout/episodes"] = len(episodes)
         out["rollout/tool_calls"] = sum(e.tool_calls for e in episodes)

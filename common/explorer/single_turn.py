@@ -6,13 +6,18 @@ from __future__ import annotations
 
 from common.model import chat_prompt_ids
 from common.explorer.groups import Group, Response
+from common.vlm import image_prompt
 
 
 class SingleTurn:
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
-        prompt = chat_prompt_ids(ctx.tokenizer, task)
-        self.group = Group(task, group_id, [Response(list(prompt)) for _ in range(n)])
+        images = None
+        if task.get("image"):  # a VLM policy (the run checked it is one): placeholders expanded, pixels alongside
+            prompt, images = image_prompt(ctx.processor, task)
+        else:
+            prompt = chat_prompt_ids(ctx.tokenizer, task)
+        self.group = Group(task, group_id, [Response(list(prompt), images=images) for _ in range(n)])
 
     def requests(self):
         segment = self.ctx.token_budget or self.ctx.max_new_tokens

@@ -158,13 +158,14 @@ class Trainer:
         for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
                                                      args.max_tokens_per_micro_batch)):
             if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
-                (sequence_logprobs(self.model, batch.input_ids[:1], batch.attention_mask[:1]).sum() * 0).backward()
+                (sequence_logprobs(self.model, batch.input_ids[:1], batch.attention_mask[:1],
+                                   images=batch.row_images([0])).sum() * 0).backward()
                 continue
             mb = batch.select(mb_idx)
             logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
                                                   mb.response_mask, with_entropy=True,
                                                   entropy_grad=args.entropy_coef > 0,
-                                                  packed=args.max_tokens_per_micro_batch > 0)
+                                                  packed=args.max_tokens_per_micro_batch > 0, images=mb.images)
             old, weights = mb.old_logprobs, None
             if correcting:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
@@ -197,7 +198,8 @@ class Trainer:
         args, out = self.args, torch.zeros_like(batch.response_mask)
         for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
             out[idx] = sequence_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], args.temperature,
-                                         batch.response_mask[idx], packed=args.max_tokens_per_micro_batch > 0)
+                                         batch.response_mask[idx], packed=args.max_tokens_per_micro_batch > 0,
+                                         images=batch.row_images(idx))
         return out
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
