@@ -28,7 +28,7 @@ from common.tasks.validate import WHERE
 from common.tasks import build_tasksets
 from common.trainer.losses import ALGOS
 from common.trainer.trainer import latest_checkpoint
-from common.vlm import is_vlm, task_images
+from common.vlm import is_vlm, load_processor, task_images
 
 
 def prepare_run(args, schedule: str) -> None:
@@ -182,6 +182,8 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
     """Image tasks need a vision-language policy, single-turn workflows and images that decode; a VLM policy runs
     on the HF engine. One line naming the task (file:line) or the flag, before any compute."""
     vision = is_vlm(args.model, model_path)
+    if vision:
+        load_processor(args.model, model_path, load_tokenizer(args.model, args.chat_template))  # it has one
     if vision and args.engine == "vllm":
         raise ConfigError(f"--engine vllm: --model {args.model} is a vision-language model, which tandem serves with "
                           "the HF engine only (--engine hf or auto)")

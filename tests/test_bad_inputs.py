@@ -24,6 +24,19 @@ def _jsonl(*rows) -> bytes:
 
 GOOD = {"prompt": "What is 2 + 2?", "answer": "4"}
 
+
+def _write_vlm_folder(t) -> str:
+    """A vision-language model folder without its preprocessor_config.json."""
+    from transformers.utils.logging import disable_progress_bar
+
+    from common.model import load_model, load_tokenizer
+
+    disable_progress_bar()  # the test reads stderr: only the error line may be there
+    folder = t / "vlm"
+    load_model("tiny-vlm").save_pretrained(folder)
+    load_tokenizer("tiny-vlm").save_pretrained(folder)
+    return str(folder)
+
 # (id, extra argv (a callable of tmp_path for files), fragments the error line must contain)
 CASES = [
     ("max-grad-norm", lambda t: ["--max-grad-norm", "-1"], ["--max-grad-norm", "> 0"]),
@@ -54,6 +67,13 @@ CASES = [
     ("out-dir-is-a-file", lambda t: ["--out-dir", _write(t / "afile", b"x")], ["--out-dir", "is a file"]),
     ("resume-nothing", lambda t: ["--resume", "--out-dir", str(t)], ["--resume", "checkpoint"]),
     ("resume-no-out-dir", lambda t: ["--resume"], ["--resume needs --out-dir"]),
+    ("image-task-text-model", lambda t: ["--taskset", "shapes"], ["shapes-eval-0", "--model tiny is text-only"]),
+    ("image-does-not-decode", lambda t: ["--model", "tiny-vlm", "--taskset", _write(t / "d.jsonl", _jsonl(
+        *[GOOD] * 6, {**GOOD, "reward": "vision", "image": "data:image/png;base64,iVBORw0KGgo="}))],
+     ["d.jsonl:7", "does not decode"]),
+    ("vlm-on-vllm", lambda t: ["--model", "tiny-vlm", "--engine", "vllm"], ["--engine vllm", "HF engine only"]),
+    ("vlm-with-critic", lambda t: ["--model", "tiny-vlm", "--algo", "ppo"], ["--algo ppo", "vision-language"]),
+    ("vlm-without-processor", lambda t: ["--model", _write_vlm_folder(t)], ["no image processor"]),
 ]
 
 
