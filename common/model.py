@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import vlm
+import common.vlm as vlm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,7 +97,7 @@ def build_tiny_model(tokenizer, seed: int = 0):
 def resolve_model(name: str, flag: str = "--model") -> str:
     """Map `--model` (or `flag`, e.g. --critic-model) to something `from_pretrained` takes, or 'tiny'. Fails in one
     line naming `flag` if it cannot exist."""
-    if name in ("tiny", vlm.TINY_VLM):
+    if name in ("tiny", *vlm.BUILT_IN):
         return name
     if name == "default":
         return str(default_model_dir())
@@ -116,6 +116,8 @@ def load_tokenizer(name: str, chat_template: str | None = None):
         tokenizer = build_tiny_tokenizer()
     elif name == vlm.TINY_VLM:
         tokenizer = vlm.add_vision_tokens(build_tiny_tokenizer())
+    elif name == vlm.DEFAULT_VLM:
+        tokenizer = vlm.add_vision_tokens(load_tokenizer("default"))
     else:
         from transformers import AutoTokenizer
 
@@ -135,6 +137,8 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
         model = build_tiny_model(build_tiny_tokenizer(), seed=seed).to(dtype)
     elif name == vlm.TINY_VLM:
         model = vlm.build_tiny_vlm(load_tokenizer(name), seed=seed).to(dtype)
+    elif name == vlm.DEFAULT_VLM:
+        model = vlm.build_default_vlm(load_model("default"), load_tokenizer(name), seed=seed).to(dtype)
     elif vlm.is_vlm(name, resolve_model(name, flag)):
         model = vlm.load_vlm(resolve_model(name, flag), dtype, flag)
     else:

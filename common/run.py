@@ -28,7 +28,8 @@ from common.tasks.validate import WHERE
 from common.tasks import build_tasksets
 from common.trainer.losses import ALGOS
 from common.trainer.trainer import latest_checkpoint
-from common.vlm import is_vlm, load_processor, task_images
+from common.vlm import is_vlm, load_processor
+from rewards.vision import load_images
 
 
 def prepare_run(args, schedule: str) -> None:
@@ -200,7 +201,7 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
         if workflow_name(task) != "single_turn":
             raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow {workflow_name(task)!r}")
         try:
-            task_images(task)
+            load_images(task)
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
 
@@ -241,7 +242,7 @@ def check_prompt_lengths(args, tasks: list[dict]) -> None:
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(resolve_model(args.model))
+        config = AutoConfig.from_pretrained(resolve_model("default" if args.model == "default-vlm" else args.model))
         context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not context:
         return

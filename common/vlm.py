@@ -1,7 +1,11 @@
 """Vision-language policies (Qwen2-VL family): the model, its processor, image prompts and the trainer's forward.
 
 - `--model tiny-vlm`: a 2-layer Qwen2-VL (vision tower, merger, language model) with random weights and a processor
-  built in memory around the tiny byte-level tokenizer; nothing is downloaded. A local Qwen2-VL / Qwen2.5-VL
+  built in memory around the tiny byte-level tokenizer; nothing is downloaded.
+- `--model default-vlm`: the embedded SmolLM2-135M-Instruct as the language model of a Qwen2-VL, with a random
+  2-block vision tower and merger: a policy that reads and writes English but must learn to see. SmolLM2's layers
+  are Qwen2's without the q/k/v biases, which start at zero, and 3-D rope equals SmolLM2's rope on text, so on
+  text it is SmolLM2 exactly. A local Qwen2-VL / Qwen2.5-VL
   folder (or hub id) loads with `AutoModelForImageTextToText` and `AutoProcessor` (transformers' PIL image
   processor: no torchvision).
 - Token-in/token-out holds for images: the processor expands each image into its placeholder tokens once, in the
@@ -21,10 +25,12 @@ import torch
 from common.experience import ImageInputs
 
 TINY_VLM = "tiny-vlm"
+DEFAULT_VLM = "default-vlm"
+BUILT_IN = (TINY_VLM, DEFAULT_VLM)  # built in memory, seeded: every process builds the same weights
 TINY_IMAGE_PIXELS = (56 * 56, 112 * 112)  # tiny-vlm's processor: 4 to 16 image tokens per image (14 px patches,
 #                                             2x2 merged)
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-TINY_VLM_CHAT_TEMPLATE = (
+CHATML_IMAGE_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
@@ -35,7 +41,7 @@ TINY_VLM_CHAT_TEMPLATE = (
 
 def is_vlm(name: str, path: str | None = None) -> bool:
     """Whether `--model` (resolved to `path`) is a vision-language model: tiny-vlm, or a config with a vision tower."""
-    if name == TINY_VLM:
+    if name in BUILT_IN:
         return True
     if name == "tiny" or path is None:
         return False
@@ -54,30 +60,57 @@ def is_vlm(name: str, path: str | None = None) -> bool:
 def add_vision_tokens(tokenizer):
     """The tiny tokenizer with Qwen2-VL's image specials and a chat template that places them."""
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tokenizer.chat_template = TINY_VLM_CHAT_TEMPLATE
+    tokenizer.chat_template = CHATML_IMAGE_TEMPLATE
     return tokenizer
 
 
-def build_tiny_vlm(tokenizer, seed: int = 0):
-    """A random 2-layer Qwen2-VL: head size 32 (mrope sections 4+6+6 = 16 rotary pairs), a 2-block vision tower of
-    width 32 on 14-px patches, 2x2 patches merged into one token."""
+def qwen2_vl(tokenizer, text: dict, vision_width: int, seed: int, tie_word_embeddings: bool = True):
+    """A random Qwen2-VL around `text` (its language model's size and rope theta): a 2-block vision tower of width
+    `vision_width` on 14-px patches, 2x2 patches merged into one token of the language model's width."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    pairs = text["hidden_size"] // text["num_attention_heads"] // 2  # rotary pairs per head: time, height, width
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
+            "mrope_section": [pairs // 4, 3 * pairs // 8, pairs - pairs // 4 - 3 * pairs // 8]}
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
+        text_config=dict(**text, vocab_size=len(tokenizer), rope_parameters=rope, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, embed_dim=vision_width, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     return Qwen2VLForConditionalGeneration(config)
+
+
+def build_tiny_vlm(tokenizer, seed: int = 0):
+    """A random 2-layer Qwen2-VL, head size 32, vision width 32."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=1024, rope_theta=10000.0)
+    return qwen2_vl(tokenizer, text, vision_width=32, seed=seed)
+
+
+def build_default_vlm(text_model, tokenizer, seed: int = 0):
+    """`text_model` (the embedded SmolLM2, a Llama) as the language model of a Qwen2-VL with a random vision tower
+    of width 64. Its weights move over unchanged; Qwen2's q/k/v biases, which Llama lacks, are zero."""
+    c = text_model.config
+    text = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_parameters["rope_theta"])
+    model = qwen2_vl(tokenizer, text, vision_width=64, seed=seed, tie_word_embeddings=c.tie_word_embeddings)
+    text_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    language = model.model.language_model
+    missing = language.load_state_dict(text_model.model.state_dict(), strict=False).missing_keys
+    with torch.no_grad():
+        for name in missing:
+            assert name.endswith("_proj.bias"), name  # anything else would be a layer left random
+            language.get_parameter(name).zero_()
+    model.tie_weights()
+    return model
 
 
 def load_vlm(path: str, dtype: torch.dtype, flag: str = "--model"):
@@ -117,7 +150,7 @@ def load_processor(name: str, path: str, tokenizer) -> Processor:
     when the folder has none."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    if name == TINY_VLM:
+    if name in BUILT_IN:
         low, high = TINY_IMAGE_PIXELS
         images = Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high,
                                           size={"shortest_edge": low, "longest_edge": high})
@@ -130,19 +163,10 @@ def load_processor(name: str, path: str, tokenizer) -> Processor:
     return Processor(tokenizer, images, images.merge_size)
 
 
-def task_images(task: dict) -> list:
-    """The task's images as RGB PIL images: `image` is one source or a list of them (path, base64, data URI)."""
-    from rewards.vision import load_image
-
-    sources = task["image"] if isinstance(task["image"], list) else [task["image"]]
-    return [load_image({**task, "image": s}) for s in sources]
-
-
-def image_prompt(processor: Processor, task: dict) -> tuple[list[int], ImageInputs]:
+def image_prompt(processor: Processor, prompt: str, images: list) -> tuple[list[int], ImageInputs]:
     """Prompt ids of an image task (the chat template applied, every image expanded into its placeholder tokens)
-    and the pixel values those placeholders stand for."""
-    images = task_images(task)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": task["prompt"]}]
+    and the pixel values those placeholders stand for. `images`: PIL images (rewards.vision.load_images)."""
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                                    add_generation_prompt=True, tokenize=False)
     return processor(text, images)

@@ -8,7 +8,8 @@ Task format (one JSON line, like every task):
   raises ValueError naming the task.
 - `type`: "count" (a whole number; words like "three" count too), "choice" (with `choices`), "short"/"number"/
   "true_false"; inferred as in K-12 when absent. `judge_model` works as in K-12.
-`load_image(task)` gives the PIL image for the policy side (the VLM rollout itself is separate work).
+`load_images(task)` gives the PIL images for the policy side (a VLM policy's prompt, common/vlm.py); `image` may
+also be a list of sources.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _decode(data: bytes) -> tuple[int, int, str]:
 
 
 def image_info(task: dict) -> tuple[int, int, str]:
-    """(width, height, format) of the task's image, which must fully decode."""
+    """(width, height, format) of the task's image (the first, when it has several), which must fully decode."""
+    if isinstance(task.get("image"), list) and task["image"]:
+        return [image_info({**task, "image": source}) for source in task["image"]][0]
     data = _image_bytes(task)
     digest = hashlib.sha1(data).hexdigest()
     if digest not in _DECODED:
@@ -79,6 +82,12 @@ def load_image(task: dict):
 
     image_info(task)
     return Image.open(io.BytesIO(_image_bytes(task))).convert("RGB")
+
+
+def load_images(task: dict) -> list:
+    """The task's images as RGB PIL images: `image` is one source or a list of them."""
+    sources = task["image"] if isinstance(task["image"], list) else [task["image"]]
+    return [load_image({**task, "image": source}) for source in sources]
 
 
 def count_in(text: str) -> int | None:

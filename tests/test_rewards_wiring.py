@@ -85,7 +85,7 @@ def test_rollout_scores_every_kind_on_its_own_task(tmp_path):
 
     tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]
     data = _write_jsonl(tmp_path / "tasks.jsonl", tasks)
-    args = parse_args(CommonArgs, ["--model", "tiny", "--engine", "hf", "--taskset", data, "--eval-taskset", data,
+    args = parse_args(CommonArgs, ["--model", "tiny-vlm", "--engine", "hf", "--taskset", data, "--eval-taskset", data,
                                    "--eval-size", "2",
                                    "--tasks-per-step", "10", "--samples-per-task", "2", "--max-new-tokens", "24",
                                    "--minibatch-size", "4", "--micro-batch-size", "4",
@@ -120,11 +120,11 @@ def test_train_sync_on_a_taskset_mixing_every_reward_kind(tmp_path):
     data = _write_jsonl(tmp_path / "mixed.jsonl", mixed_tasks())
     rm = build_tiny_rm(str(tmp_path / "tiny-rm"))
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--taskset", data,
-                      "--eval-taskset", data, "--tasks-per-step", "6", "--rm-model", rm,
+    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--steps", "3", "--out-dir", str(out),
+                      "--taskset", data, "--eval-taskset", data, "--tasks-per-step", "6", "--rm-model", rm,
                       "--length-penalty", "1", "--format-reward", "0.1", timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = assert_trained(out, steps=3)
+    rows = assert_trained(out, steps=3, model="tiny-vlm")  # a VLM policy: the image tasks are seen
     for r in rows:
         assert r["reward/failed"] == 0, r
         for key in ("reward/raw_mean", "reward/length_penalty_mean", "reward/format_mean", "time/reward"):
@@ -155,7 +155,7 @@ def test_score_behind_scores_a_round_while_the_next_generates(tmp_path):
 
     tasks = [t for t in mixed_tasks() if t["reward"] != "rm"]
     data = _write_jsonl(tmp_path / "tasks.jsonl", tasks)
-    args = parse_args(Args, ["--model", "tiny", "--engine", "hf", "--taskset", data, "--eval-taskset", data,
+    args = parse_args(Args, ["--model", "tiny-vlm", "--engine", "hf", "--taskset", data, "--eval-taskset", data,
                              "--eval-size", "2",
                              "--tasks-per-step", "4", "--samples-per-task", "2", "--max-new-tokens", "12",
                              "--minibatch-size", "4", "--micro-batch-size", "4", "--score-behind"])

@@ -13,6 +13,7 @@ from common.model import load_model, load_tokenizer, sequence_logprobs
 from common.runtime.metrics import read_metrics
 from common.tasks import build_tasksets
 from common.vlm import image_prompt, load_processor
+from rewards.vision import load_images
 from conftest import TINY, assert_trained, run_script
 
 
@@ -29,7 +30,7 @@ def shapes(n: int, difficulty: int = 1) -> list[dict]:
 def sample(vlm, tasks, n=3, max_new_tokens=10):
     """Sampled experiences of `tasks` (n per task, one group each) through the HF engine, images included."""
     model, tokenizer, processor = vlm
-    prompts = [image_prompt(processor, t) for t in tasks]
+    prompts = [image_prompt(processor, t["prompt"], load_images(t)) for t in tasks]
     generations = HFEngine(model, tokenizer).generate([ids for ids, _ in prompts],
                                                       SamplingConfig(1.0, 1.0, max_new_tokens, n),
                                                       images=[im for _, im in prompts])
@@ -40,7 +41,7 @@ def sample(vlm, tasks, n=3, max_new_tokens=10):
 
 def test_prompt_holds_one_placeholder_per_image_token(vlm):
     _, tokenizer, processor = vlm
-    ids, images = image_prompt(processor, shapes(1)[0])
+    ids, images = image_prompt(processor, shapes(1)[0]["prompt"], load_images(shapes(1)[0]))
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     merged = int(images.grid_thw.prod()) // 4  # 2x2 patches per token
     assert ids.count(pad) == images.tokens == merged > 0
@@ -67,7 +68,7 @@ def test_the_image_reaches_the_trainers_forward(vlm):
     red = next(t for t in tasks if t["answer"] == "red")
     blue = next(t for t in tasks if t["answer"] == "blue")
     experiences = sample(vlm, [red], n=2)
-    ids_blue, blue_images = image_prompt(processor, blue)
+    ids_blue, blue_images = image_prompt(processor, blue["prompt"], load_images(blue))
     assert ids_blue == experiences[0].prompt_ids  # level 1 asks one question: the ids are the same
     batch = collate(experiences, tokenizer.pad_token_id)
     with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from common.model import chat_prompt_ids
 from common.explorer.groups import Group, Response
 from common.vlm import image_prompt
+from rewards.vision import load_images
 
 
 class SingleTurn:
@@ -14,7 +15,7 @@ class SingleTurn:
         self.ctx = ctx
         images = None
         if task.get("image"):  # a VLM policy (the run checked it is one): placeholders expanded, pixels alongside
-            prompt, images = image_prompt(ctx.processor, task)
+            prompt, images = image_prompt(ctx.processor, task["prompt"], load_images(task))
         else:
             prompt = chat_prompt_ids(ctx.tokenizer, task)
         self.group = Group(task, group_id, [Response(list(prompt), images=images) for _ in range(n)])
