@@ -110,6 +110,10 @@ def build_default_vlm(text_model, tokenizer, seed: int = 0):
             assert name.endswith("_proj.bias"), name  # anything else would be a layer left random
             language.get_parameter(name).zero_()
     model.tie_weights()
+    # The merger's last layer starts near zero: image tokens then read as almost blank to the language model, which
+    # keeps answering in English, instead of as random vectors far larger than its word embeddings.
+    torch.nn.init.normal_(model.model.visual.merger.mlp[-1].weight, std=1e-4)
+    torch.nn.init.zeros_(model.model.visual.merger.mlp[-1].bias)
     return model
 
 

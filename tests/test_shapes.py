@@ -11,7 +11,7 @@ from common.tasks.validate import validate_task
 from rewards.vision import image_info, load_image, score
 
 WHITE = (255, 255, 255)
-ANSWERS = {1: list(PALETTE), 2: ["left", "right"], 3: ["1", "2", "3", "4"]}
+ANSWERS = {1: ["yes", "no"], 2: list(PALETTE), 3: ["left", "right"], 4: ["1", "2", "3", "4"]}
 
 
 def ink(task: dict) -> dict[tuple[int, int], tuple[int, int, int]]:
@@ -51,16 +51,20 @@ def test_held_out_images_never_in_training():
     assert len({t["id"] for t in batch}) == 400 and held_out[0]["id"] == "shapes-eval-0"
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_answer_is_in_the_pixels(level):
     train, _ = shapes_split(seed=1, difficulty=level, eval_size=1)
     tasks = train.next_batch(40)
     for t in tasks:
         assert image_info(t) == (IMAGE_SIZE, IMAGE_SIZE, "PNG")
         pixels = ink(t)
+        shown = Counter(pixels.values()).most_common(1)[0][0]
         if level == 1:
-            assert Counter(pixels.values()).most_common(1)[0][0] == PALETTE[t["answer"]]
+            asked = next(c for c in PALETTE if f" {c}?" in t["prompt"])
+            assert (PALETTE[asked] == shown) == (t["answer"] == "yes")
         elif level == 2:
+            assert shown == PALETTE[t["answer"]]
+        elif level == 3:
             mean_x = sum(x for x, _ in pixels) / len(pixels)
             assert t["answer"] == ("left" if mean_x < IMAGE_SIZE / 2 else "right")
         else:
@@ -69,11 +73,11 @@ def test_answer_is_in_the_pixels(level):
     assert BLIND_CHANCE[level] == 1 / len(ANSWERS[level])
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_vision_verifier_scores_right_wrong_and_hedged(level):
     _, held_out = shapes_split(seed=2, difficulty=level, eval_size=6)
     for t in held_out:
-        assert "Answer:" in t["prompt"] and t["reward"] == "vision"
+        assert t["reward"] == "vision"
         right, wrong = t["answer"], next(a for a in ANSWERS[level] if a != t["answer"])
         assert score(f"I look at the image.\nAnswer: {right.capitalize()}.", t).score == 1.0
         assert score(f"Answer: {wrong}", t).score == 0.0

@@ -2,11 +2,13 @@
 
 Each task is a 112x112 PNG (a multiple of 28, the Qwen2-VL patch x merge size) rendered with PIL when the task is
 made, no data files: circles, squares and triangles in red, green, blue or yellow on white. Levels (`--difficulty`):
-  1. one shape: "What colour is the shape?"              answer red | green | blue | yellow
-  2. one shape in one half: "left or right?"             answer left | right
-  3. 1-4 shapes apart from each other: "How many?"        answer 1 | 2 | 3 | 4
-Answers are uniform, so a policy that ignores the image scores at most `BLIND_CHANCE[level]` in expectation (always
-guessing one answer); held-out accuracy above it is the model seeing.
+  1. one shape: "Is the shape <colour>?" (yes half the time)  answer yes | no
+  2. one shape: "What colour is the shape?"                    answer red | green | blue | yellow
+  3. one shape in one half: "left or right?"                   answer left | right
+  4. 1-4 shapes apart from each other: "How many?"             answer 1 | 2 | 3 | 4
+Answers are uniform and independent of the question's text, so a policy that ignores the image scores at most
+`BLIND_CHANCE[level]` in expectation; held-out accuracy above it is the model seeing. Level 1 is the one a 135M
+language model can start on: it already answers yes or no to a yes/no question about half the time.
 """
 
 from __future__ import annotations
@@ -24,16 +26,21 @@ MARGIN = 4  # px kept clear at the border, so no shape is cut off
 MIDLINE_GAP = 6  # px a level-2 shape keeps from the vertical midline, so its side is never ambiguous
 PALETTE = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (30, 70, 220), "yellow": (240, 200, 0)}
 KINDS = ("circle", "square", "triangle")
-BLIND_CHANCE = {1: 1 / len(PALETTE), 2: 1 / 2, 3: 1 / 4}  # the best expected reward without looking
+BLIND_CHANCE = {1: 1 / 2, 2: 1 / len(PALETTE), 3: 1 / 2, 4: 1 / 4}  # the best expected reward without looking
 QUESTIONS = {
-    1: "What colour is the shape in the image? Reply with one of: red, green, blue, yellow.",
-    2: "Is the shape in the left half or the right half of the image? Reply with one of: left, right.",
-    3: "How many shapes are in the image? Reply with one of: 1, 2, 3, 4.",
+    1: "Is the shape in the picture {colour}? Reply with one word: yes or no.",
+    2: "What colour is the shape in the picture: red, green, blue or yellow?",
+    3: "Is the shape in the left half or the right half of the picture?",
+    4: "How many shapes are in the picture: 1, 2, 3 or 4?",
 }
-ANSWER_FORMAT = "End with a final line 'Answer: <your answer>'."
-# "short" for colour and side: the answer line must equal the reference after normalising case and punctuation, so
-# "red or blue" scores 0; "choice" would also accept option letters the prompt never offers ("Answer: A").
-ANSWER_TYPE = {1: "short", 2: "short", 3: "count"}
+# A worked line, as in the arith taskset: the 135M default model follows a shown format far more often than a
+# described one. Its answer is one of the options, so copying it scores the blind ceiling, no more.
+EXAMPLES = {2: "The shape is green. Answer: green", 3: "The shape is on the left. Answer: left",
+            4: "I count 2 shapes. Answer: 2"}
+ANSWER_FORMAT = " Reply with one short line, then 'Answer: <answer>'. Example: "
+# "true_false" and "short" need the answer itself (after normalising case and punctuation), so "red or blue" or
+# "yes or no" score 0; "choice" would also accept option letters the prompt never offers ("Answer: A").
+ANSWER_TYPE = {1: "true_false", 2: "short", 3: "short", 4: "count"}
 
 
 def render(shapes: list[tuple[str, str, int, int, int]]) -> str:
@@ -54,14 +61,19 @@ def render(shapes: list[tuple[str, str, int, int, int]]) -> str:
 
 
 def shapes_task(rng: random.Random, difficulty: int) -> dict:
-    """One image question at `difficulty` (levels above 3 ask level 3's question)."""
-    level = min(max(difficulty, 1), 3)
+    """One image question at `difficulty` (levels above 4 ask level 4's question)."""
+    level = min(max(difficulty, 1), 4)
     kind, colour = rng.choice(KINDS), rng.choice(list(PALETTE))
-    if level == 1:
+    question = QUESTIONS[level] + (ANSWER_FORMAT + EXAMPLES[level] if level in EXAMPLES else "")
+    if level <= 2:
         size = rng.randint(24, 56)
         x, y = (rng.randint(MARGIN, IMAGE_SIZE - MARGIN - size) for _ in range(2))
         shapes, answer = [(kind, colour, x, y, size)], colour
-    elif level == 2:
+        if level == 1:  # the colour asked about is the shape's half the time, another one otherwise
+            answer = rng.choice(["yes", "no"])
+            asked = colour if answer == "yes" else rng.choice([c for c in PALETTE if c != colour])
+            question = question.format(colour=asked)
+    elif level == 3:
         size, side, half = rng.randint(20, 44), rng.choice(["left", "right"]), IMAGE_SIZE // 2
         x = (rng.randint(MARGIN, half - MIDLINE_GAP - size) if side == "left"
              else rng.randint(half + MIDLINE_GAP, IMAGE_SIZE - MARGIN - size))
@@ -76,8 +88,8 @@ def shapes_task(rng: random.Random, difficulty: int) -> dict:
             x, y = (k * cell + rng.randint(2, cell - 2 - size) for k in (col, row))
             shapes.append((rng.choice(KINDS), rng.choice(list(PALETTE)), x, y, size))
         answer = str(n)
-    return {"prompt": f"{QUESTIONS[level]}\n{ANSWER_FORMAT}", "image": render(shapes), "answer": answer,
-            "type": ANSWER_TYPE[level], "reward": "vision", "difficulty": difficulty}
+    return {"prompt": question, "image": render(shapes), "answer": answer, "type": ANSWER_TYPE[level],
+            "reward": "vision", "difficulty": difficulty}
 
 
 def shapes_split(seed: int, difficulty: int, eval_size: int,
