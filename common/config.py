@@ -344,6 +344,9 @@ class CommonArgs:
     max_tokens_per_micro_batch: int = 0
     """Padding-free packing: micro-batches hold whole sequences up to this many tokens, run with padding removed
     (position ids restart per sequence, attention never crosses them); replaces --micro-batch-size (0: off)."""
+    freeze: Literal["none", "vision", "language"] = "none"
+    """A vision-language policy: 'vision' keeps the vision tower and merger as they are (prime-rl), 'language' trains
+    only them (a vision tower learning from random weights, docs/BENCHMARKS.md "A policy that sees")."""
     lora_rank: int = 0
     """LoRA adapters of this rank (peft) on --lora-target-modules: the trainer trains only them and the explorers
     get the merged weights (0: off, full fine-tuning)."""

@@ -183,6 +183,8 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
     """Image tasks need a vision-language policy, single-turn workflows and images that decode; a VLM policy runs
     on the HF engine. One line naming the task (file:line) or the flag, before any compute."""
     vision = is_vlm(args.model, model_path)
+    if args.freeze != "none" and not vision:
+        raise ConfigError(f"--freeze {args.freeze}: --model {args.model} has no vision tower to tell apart")
     if vision:
         load_processor(args.model, model_path, load_tokenizer(args.model, args.chat_template))  # it has one
     if vision and args.engine == "vllm":

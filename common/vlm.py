@@ -176,6 +176,19 @@ def image_prompt(processor: Processor, prompt: str, images: list) -> tuple[list[
     return processor(text, images)
 
 
+def is_frozen(name: str, part: str) -> bool:
+    """Whether `--freeze part` keeps parameter `name` as it is: 'vision' the vision tower and merger (`visual.*`),
+    'language' everything else. Frozen parameters get no gradient and are never synced (the explorers have them)."""
+    return part != "none" and ("visual." in name) == (part == "vision")
+
+
+def freeze(model, part: str) -> None:
+    """--freeze: no gradient for the frozen part (the optimizer skips parameters without one)."""
+    for name, parameter in model.named_parameters():
+        if is_frozen(name, part):
+            parameter.requires_grad_(False)
+
+
 def stack_images(images: list) -> dict:
     """The generate/forward keyword arguments for rows with these images (None: a text row), in row order."""
     present = [im for im in images if im is not None]

@@ -24,6 +24,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORCED = {"--model": "tiny"}  # always replaced (appended last: the last occurrence of a flag wins)
+VISION_MODELS = ("default-vlm", "tiny-vlm")  # ... by tiny-vlm, the tiny model's vision-language twin
 # Added when the command does not set them. `--engine hf` too: starting vLLM costs ~25 s a run on 2 cores, so only
 # the commands that name `--engine vllm` start it (test_vllm_runs.py runs every schedule with vLLM).
 SMALL = {"--tasks-per-step": "2", "--samples-per-task": "2", "--max-new-tokens": "20", "--eval-size": "2",
@@ -75,6 +76,8 @@ def small_run(words: list[str], index: int) -> tuple[list[str], str | None, int]
         out_dir = f"runs/readme-{index}"
         extra += ["--out-dir", out_dir]
     forced = [w for flag, value in FORCED.items() for w in (flag, value)] + ["--steps", str(steps)]
+    if flag_value(words, "--model") in VISION_MODELS:
+        forced[forced.index("--model") + 1] = "tiny-vlm"
     return words + extra + forced, out_dir, steps
 
 

@@ -64,12 +64,12 @@ def test_trainer_recomputes_the_engines_logprobs_on_image_prompts(vlm):
 def test_the_image_reaches_the_trainers_forward(vlm):
     """Same ids, other image (or none): the trainer's distribution changes, so no step of the way drops it."""
     model, tokenizer, processor = vlm
-    tasks = [t for t in shapes(12) if t["answer"] in ("red", "blue")]
+    tasks = [t for t in shapes(12, difficulty=2) if t["answer"] in ("red", "blue")]
     red = next(t for t in tasks if t["answer"] == "red")
     blue = next(t for t in tasks if t["answer"] == "blue")
     experiences = sample(vlm, [red], n=2)
     ids_blue, blue_images = image_prompt(processor, blue["prompt"], load_images(blue))
-    assert ids_blue == experiences[0].prompt_ids  # level 1 asks one question: the ids are the same
+    assert ids_blue == experiences[0].prompt_ids  # level 2 asks one question: the ids are the same
     batch = collate(experiences, tokenizer.pad_token_id)
     with torch.no_grad():
         seen = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0, batch.response_mask,
@@ -130,3 +130,37 @@ def test_shapes_run_with_the_vision_verifier(tmp_path):
     rows = read_metrics(str(out))
     assert rows[0]["reward/failed"] == 0 and rows[0]["rollout/image_tokens_mean"] > 0
     assert "eval_after" in json.load(open(out / "summary.json"))
+
+
+def test_a_qwen2_vl_folder_loads_like_tiny_vlm(tmp_path, vlm):
+    """A saved Qwen2-VL folder (weights, tokenizer, preprocessor_config.json) gives the same prompt ids, pixels and
+    log-probs as the model it was saved from."""
+    model, tokenizer, processor = vlm
+    folder = str(tmp_path / "qwen2-vl")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    processor.image_processor.save_pretrained(folder)
+    loaded, loaded_tokenizer = load_model(folder), load_tokenizer(folder)
+    task = shapes(1)[0]
+    ids, images = image_prompt(processor, task["prompt"], load_images(task))
+    loaded_ids, loaded_images = image_prompt(load_processor(folder, folder, loaded_tokenizer), task["prompt"],
+                                             load_images(task))
+    assert loaded_ids == ids and torch.equal(loaded_images.pixel_values, images.pixel_values)
+    batch = collate(sample(vlm, [task], n=2), tokenizer.pad_token_id)
+    with torch.no_grad():
+        here, there = (sequence_logprobs(m, batch.input_ids, batch.attention_mask, 1.0, batch.response_mask,
+                                         images=batch.images) for m in (model, loaded))
+    assert torch.allclose(here, there, atol=1e-5)
+
+
+def test_freeze_vision_keeps_the_tower(tmp_path):
+    """--freeze vision: the language model learns, the tower stays as built and is left out of the weight sync
+    (--verify-sync: the explorer's synced weights hash as the trainer's)."""
+    out = tmp_path / "run"
+    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset", parity_on_images(tmp_path / "t.jsonl"),
+                      "--steps", "1", "--out-dir", str(out), "--freeze", "vision", "--verify-sync")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_trained(out, steps=1, model="tiny-vlm")  # the language model learned
+    final, initial = load_model(str(out / "final")), load_model("tiny-vlm")
+    for name, p in initial.model.visual.named_parameters():
+        assert torch.equal(p, final.model.visual.get_parameter(name)), name

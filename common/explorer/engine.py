@@ -87,11 +87,13 @@ def folder_generation_config(path: str):
 
 
 class HFEngine(RolloutEngine):
-    """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place).
-    Stop tokens: `stop_token_ids`, else the tokenizer's eos and the model's generation config's."""
+    """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place),
+    less the part `freeze` keeps fixed (common/vlm.py). Stop tokens: `stop_token_ids`, else the tokenizer's eos
+    and the model's generation config's."""
 
-    def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None):
+    def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none"):
         self.model = model.eval()
+        self.freeze = freeze
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
 
@@ -137,7 +139,9 @@ class HFEngine(RolloutEngine):
         return results
 
     def weight_buffers(self):
-        return list(self.model.named_parameters())
+        from common.vlm import is_frozen
+
+        return [(n, p) for n, p in self.model.named_parameters() if not is_frozen(n, self.freeze)]
 
 
 # ----------------------------------------------------------------------------- which engine (--engine auto)

@@ -34,7 +34,7 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
     if args.engine == "vllm":
         return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
-    return HFEngine(model, tokenizer), tokenizer
+    return HFEngine(model, tokenizer, freeze=args.freeze), tokenizer
 
 
 def build_vllm_engine(args, device, tokenizer):

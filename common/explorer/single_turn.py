@@ -14,7 +14,7 @@ class SingleTurn:
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
         images = None
-        if task.get("image"):  # a VLM policy (the run checked it is one): placeholders expanded, pixels alongside
+        if task.get("image") and not task.get("blind"):  # a VLM policy (checked): placeholders, pixels alongside
             prompt, images = image_prompt(ctx.processor, task["prompt"], load_images(task))
         else:
             prompt = chat_prompt_ids(ctx.tokenizer, task)

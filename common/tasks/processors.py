@@ -44,7 +44,14 @@ def env_partial_credit(task: dict, args) -> dict | None:
     return {**task, "partial_credit": True} if task.get("env") else task
 
 
+def blind(task: dict, args) -> dict | None:
+    """Keep the task's image from the policy (its prompt is the text alone) while the verifier still checks the
+    answer against it: the blind control of a vision run (docs/BENCHMARKS.md)."""
+    return {**task, "blind": True} if task.get("image") else task
+
+
 TASK_PROCESSORS = {
+    "blind": blind,
     "difficulty_tag": difficulty_tag,
     "env_partial_credit": env_partial_credit,
     "max_prompt_chars": max_prompt_chars,

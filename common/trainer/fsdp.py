@@ -27,6 +27,7 @@ import torch
 
 from common.trainer.lora import add_lora
 from common.model import _sequence_logprobs, lm_body
+from common.vlm import freeze
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -75,6 +76,8 @@ def prepare_model(model, args, dp=None, trainable: bool = True):
     --lora-rank (trainable models only), sharded over the trainers when --trainer-shard fsdp."""
     if trainable and args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if trainable and args.freeze != "none":
+        freeze(model, args.freeze)
     if trainable and args.lora_rank and not hasattr(model, "body"):  # the critic is trained in full
         model = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
     if args.trainer_shard == "fsdp":

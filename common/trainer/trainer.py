@@ -38,6 +38,7 @@ from common.trainer.replay import ReplayBuffer
 from common.trainer.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import full_tensor, weights_hash
 from common.runtime.plugins import load_object
+from common.vlm import is_frozen
 
 class Trainer:
     def __init__(self, args, device: torch.device, dp: DataParallel | None = None):
@@ -205,9 +206,8 @@ class Trainer:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What the explorers get, in HF names: the parameters (DTensor shards when sharded: the sync gathers
         them), or with LoRA the base weights with the adapters merged in."""
-        if self.args.lora_rank:
-            return merged_named_weights(self.model)
-        return list(self.model.named_parameters())
+        named = merged_named_weights(self.model) if self.args.lora_rank else self.model.named_parameters()
+        return [(n, t) for n, t in named if not is_frozen(n, self.args.freeze)]  # --freeze: the explorers have them
 
     # ---------------------------------------------------------------- checkpoints
     def checkpoint_bytes(self, weights_only: bool = False) -> int:
