@@ -58,7 +58,8 @@ def is_vlm(name: str, path: str | None = None) -> bool:
 
 
 def add_vision_tokens(tokenizer):
-    """The tiny tokenizer with Qwen2-VL's image specials and a chat template that places them."""
+    """A built-in VLM's tokenizer (tiny's or SmolLM2's) with Qwen2-VL's image specials and a ChatML template that
+    places them."""
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tokenizer.chat_template = CHATML_IMAGE_TEMPLATE
     return tokenizer
@@ -135,7 +136,6 @@ class Processor:
     def __init__(self, tokenizer, image_processor, merge_size: int):
         self.tokenizer, self.image_processor, self.merge_size = tokenizer, image_processor, merge_size
         self.image_token = "<|image_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
 
     def __call__(self, text: str, images: list) -> tuple[list[int], ImageInputs]:
         out = self.image_processor(images=images, return_tensors="pt")
