@@ -106,7 +106,7 @@ class CommonArgs:
     file, or an HF datasets folder/file."""
     difficulty: int = 1
     """Difficulty level of the 'arith' taskset (1 easiest .. 4); 'parity': longer requests per level; 'shapes':
-    1 is it this colour (yes/no), 2 which colour, 3 left or right, 4 how many."""
+    1 is the shape red (yes/no), 2 which colour, 3 left or right, 4 how many."""
     eval_taskset: str | None = None
     """Held-out tasks; default: the taskset's own held-out split."""
     eval_size: int = 48

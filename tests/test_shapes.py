@@ -60,8 +60,7 @@ def test_answer_is_in_the_pixels(level):
         pixels = ink(t)
         shown = Counter(pixels.values()).most_common(1)[0][0]
         if level == 1:
-            asked = next(c for c in PALETTE if f" {c}?" in t["prompt"])
-            assert (PALETTE[asked] == shown) == (t["answer"] == "yes")
+            assert (shown == PALETTE["red"]) == (t["answer"] == "yes")
         elif level == 2:
             assert shown == PALETTE[t["answer"]]
         elif level == 3:

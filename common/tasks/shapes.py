@@ -2,13 +2,14 @@
 
 Each task is a 112x112 PNG (a multiple of 28, the Qwen2-VL patch x merge size) rendered with PIL when the task is
 made, no data files: circles, squares and triangles in red, green, blue or yellow on white. Levels (`--difficulty`):
-  1. one shape: "Is the shape <colour>?" (yes half the time)  answer yes | no
+  1. one shape: "Is the shape red?" (red half the time)      answer yes | no
   2. one shape: "What colour is the shape?"                    answer red | green | blue | yellow
   3. one shape in one half: "left or right?"                   answer left | right
   4. 1-4 shapes apart from each other: "How many?"             answer 1 | 2 | 3 | 4
 Answers are uniform and independent of the question's text, so a policy that ignores the image scores at most
 `BLIND_CHANCE[level]` in expectation; held-out accuracy above it is the model seeing. Level 1 is the one a 135M
-language model can start on: it already answers yes or no to a yes/no question about half the time.
+language model can start on: it already answers yes or no to a yes/no question about half the time, and the
+answer depends on the image alone (not on comparing it with a colour named in the question).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ PALETTE = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (30, 70, 220), 
 KINDS = ("circle", "square", "triangle")
 BLIND_CHANCE = {1: 1 / 2, 2: 1 / len(PALETTE), 3: 1 / 2, 4: 1 / 4}  # the best expected reward without looking
 QUESTIONS = {
-    1: "Is the shape in the picture {colour}? Reply with one word: yes or no.",
+    1: "Is the shape in the picture red? Reply with one word: yes or no.",
     2: "What colour is the shape in the picture: red, green, blue or yellow?",
     3: "Is the shape in the left half or the right half of the picture?",
     4: "How many shapes are in the picture: 1, 2, 3 or 4?",
@@ -69,10 +70,10 @@ def shapes_task(rng: random.Random, difficulty: int) -> dict:
         size = rng.randint(24, 56)
         x, y = (rng.randint(MARGIN, IMAGE_SIZE - MARGIN - size) for _ in range(2))
         shapes, answer = [(kind, colour, x, y, size)], colour
-        if level == 1:  # the colour asked about is the shape's half the time, another one otherwise
+        if level == 1:  # red half the time, another colour otherwise
             answer = rng.choice(["yes", "no"])
-            asked = colour if answer == "yes" else rng.choice([c for c in PALETTE if c != colour])
-            question = question.format(colour=asked)
+            colour = "red" if answer == "yes" else rng.choice([c for c in PALETTE if c != "red"])
+            shapes = [(kind, colour, x, y, size)]
     elif level == 3:
         size, side, half = rng.randint(20, 44), rng.choice(["left", "right"]), IMAGE_SIZE // 2
         x = (rng.randint(MARGIN, half - MIDLINE_GAP - size) if side == "left"
