@@ -185,6 +185,9 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
     vision = is_vlm(args.model, model_path)
     if args.freeze != "none" and not vision:
         raise ConfigError(f"--freeze {args.freeze}: --model {args.model} has no vision tower to tell apart")
+    shown = any(t.get("image") for t in tasks) and "blind" not in args.task_processors
+    if args.freeze == "language" and not shown:
+        raise ConfigError("--freeze language trains only the vision tower, and no task shows the policy an image")
     if vision:
         load_processor(args.model, model_path, load_tokenizer(args.model, args.chat_template))  # it has one
     if vision and args.engine == "vllm":

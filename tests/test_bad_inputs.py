@@ -73,6 +73,8 @@ CASES = [
      ["d.jsonl:7", "does not decode"]),
     ("vlm-on-vllm", lambda t: ["--model", "tiny-vlm", "--engine", "vllm"], ["--engine vllm", "HF engine only"]),
     ("vlm-with-critic", lambda t: ["--model", "tiny-vlm", "--algo", "ppo"], ["--algo ppo", "vision-language"]),
+    ("freeze-language-without-images", lambda t: ["--model", "tiny-vlm", "--freeze", "language"],
+     ["--freeze language", "no task shows"]),
     ("vlm-without-processor", lambda t: ["--model", _write_vlm_folder(t)], ["no image processor"]),
 ]
 

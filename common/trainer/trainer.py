@@ -180,7 +180,8 @@ class Trainer:
                 kl = kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator)
                 loss = loss + args.kl_coef * token_share(kl)
                 stats.setdefault("kl", []).append(masked_mean(kl, mb.response_mask).item())
-            loss.backward()
+            if loss.requires_grad:  # --freeze language: a micro-batch without images has nothing to train
+                loss.backward()
             total += loss.item()
             with torch.no_grad():
                 for k, v in algo_stats.items():
