@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.vlm import is_frozen, is_vlm, stack_images
+
 
 @dataclass
 class SamplingConfig:
@@ -101,8 +103,6 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts, sampling, images=None):
         from transformers import GenerationConfig
 
-        from common.vlm import stack_images
-
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         rows = [p for p in prompts for _ in range(sampling.n)]
@@ -139,8 +139,6 @@ class HFEngine(RolloutEngine):
         return results
 
     def weight_buffers(self):
-        from common.vlm import is_frozen
-
         return [(n, p) for n, p in self.model.named_parameters() if not is_frozen(n, self.freeze)]
 
 
@@ -165,8 +163,6 @@ def vllm_available() -> tuple[bool, str]:
 def resolve_engine(engine: str, model_path: str) -> tuple[str, str]:
     """(hf | vllm, why) for `--engine` given the resolved model: auto is vllm where it imports and its model
     registry knows the folder's architecture, hf otherwise; hf and vllm stay what they are."""
-    from common.vlm import is_vlm
-
     if engine != "auto":
         return engine, f"--engine {engine}"
     if is_vlm(model_path, model_path):

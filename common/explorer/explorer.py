@@ -22,6 +22,7 @@ from common.model import DTYPES, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
 from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
 from common.tasks.processors import apply_task_processors
+from common.vlm import is_vlm, load_processor
 from rewards import RewardFuture, RewardPool, UserReward, score
 from rewards.shaping import shape_batch
 
@@ -55,8 +56,6 @@ def build_vllm_engine(args, device, tokenizer):
 
 def build_processor(args, tokenizer):
     """A VLM policy's processor (common/vlm.py), None for a text-only model."""
-    from common.vlm import is_vlm, load_processor
-
     path = resolve_model(args.model)
     return load_processor(args.model, path, tokenizer) if is_vlm(args.model, path) else None
 
