@@ -51,12 +51,16 @@ _DECODED: dict[str, tuple[int, int, str]] = {}  # content hash -> (width, height
 #                                                  shares the image, so each is decoded once per process
 
 
-def _decode(data: bytes) -> tuple[int, int, str]:
+def _decode(task: dict, data: bytes):
+    """The image, every pixel decoded: a truncated file fails here (naming the task), not later in the VLM."""
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as img:
-        img.load()  # decodes every pixel: a truncated file fails here, not later in the VLM
-        return img.width, img.height, img.format or "unknown"
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+    except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for unreadable or truncated images
+        raise ValueError(f"task {task.get('id')}: image does not decode: {e}") from None
+    return img
 
 
 def image_info(task: dict) -> tuple[int, int, str]:
@@ -66,10 +70,8 @@ def image_info(task: dict) -> tuple[int, int, str]:
     data = _image_bytes(task)
     digest = hashlib.sha1(data).hexdigest()
     if digest not in _DECODED:
-        try:
-            info = _decode(data)
-        except (OSError, SyntaxError, ValueError) as e:  # PIL's errors for unreadable or truncated images
-            raise ValueError(f"task {task.get('id')}: image does not decode: {e}") from None
+        img = _decode(task, data)
+        info = img.width, img.height, img.format or "unknown"
         if len(_DECODED) > 4096:
             _DECODED.clear()
         _DECODED[digest] = info
@@ -77,11 +79,8 @@ def image_info(task: dict) -> tuple[int, int, str]:
 
 
 def load_image(task: dict):
-    """The task's image as an RGB PIL image."""
-    from PIL import Image
-
-    image_info(task)
-    return Image.open(io.BytesIO(_image_bytes(task))).convert("RGB")
+    """The task's image as an RGB PIL image (read and decoded once)."""
+    return _decode(task, _image_bytes(task)).convert("RGB")
 
 
 def load_images(task: dict) -> list:
