@@ -27,8 +27,8 @@ from common.experience import ImageInputs
 TINY_VLM = "tiny-vlm"
 DEFAULT_VLM = "default-vlm"
 BUILT_IN = (TINY_VLM, DEFAULT_VLM)  # built in memory, seeded: every process builds the same weights
-TINY_IMAGE_PIXELS = (56 * 56, 112 * 112)  # tiny-vlm's processor: 4 to 16 image tokens per image (14 px patches,
-#                                             2x2 merged)
+# The built-in VLMs' processor: 4 to 16 image tokens per image (14 px patches, 2x2 merged).
+BUILT_IN_IMAGE_PIXELS = (56 * 56, 112 * 112)
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 CHATML_IMAGE_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -155,7 +155,7 @@ def load_processor(name: str, path: str, tokenizer) -> Processor:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if name in BUILT_IN:
-        low, high = TINY_IMAGE_PIXELS
+        low, high = BUILT_IN_IMAGE_PIXELS
         images = Qwen2VLImageProcessorPil(min_pixels=low, max_pixels=high,
                                           size={"shortest_edge": low, "longest_edge": high})
     elif os.path.isdir(path) and not os.path.exists(os.path.join(path, "preprocessor_config.json")):

@@ -122,12 +122,13 @@ def test_every_schedule_trains_the_vlm(tmp_path, script):
 
 
 def test_shapes_run_with_the_vision_verifier(tmp_path):
-    """`--taskset shapes` end to end: rewards come from the vision verifier, held-out accuracy is measured."""
+    """`--taskset shapes` end to end beside parity (shapes+parity: the parity half gives the random policy a
+    gradient): image rewards come from the vision verifier, held-out accuracy is measured, the run trains."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset", "shapes", "--steps", "1",
+    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset", "shapes+parity", "--steps", "1",
                       "--eval-every", "1", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
+    rows = assert_trained(out, steps=1, model="tiny-vlm")
     assert rows[0]["reward/failed"] == 0 and rows[0]["rollout/image_tokens_mean"] > 0
     assert "eval_after" in json.load(open(out / "summary.json"))
 
