@@ -204,7 +204,8 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
             raise ConfigError(f"{where}: an image task, but --model {args.model} is text-only and would answer "
                               "without seeing it (use a vision-language model: --model tiny-vlm or a Qwen2-VL folder)")
         if workflow_name(task) != "single_turn":
-            raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow {workflow_name(task)!r}")
+            raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow "
+                              f"{workflow_name(task)!r}")
         try:
             load_images(task)
         except ValueError as e:

@@ -158,8 +158,9 @@ def test_freeze_vision_keeps_the_tower(tmp_path):
     """--freeze vision: the language model learns, the tower stays as built and is left out of the weight sync
     (--verify-sync: the explorer's synced weights hash as the trainer's)."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset", parity_on_images(tmp_path / "t.jsonl"),
-                      "--steps", "1", "--out-dir", str(out), "--freeze", "vision", "--verify-sync")
+    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset",
+                      parity_on_images(tmp_path / "t.jsonl"), "--steps", "1", "--out-dir", str(out), "--freeze",
+                      "vision", "--verify-sync")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trained(out, steps=1, model="tiny-vlm")  # the language model learned
     final, initial = load_model(str(out / "final")), load_model("tiny-vlm")
