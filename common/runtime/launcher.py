@@ -301,9 +301,11 @@ def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its own report: see below
+    # torch 2.11 has no shutdown_timeout (its agent gives failed-run workers 30 s before SIGKILL)
+    newer = {"shutdown_timeout": int(shutdown_s)} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=len(names), run_id=uuid.uuid4().hex[:12],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=int(shutdown_s))
+                          monitor_interval=0.1, start_method="spawn", **newer)
     os.environ["TANDEM_LOCAL"] = "1"  # workers leave one-line errors to this process
     try:
         elastic_launch(config, sys.executable)("-u", *command)

@@ -152,8 +152,9 @@ class Trainer:
         args = self.args
         minibatch_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
-        idx = idx[torch.argsort(batch.group_ids[idx], stable=True)]  # a group's samples in one micro-batch, where
-        # they run their shared prompt once (common/model.py shared_prompt_layout); the sum of gradients is the same
+        # A group's samples in one micro-batch, where they run their shared prompt once (common/model.py
+        # shared_prompt_layout); the sum of gradients is the same. Index lists stay on the CPU, the batch may not.
+        idx = idx[torch.argsort(batch.group_ids[idx].cpu(), stable=True)]
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
         total = 0.0
         for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
