@@ -17,7 +17,7 @@ from common.envs.tools import ToolEnv
 from common.experience import Experience, collate
 from common.explorer.chat import ChatRenderer, strip_reasoning
 from common.explorer.engine import Generation, HFEngine, RolloutEngine, SamplingConfig
-from common.explorer.rollouts import Context, rollout_metrics, run_episodes, verifier_input
+from common.explorer.rollouts import Context, rollout_metrics, run_episodes
 from common.model import build_tiny_model, build_tiny_tokenizer, sequence_logprobs
 from common.trainer.losses import turn_group_advantages, turn_returns
 from tests.conftest import TINY, assert_trained, run_script
@@ -245,7 +245,7 @@ def test_the_final_answer_is_scored_and_cut_episodes_are_truncated():
                              SamplingConfig(n=1, max_new_tokens=300))
     e = groups[0].responses[0]
     assert e.end_reason == "budget" and e.finish_reason == "length" and e.final_text == ""
-    assert score(verifier_input(e, task, tok), task).score == 0.0
+    assert score(e.verifier_input(task, tok), task).score == 0.0
     # Max turns: truncated too (filters and rollout/truncated_frac see it).
     ctx = Context(tok, max_new_tokens=300, max_turns=2, episode_token_budget=4000)
     groups, _ = run_episodes(Scripted(tok, [early]), ctx, [task], SamplingConfig(n=1, max_new_tokens=300))
@@ -255,7 +255,7 @@ def test_the_final_answer_is_scored_and_cut_episodes_are_truncated():
     groups, _ = run_episodes(Scripted(tok, [early, "It is 7. Answer: 7"]), ctx, [task],
                              SamplingConfig(n=1, max_new_tokens=300))
     e = groups[0].responses[0]
-    assert e.final_text == "It is 7. Answer: 7" and score(verifier_input(e, task, tok), task).score == 1.0
+    assert e.final_text == "It is 7. Answer: 7" and score(e.verifier_input(task, tok), task).score == 1.0
     assert e.sampled_tokens == sum(e.mask) < len(e.response_ids)
 
 
@@ -474,7 +474,7 @@ def test_reward_fn_gets_the_whole_trajectory_and_shaping_sees_episodes(tmp_path)
         rewards = ScoreFuture(pool, flat, tok, "sum", whole_episodes=True).result(timeout=60)
     finally:
         pool.close()
-    # 3 assistant turns + env reward 1 (found) + done; plus the env's own sum (1.0) that episode_reward adds
+    # 3 assistant turns + env reward 1 (found) + done; plus the env's own sum (1.0) that Episode.reward adds
     assert rewards[0].score == 3 + 1 + 1 + 1.0
     assert rewards[0].info["format_ok"] is True  # the last step's verdict (it held a number)
     shaped = shape_batch(rewards, [flat[0][1].sampled_tokens], 1, format_weight=0.5)

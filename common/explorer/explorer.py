@@ -1,10 +1,9 @@
 """The explorer side shared by every schedule: sample tasks, generate with the rollout engine, score with the
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
-Generation goes through the tasks' workflows (common/workflows: single_turn, or multi_turn for tasks that name an
-environment), all advanced together by `Rollouts`. Single-turn responses are partial rollouts (common/explorer/groups.py):
-with --rollout-token-budget 0 every group ends in the
-step it started; with a budget, unfinished responses are continued in later steps (Kimi k1.5 partial rollouts).
+Generation goes through the tasks' workflows (common/explorer/workflow.py: single_turn, or multi_turn for tasks that
+name an environment), all advanced together by `Rollouts`. Single-turn responses are partial rollouts
+(common/explorer/groups.py): with --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are continued in later steps (Kimi k1.5 partial rollouts).
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ class Explorer:
                                                            DatasetOptions.from_args(args), args.dataset_split,
                                                            args.eval_dataset_split)
         self.workflow_ctx = Context.from_args(self.tokenizer, args, build_processor(args, self.tokenizer))
-        self.in_flight = Rollouts(self.workflow_ctx)  # the tasks' workflows in flight (common/workflows)
+        self.in_flight = Rollouts(self.workflow_ctx)  # the tasks' workflows in flight
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
                                   rm_model=args.rm_model, judge_model=args.judge_model,
@@ -146,7 +145,7 @@ class Explorer:
             group_id=g.group_id, task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
             finish_reason=r.finish_reason, timings={"rollout": round_.generated_s, "reward": t2 - t1},
             segment_versions=r.versions, turn_ends=r.turn_ends,
-            turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=getattr(r, "images", None),
+            turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=r.images,
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         n = args.samples_per_task
         for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these

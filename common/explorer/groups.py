@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.explorer.engine import Generation
+from common.explorer.workflow import Sample
+from rewards import Reward
 
 
 @dataclass
-class Response:
+class Response(Sample):
     """One sampled response, generated over one or more rollout steps (segments)."""
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
@@ -53,6 +55,10 @@ class Response:
         return len(self.response_ids)
 
     @property
+    def turns(self) -> int:
+        return 1
+
+    @property
     def turn_ends(self) -> list[int]:
         return [len(self.response_ids)]
 
@@ -68,9 +74,8 @@ class Response:
     def trained_version(self, partial_loss: str) -> int:
         return min(self.versions) if partial_loss == "all" else self.versions[-1]
 
+    def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str:
+        return tokenizer.decode(self.response_ids, skip_special_tokens=True)
 
-@dataclass
-class Group:
-    task: dict
-    group_id: int
-    responses: list[Response]
+    def reward(self, verified: Reward | None, env_reward: str) -> Reward:
+        return verified

@@ -22,14 +22,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from collections import Counter
+
 from common.envs import make_env
 from common.explorer.chat import TemplateMismatch, strip_reasoning
+from common.explorer.workflow import Group, Sample, Workflow
+from rewards import Reward
 
 TOOL_CLOSE = "</tool_call>"
 
 
 @dataclass
-class Episode:
+class Episode(Sample):
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -73,6 +77,48 @@ class Episode:
             return 0.0
         return sum(self.turn_rewards) if mode == "sum" else self.turn_rewards[-1]
 
+    # ------------------------------------------------------------------ reward (the Sample interface)
+    def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
+        """The final answer, only when the task names a verifier in "reward" (or with --reward-fn)."""
+        return self.final_text if "reward" in task or whole_episodes else None
+
+    def verifier_task(self, task: dict, whole_episodes: bool = False) -> dict:
+        """For a --reward-fn: the task with the whole trajectory (every message, the assistant turns as sampled),
+        the per-turn environment rewards and the end reason."""
+        if not whole_episodes:
+            return task
+        return {**task, "trajectory": list(self.messages), "turn_rewards": list(self.turn_rewards),
+                "end_reason": self.end_reason}
+
+    def reward(self, verified: Reward | None, env_reward: str) -> Reward:
+        """ALGO LOGIC: an episode's reward = the environment's (sum or last step reward) + the verifier's score (if
+        the task names one). reward_info keeps the parts, the per-turn rewards, the end reason and format_ok (the
+        verifier's, else the environment's verdict) for --format-reward."""
+        env = self.env_reward(env_reward)
+        info = {"reason": f"episode {self.end_reason}", "env_reward": env, "turn_rewards": list(self.turn_rewards),
+                "end_reason": self.end_reason, "turns": self.turns, "tool_calls": self.tool_calls,
+                "tool_errors": list(self.tool_errors)}
+        if self.error:
+            info["error"] = self.error
+        if self.format_ok is not None:
+            info["format_ok"] = self.format_ok
+        score = env
+        if verified is not None:
+            score += verified.score
+            info.update({"verifier": verified.score, "verifier_reason": verified.info.get("reason", "")})
+            if "format_ok" in verified.info:
+                info["format_ok"] = bool(verified.info["format_ok"]) and self.end_reason == "done"
+            if verified.info.get("failed"):
+                info["failed"] = True
+        return Reward(score, info)
+
+    def counts(self) -> dict[str, float]:
+        """rollout/episodes, rollout/tool_calls, rollout/end/<reason>, rollout/episode_truncated (a count; the
+        metrics divide it by the episodes) and rollout/tool_error/<reason>."""
+        return {"rollout/episodes": 1, "rollout/tool_calls": self.tool_calls, f"rollout/end/{self.end_reason}": 1,
+                "rollout/episode_truncated": int(self.finish_reason == "length"),
+                **{f"rollout/tool_error/{k}": v for k, v in Counter(self.tool_errors).items()}}
+
     def spans(self) -> list[tuple[int, int, int]]:
         """(start, end, trained) runs of the response: sampled (1) and observation (0) tokens."""
         out, start = [], 0
@@ -115,14 +161,12 @@ def tool_call_end(ids: list[int], decode) -> int | None:
     return lo
 
 
-class MultiTurn:
+class MultiTurn(Workflow):
     """The samples of one task as episodes; `requests` / `receive` let the runner batch every live episode's next
     turn (of every task) into one engine call. `receive` may run in a worker thread (Rollouts runs environment
     steps off the decode path): it touches only its own episode."""
 
     def __init__(self, task: dict, group_id: int, n: int, ctx):
-        from common.explorer.groups import Group
-
         self.ctx = ctx
         self.group = Group(task, group_id, [self._start(task) for _ in range(n)])
 
@@ -245,6 +289,3 @@ class MultiTurn:
         e._append(obs, [0.0] * len(obs), 0, version)
         e.in_turn = True
         return len(ids)
-
-    def finished(self) -> bool:
-        return all(e.finish_reason for e in self.group.responses)

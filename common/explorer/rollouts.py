@@ -137,7 +137,7 @@ class Rollouts:
             if not todo:
                 break
             turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
-            images = [getattr(s, "images", None) for _, s, _, _ in todo]
+            images = [s.images for _, s, _, _ in todo]
             pictures = {"images": images} if any(im is not None for im in images) else {}
             generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook, **pictures)
             calls += 1
@@ -236,74 +236,29 @@ class Rollouts:
 
 
 # ---------------------------------------------------------------------------------------------- rewards
-def verifier_input(sample, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
-    """What the task's verifier scores: a single-turn response's text, an episode's final answer (only when the
-    task names a verifier in "reward", or every episode with `whole_episodes`: --reward-fn), or None (the
-    environment's reward alone)."""
-    from common.explorer.multi_turn import Episode
-
-    if isinstance(sample, Episode):
-        return sample.final_text if "reward" in task or whole_episodes else None
-    return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-
-
-def trajectory_task(task: dict, episode) -> dict:
-    """The task as a --reward-fn sees it for an episode: with the whole trajectory (every message, the assistant
-    turns as sampled), the per-turn environment rewards and the end reason."""
-    return {**task, "trajectory": list(episode.messages), "turn_rewards": list(episode.turn_rewards),
-            "end_reason": episode.end_reason}
-
-
-def episode_reward(episode, verifier, env_reward: str):
-    """ALGO LOGIC: an episode's reward = the environment's (sum or last step reward) + the verifier's score (if the
-    task names one). reward_info keeps the parts, the per-turn rewards, the end reason and format_ok (the
-    verifier's, else the environment's verdict) for --format-reward."""
-    from rewards import Reward
-
-    env = episode.env_reward(env_reward)
-    info = {"reason": f"episode {episode.end_reason}", "env_reward": env, "turn_rewards": list(episode.turn_rewards),
-            "end_reason": episode.end_reason, "turns": episode.turns, "tool_calls": episode.tool_calls,
-            "tool_errors": list(episode.tool_errors)}
-    if episode.error:
-        info["error"] = episode.error
-    if episode.format_ok is not None:
-        info["format_ok"] = episode.format_ok
-    score = env
-    if verifier is not None:
-        score += verifier.score
-        info.update({"verifier": verifier.score, "verifier_reason": verifier.info.get("reason", "")})
-        if "format_ok" in verifier.info:
-            info["format_ok"] = bool(verifier.info["format_ok"]) and episode.end_reason == "done"
-        if verifier.info.get("failed"):
-            info["failed"] = True
-    return Reward(score, info)
-
-
 class ScoreFuture:
-    """RewardPool.submit for a round of mixed samples: verifiers run in the pool; episodes add their env reward.
-    With `whole_episodes` (--reward-fn) every episode goes to the function, its task carrying the trajectory."""
+    """RewardPool.submit for a round of samples of any workflow: each sample says what its verifier scores
+    (Sample.verifier_input; None: no verifier) and turns the verdict into its reward (Sample.reward). With
+    `whole_episodes` (--reward-fn) every sample goes to the function, its task as the sample presents it."""
 
     def __init__(self, pool, flat: list, tokenizer, env_reward: str, whole_episodes: bool = False):
-        from common.explorer.multi_turn import Episode
-
         self.flat, self.env_reward = flat, env_reward
-        inputs = [verifier_input(s, g.task, tokenizer, whole_episodes) for g, s in flat]
+        inputs = [s.verifier_input(g.task, tokenizer, whole_episodes) for g, s in flat]
         self.scored = [i for i, text in enumerate(inputs) if text is not None]
-        tasks = [trajectory_task(g.task, s) if whole_episodes and isinstance(s, Episode) else g.task
-                 for g, s in flat]
-        self.future = pool.submit([inputs[i] for i in self.scored], [tasks[i] for i in self.scored])
+        self.future = pool.submit([inputs[i] for i in self.scored],
+                                  [flat[i][1].verifier_task(flat[i][0].task, whole_episodes) for i in self.scored])
         self.submitted_at = self.future.submitted_at
 
     @property
     def done_at(self):
         return self.future.done_at
 
-    def result(self, timeout: float | None = None) -> list:
-        from common.explorer.multi_turn import Episode
+    def done(self) -> bool:
+        return self.future.done()
 
+    def result(self, timeout: float | None = None) -> list:
         verified = dict(zip(self.scored, self.future.result(timeout)))
-        return [episode_reward(s, verified.get(i), self.env_reward) if isinstance(s, Episode) else verified[i]
-                for i, (_, s) in enumerate(self.flat)]
+        return [s.reward(verified.get(i), self.env_reward) for i, (_, s) in enumerate(self.flat)]
 
 
 def turn_credit(env_turn_rewards: list[float], turns: int, reward: float) -> list[float]:
@@ -316,24 +271,20 @@ def turn_credit(env_turn_rewards: list[float], turns: int, reward: float) -> lis
 
 
 def rollout_metrics(flat: list) -> dict:
-    """rollout/turns_mean (single-turn samples count one turn), rollout/end/<reason> per episode end reason,
-    rollout/tool_calls and rollout/tool_error/<reason>."""
-    from common.explorer.multi_turn import Episode
-
+    """rollout/turns_mean, and every sample's own counts summed (Sample.counts: episodes, tool calls, end
+    reasons...); rollout/episode_truncated_frac is the truncated episodes' share."""
     if not flat:
         return {}
-    episodes = [s for _, s in flat if isinstance(s, Episode)]
-    out = {"rollout/turns_mean": sum(getattr(s, "turns", 1) for _, s in flat) / len(flat)}
-    images = [getattr(s, "images", None) for _, s in flat]
+    out = {"rollout/turns_mean": sum(s.turns for _, s in flat) / len(flat)}
+    images = [s.images for _, s in flat]
     if any(im is not None for im in images):  # what images cost: placeholder tokens per sample
         out["rollout/image_tokens_mean"] = sum(im.tokens for im in images if im is not None) / len(flat)
-    if episodes:
-        out["rollout/episodes"] = len(episodes)
-        out["rollout/tool_calls"] = sum(e.tool_calls for e in episodes)
-        out.update({f"rollout/end/{k}": v for k, v in Counter(e.end_reason for e in episodes).items()})
-        out["rollout/episode_truncated_frac"] = sum(e.finish_reason == "length" for e in episodes) / len(episodes)
-        out.update({f"rollout/tool_error/{k}": v for k, v in Counter(r for e in episodes for r in e.tool_errors).items()})
-    return out
+    counts = Counter()
+    for _, s in flat:
+        counts.update(s.counts())
+    if "rollout/episode_truncated" in counts:
+        counts["rollout/episode_truncated_frac"] = counts.pop("rollout/episode_truncated") / counts["rollout/episodes"]
+    return {**out, **counts}
 
 
 def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConfig, version: int = 0,

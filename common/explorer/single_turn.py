@@ -5,12 +5,13 @@ common.explorer.groups.Response), otherwise it ends in the step it started."""
 from __future__ import annotations
 
 from common.model import chat_prompt_ids
-from common.explorer.groups import Group, Response
+from common.explorer.groups import Response
+from common.explorer.workflow import Group, Workflow
 from common.vlm import image_prompt
 from rewards.vision import load_images
 
 
-class SingleTurn:
+class SingleTurn(Workflow):
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
         images = None
@@ -29,6 +30,3 @@ class SingleTurn:
         before = len(r.response_ids)
         r.extend(generation, version, self.ctx.max_new_tokens)
         return len(r.response_ids) - before
-
-    def finished(self) -> bool:
-        return all(r.finish_reason for r in self.group.responses)
