@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import CommonArgs, ConfigError, parse_args
-from common.runtime.channel import Mailbox, StoreFlag, StoreValue
+from common.runtime.channel import Mailbox, StoreFlag
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
@@ -32,7 +32,7 @@ from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
 from common.run import launch
 from common.trainer.trainer import TrainerRun
-from common.weight_sync import WeightReceiver, WeightSender
+from common.weight_sync import make_weight_sync
 
 
 @dataclass
@@ -61,20 +61,19 @@ class Args(CommonArgs):
         self.queue_size = self.queue_size or self.num_explorers
 
 
-def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, announced,
-                  final_version, stop):
+def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    weights = WeightReceiver(ctx, args, explorer.engine, timeline, announced)
+    weights = make_weight_sync(args, ctx, timeline, explorer.engine)
     explorer.version = weights.pull(step=0)
     explorer.skip_to(explorer.version)
     evaluates = ctx.index == 0  # one explorer measures held-out accuracy for the run
     next_eval = explorer.version
     batch = 0
     if args.mid_generation_updates and args.engine == "vllm":  # vLLM steps call this between decode steps
-        explorer.between_steps = lambda: weights.poll(batch, args.sync_method)
+        explorer.between_steps = lambda: weights.poll(batch)
     while not stop.is_set():
-        if weights.poll(batch, args.sync_method):  # newer weights between rounds (and mid-round, see above)
+        if weights.poll(batch):  # newer weights between rounds (and mid-round, see above)
             explorer.version = weights.version
         if evaluates and args.eval_every and explorer.version >= next_eval:
             control.send("eval", explorer.evaluate(batch), ctx.index)
@@ -83,10 +82,9 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         experiences, metrics = explorer.rollout(batch)
         with timeline.phase("wait", put=f"{ctx.index}-{batch}"):  # blocks only while the queue is full
             item = RolloutBatch(batch, experiences, metrics, ctx.index)
-            _put_unless_stopped(queue, item, stop, args.timeout_s, lambda b=batch: weights.poll(b, args.sync_method))
+            _put_unless_stopped(queue, item, stop, args.timeout_s, lambda b=batch: weights.poll(b))
         explorer.version = weights.version
-    while weights.version < final_version.value:  # join every send still owed, up to the final weights
-        explorer.version = weights.pull(batch, args.sync_method)
+    explorer.version = weights.take_final(batch)  # every send still owed, up to the trainer's final weights
     if evaluates:
         control.send("final", explorer.final_evaluation(batch + 1), ctx.index)
     explorer.close()
@@ -108,39 +106,28 @@ def _put_unless_stopped(queue: ExperienceQueue, item, stop, timeout_s: float, ta
     raise TimeoutError(f"explorer: experience queue stayed full for {timeout_s:.0f}s (trainer stalled?)")
 
 
-def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, announced,
-                 final_version, stop):
+def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
     with TrainerRun(ctx, args, control) as run:
-        weights = WeightSender(ctx, args, run.timeline, announced)
+        weights = make_weight_sync(args, ctx, run.timeline)
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
-        sent = run.trainer.version
         while run.step < args.steps:
             batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
             if not batch.experiences:
                 continue
             run.log(batch, run.train(batch, run.step + 1))
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up
-                weights.push(run.trainer.named_weights(), run.trainer.version, run.step, args.sync_method,
-                             in_flight=args.sync_method == "broadcast")
-                sent = run.trainer.version
-        # Shutdown: explorers stop generating and join every send up to the final version.
-        final_version.value = run.trainer.version
-        stop.set()
-        weights.wait()
-        if sent != run.trainer.version:
-            weights.push(run.trainer.named_weights(), run.trainer.version, run.step, args.sync_method)
+                weights.push(run.trainer.named_weights(), run.trainer.version, run.step, wait=False)
+        # Shutdown: explorers stop generating and take every send up to the final version.
+        weights.finish(run.trainer.named_weights(), run.trainer.version, run.step, stop)
         run.finish()  # waits for explorer 0's final evaluation on the control channel
 
 
 def worker(ctx: WorkerContext, args: Args):
     mailbox = Mailbox(ctx, capacity=args.queue_size)
     queue, control = ExperienceQueue(mailbox, stop_requested), ControlChannel(mailbox)
-    # The trainer's announcements to every explorer, in the run's store: a version waiting to be joined, the
-    # last version, and the end of training.
-    announced, final_version = StoreValue(ctx.store, "announced", -1), StoreValue(ctx.store, "final", -1)
-    stop = StoreFlag(ctx.store, "stop")
+    stop = StoreFlag(ctx.store, "stop")  # the end of training, in the run's store
     main = trainer_main if ctx.role == "trainer" else explorer_main
-    main(ctx, args, queue, control, announced, final_version, stop)
+    main(ctx, args, queue, control, stop)
     mailbox.close(args.timeout_s)
 
 

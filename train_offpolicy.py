@@ -22,7 +22,7 @@ from common.explorer.explorer import Explorer
 from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
 from common.run import launch
-from common.weight_sync import WeightReceiver
+from common.weight_sync import make_weight_sync
 from train_sync import trainer_main  # the trainer side is the synchronous one: get, train, send weights
 
 
@@ -39,7 +39,7 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    weights = WeightReceiver(ctx, args, explorer.engine, timeline)
+    weights = make_weight_sync(args, ctx, timeline, explorer.engine)
     explorer.version = weights.pull(step=0)
     explorer.skip_to(explorer.version)
     for step in range(explorer.version + 1, args.steps + 1):
@@ -50,8 +50,8 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
         if step > explorer.first_step:
             # SYNC: the weights trained on batch step-1; batch step+1 will be one version behind the trainer.
-            explorer.version = weights.pull(step, args.sync_method)
-    explorer.version = weights.pull(args.steps, args.sync_method)  # the weights trained on the last batch
+            explorer.version = weights.pull(step)
+    explorer.version = weights.pull(args.steps)  # the weights trained on the last batch
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 

@@ -28,7 +28,7 @@ from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
 from common.run import launch
 from common.trainer.trainer import TrainerRun
-from common.weight_sync import WeightReceiver, WeightSender
+from common.weight_sync import make_weight_sync
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    weights = WeightReceiver(ctx, args, explorer.engine, timeline)
+    weights = make_weight_sync(args, ctx, timeline, explorer.engine)
     explorer.version = weights.pull(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
     explorer.skip_to(explorer.version)  # one version per step: the version says how many steps are done
     for step in range(explorer.version + 1, args.steps + 1):
@@ -53,20 +53,20 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         experiences, metrics = explorer.rollout(step)
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
-        explorer.version = weights.pull(step, args.sync_method)  # SYNC: no generation until the new weights are here
+        explorer.version = weights.pull(step)  # SYNC: no generation until the new weights are here
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 
 
 def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     with TrainerRun(ctx, args, control) as run:
-        weights = WeightSender(ctx, args, run.timeline)
-        weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)  # initial: always broadcast
+        weights = make_weight_sync(args, ctx, run.timeline)
+        weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)  # the initial weights
         while run.step < args.steps:
             step = run.step + 1
             batch = run.get(queue)
             run.log(batch, run.train(batch, step))
-            weights.push(run.trainer.named_weights(), run.trainer.version, step, args.sync_method)
+            weights.push(run.trainer.named_weights(), run.trainer.version, step)
         run.finish()  # waits for the final evaluation on the control channel
 
 

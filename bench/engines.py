@@ -100,7 +100,8 @@ def main():
 
     if "vllm" in args.engines:
         from common.explorer.engine_vllm import VLLMEngine
-        from common.weight_sync import weights_hash, write_sync_checkpoint
+        from common.weight_sync import weights_hash
+        from common.weight_sync.checkpoint import write_sync_checkpoint
 
         start = time.perf_counter()
         engine = VLLMEngine(path, tokenizer=tokenizer, dtype="float32", kv_cache_gb=1.0,

@@ -1,5 +1,5 @@
-"""Many tensors as a few flat buffers, one collective each: what the weight broadcast (common/weight_sync.py) and
-the data-parallel gradient all-reduce (common/trainer/parallel.py) send."""
+"""Many tensors as a few flat buffers, one collective each: what the weight broadcast
+(common/weight_sync/broadcast.py) and the data-parallel gradient all-reduce (common/trainer/parallel.py) send."""
 
 from __future__ import annotations
 

@@ -20,10 +20,12 @@ from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_
 from common.envs import parse_env_settings
 from common.tasks.named import taskset_has_envs
 from common.trainer.losses import ALGOS, config_kwargs
+from common.weight_sync import METHODS
 from rewards.base import KINDS
 from common.tasks.processors import TASK_PROCESSORS
 
 AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
+SyncMethod = Literal[tuple(METHODS)]  # --sync-method's choices: common/weight_sync's registry
 
 
 def check_chat_template(path: str) -> None:
@@ -267,7 +269,7 @@ class CommonArgs:
     their 0. Non-finite rewards are always dropped. Both counted as filter/invalid_dropped."""
 
     # --- weight sync -----------------------------------------------------------------------------------------
-    sync_method: Literal["broadcast", "checkpoint"] = "broadcast"
+    sync_method: SyncMethod = "broadcast"
     """broadcast (torch.distributed: nccl on CUDA, gloo on CPU) or checkpoint (safetensors files the explorers poll)."""
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""

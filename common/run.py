@@ -8,10 +8,8 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import sys
 import time
-import uuid
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -29,6 +27,7 @@ from common.tasks import build_tasksets
 from common.trainer.losses import ALGOS
 from common.trainer.trainer import latest_checkpoint
 from common.vlm import is_vlm, load_processor
+from common.weight_sync import check_weight_sync
 from rewards.vision import load_images
 
 
@@ -84,8 +83,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
         busy = len(args.trainer_device_list) if schedule == "sync" else len(plan)
         ctx = join_world(plan, args.timeout_s, args.peer_timeout_s, threads_per_worker(args, busy))
         share_prepared_args(ctx, args, schedule)
-        if args.sync_method == "checkpoint":
-            check_shared_folder(ctx, os.path.join(args.out_dir, "sync"), args.timeout_s)
+        check_weight_sync(ctx, args)
         worker(ctx, args)
         ctx.close(args.timeout_s)
         if ctx.rank == 0:
@@ -118,28 +116,6 @@ def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:
     for name, value in prepared.items():
         setattr(args, name, value)
     os.makedirs(args.out_dir, exist_ok=True)  # a node without the trainer's filesystem keeps its files here
-
-
-def check_shared_folder(ctx: WorkerContext, folder: str, timeout_s: float) -> None:
-    """--sync-method checkpoint: every explorer must see the folder trainer rank 0 writes (a shared filesystem
-    across nodes); checked with a token file before any model loads."""
-    probe = os.path.join(folder, ".probe")
-    if ctx.rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        mine = {"token": uuid.uuid4().hex, "folder": os.path.abspath(folder), "node": socket.gethostname()}
-        with open(probe, "w") as f:
-            f.write(mine["token"])
-        ctx.store.set("probe", json.dumps(mine))
-        return
-    if ctx.role != "explorer":
-        return
-    trainer = json.loads(ctx.wait_key("probe", timeout_s, "sync folder token from trainer0"))
-    seen = open(probe).read() if os.path.exists(probe) else None
-    if seen != trainer["token"]:
-        raise SystemExit(f"error: {ctx.name} on node {socket.gethostname()}: --sync-method checkpoint needs "
-                         f"trainer0's folder {trainer['folder']} (node {trainer['node']}) here as "
-                         f"{os.path.abspath(folder)}, and this node does not see it: put --out-dir on a shared "
-                         "filesystem or use --sync-method broadcast")
 
 
 def check_out_dir(out_dir: str) -> None:

@@ -217,11 +217,8 @@ def test_weights_change_between_decode_steps(engine, folder):
 
 def test_checkpoint_sync(engine, folder, tmp_path):
     """--sync-method checkpoint: a sync checkpoint folder loads into vLLM, directly or through the buffers."""
-    from common.weight_sync import (
-        load_sync_checkpoint,
-        weights_hash,
-        write_sync_checkpoint,
-    )
+    from common.weight_sync import weights_hash
+    from common.weight_sync.checkpoint import load_sync_checkpoint, write_sync_checkpoint
 
     hf = load_hf(folder)
     perturb(hf, seed=2)
@@ -231,7 +228,7 @@ def test_checkpoint_sync(engine, folder, tmp_path):
     perturb(hf, seed=3)
     write_sync_checkpoint(str(tmp_path), list(hf.named_parameters()), version=4)
     buffers = engine.weight_buffers()
-    load_sync_checkpoint(str(tmp_path), 4, buffers)  # what WeightReceiver.poll does
+    load_sync_checkpoint(str(tmp_path), 4, buffers)  # through the buffers, as an engine without a direct file load does
     engine.commit_weights(buffers)
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
 
@@ -243,10 +240,11 @@ def _free_port():
 
 
 def _trainer(rank, folder, port, result):
-    """Trainer rank 0: perturbed weights, broadcast twice (versions 1, 2) like WeightSender, report its hashes."""
+    """Trainer rank 0: perturbed weights, broadcast twice (versions 1, 2) like BroadcastSync, report its hashes."""
     import torch.distributed as dist
 
-    from common.weight_sync import broadcast_weights, weights_hash
+    from common.weight_sync import weights_hash
+    from common.weight_sync.broadcast import broadcast_weights
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
                             timeout=timedelta(seconds=120))
@@ -267,7 +265,7 @@ def test_gloo_broadcast_from_trainer_process(engine, folder):
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from common.weight_sync import broadcast_weights
+    from common.weight_sync.broadcast import broadcast_weights
 
     ctx = mp.get_context("spawn")
     port, result = _free_port(), ctx.Queue()

@@ -36,7 +36,7 @@ def worker(ctx, out_dir, flags, resume):
     from common.model import build_tiny_tokenizer, load_model
     from common.trainer.parallel import DataParallel
     from common.trainer.trainer import Trainer
-    from common.weight_sync import WeightReceiver, WeightSender, weights_hash
+    from common.weight_sync import METHODS, weights_hash
 
     args = _args(out_dir, *flags)
     timeline = Timeline(out_dir, ctx.name)
@@ -46,24 +46,27 @@ def worker(ctx, out_dir, flags, resume):
 
         # other weights than the trainers' until the first sync; the run's dtype, as the explorer of a run
         engine = HFEngine(load_model("tiny", dtype=DTYPES[args.dtype], seed=7), build_tiny_tokenizer())
-        receiver = WeightReceiver(ctx, args, engine, timeline)
+        methods = {name: METHODS[name](ctx, args, timeline, engine) for name in set(SYNC.values())}
         for step in range(STEPS + 1):
-            version = receiver.pull(step, SYNC.get(step, "broadcast"))
+            receiver = methods[SYNC.get(step, "broadcast")]
+            receiver.version = max(m.version for m in methods.values())  # the version the engine holds
+            version = receiver.pull(step)
             hashes[version] = engine.weights_checksum()
     else:
         trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
-        sender = WeightSender(ctx, args, timeline) if ctx.explorer_ranks else None
+        methods = {name: METHODS[name](ctx, args, timeline) for name in set(SYNC.values())} if ctx.explorer_ranks \
+            else None
         if resume:
             trainer.resume(out_dir)
-        if sender:
-            sender.push(trainer.named_weights(), trainer.version, 0)
+        if methods:
+            methods["broadcast"].push(trainer.named_weights(), trainer.version, 0)
         hashes[trainer.version] = weights_hash(trainer.named_weights())  # gathered: every trainer joins
         while trainer.step < STEPS:
             metrics = trainer.train_step(uneven_experiences(seed=trainer.step))
             assert metrics["grad_norm"] > 0
             hashes[trainer.version] = weights_hash(trainer.named_weights())
-            if sender:
-                sender.push(trainer.named_weights(), trainer.version, trainer.step, SYNC[trainer.step])
+            if methods:
+                methods[SYNC[trainer.step]].push(trainer.named_weights(), trainer.version, trainer.step)
             if trainer.step == 2:
                 trainer.save_checkpoint(out_dir)
         trainer.save_checkpoint(out_dir)  # step_3: everything (final/ holds the model and tokenizer only)

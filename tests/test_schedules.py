@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from common.runtime.metrics import read_metrics, read_timeline
-from common.weight_sync import latest_sync_version, load_sync_checkpoint, weights_hash, write_sync_checkpoint
+from common.weight_sync import weights_hash
+from common.weight_sync.checkpoint import latest_sync_version, load_sync_checkpoint, write_sync_checkpoint
 from tests.conftest import ROOT, TINY, alive, assert_trained, descendants, run_script, worker_pid
 
 
@@ -71,7 +72,7 @@ def test_async_drops_stale_samples_and_counts_them(tmp_path):
 
 _WRITER = """
 import sys, torch
-from common.weight_sync import write_sync_checkpoint
+from common.weight_sync.checkpoint import write_sync_checkpoint
 tensors = [("w", torch.full((64, 1024, 1024), float(sys.argv[2])))]  # 256 MB: the save takes a while
 print("start", flush=True)
 write_sync_checkpoint(sys.argv[1], tensors, version=int(sys.argv[2]))

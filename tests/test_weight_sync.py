@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.weight_sync import broadcast_weights, weights_hash
+from common.weight_sync import weights_hash
+from common.weight_sync.broadcast import broadcast_weights
 
 
 def _port():

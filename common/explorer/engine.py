@@ -52,12 +52,18 @@ class RolloutEngine(ABC):
         """Called after `weight_buffers()` were overwritten (with weights `version`); engines that keep their own
         copy load them here."""
 
-    def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
-        """Checkpoint sync: take version `version` from `sync_dir` (common.weight_sync.write_sync_checkpoint)."""
-        from common.weight_sync import load_sync_checkpoint
+    @torch.no_grad()
+    def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
+        """Take the weights of a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
+        from safetensors.torch import load_file
 
+        weights = {}
+        for f in sorted(os.listdir(path)):
+            if f.endswith(".safetensors"):
+                weights.update(load_file(os.path.join(path, f)))
         buffers = self.weight_buffers()
-        load_sync_checkpoint(sync_dir, version, buffers)
+        for name, t in buffers:
+            t.copy_(weights[name])
         self.commit_weights(buffers, version)
 
     def weights_checksum(self) -> str:

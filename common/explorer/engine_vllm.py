@@ -3,7 +3,7 @@
 Process layout. vLLM's V1 engine core runs in its own child process (vLLM's default,
 VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world.
 The explorer process stays an ordinary member of tandem's world: it joins the trainer's weight broadcast
-(`common.weight_sync.broadcast_weights`) into `weight_buffers()`, then `commit_weights` tells the vLLM worker to
+(`common.weight_sync.broadcast.broadcast_weights`) into `weight_buffers()`, then `commit_weights` tells the vLLM worker to
 load them. An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM
 then builds its parallel groups from the already-initialised default group, which is a collective over every
 rank (trainer included) and hangs; it is still allowed when torch.distributed is not initialised (benchmarks).
@@ -586,10 +586,6 @@ class VLLMEngine(RolloutEngine):
     def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
         """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
         self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
-
-    def load_sync_checkpoint(self, sync_dir: str, version: int) -> None:
-        """Checkpoint sync straight from the file into vLLM's reload (no copy through the shared buffers)."""
-        self.load_from_checkpoint(os.path.join(sync_dir, f"v{version}"), version)
 
     def _update(self, version: int | None, method: str, *args) -> None:
         """Run the worker's load `method`, empty the prefix cache, label later tokens `version`.
