@@ -274,7 +274,8 @@ class CommonArgs:
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""
     max_staleness: int = 2
-    """Drop (and count, as dropped_stale) samples made by weights more than K versions older than the trainer's.
+    """Drop (and count, as dropped_stale) samples whose oldest trained token was made by weights more than K versions
+    older than the trainer's (common/trainer/filters.py drop_stale).
     train_sync.py's samples are always 0 versions old and train_offpolicy.py's 1: the bound matters to
     train_async.py, and to replayed groups (--max-reuse)."""
     verify_sync: bool = False

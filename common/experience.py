@@ -31,8 +31,8 @@ class Experience:
     reward: float
     group_id: int                  # samples of one task in one rollout share it
     task_id: str
-    policy_version: int            # version of the weights that produced the response (partial rollouts: of its
-                                   # trained tokens, see common/explorer/groups.py)
+    policy_version: int            # version of the weights that finished the response (how old it is for training:
+                                   # common/trainer/filters.py trained_version, from segment_versions)
     reward_info: dict = field(default_factory=dict)
     finish_reason: str = "stop"    # "stop" or "length" (truncated)
     timings: dict = field(default_factory=dict)

@@ -9,7 +9,7 @@ import torch
 
 from common.config import parse_args
 from common.experience import Experience, collate
-from common.trainer.filters import PROCESSORS, build_processors, process
+from common.trainer.filters import PROCESSORS, build_processors, drop_stale, process
 from common.trainer.trainer import Trainer
 from tests.conftest import TINY, assert_trained, run_script
 
@@ -51,7 +51,8 @@ def test_experience_processors_by_hand():
         return Experience([1], [2, 3], [0.0, 0.0], [1, 1], reward, group, "t", 0, info or {}, finish)
 
     def args(**kw):
-        base = dict(mask_truncated=True, drop_failed_rewards=True, drop_zero_signal_groups=True, algo="grpo")
+        base = dict(mask_truncated=True, drop_failed_rewards=True, drop_zero_signal_groups=True, algo="grpo",
+                    max_staleness=2)
         return SimpleNamespace(**{**base, **kw})
 
     batch = [exp(1.0), exp(float("nan")), exp(float("inf")), exp(0.0, info={"failed": True}), exp(0.0, "length"),
@@ -67,6 +68,25 @@ def test_experience_processors_by_hand():
     kept, _ = process(batch, args(algo="ppo"), build_processors())  # a critic learns from uniform groups
     assert len(kept) == 4
     assert list(PROCESSORS) == ["invalid_rewards", "truncated", "zero_signal"]
+
+
+def test_staleness_counts_the_oldest_trained_token():
+    """An experience is as old as the oldest weights among the tokens it trains (per-token versions where the loss
+    mask is 1): older context tokens with mask 0 do not count; without per-token versions, its policy_version."""
+    def exp(versions, mask, policy_version=9):
+        return Experience([1], [2] * len(mask), [0.0] * len(mask), mask, 1.0, 0, "t", policy_version,
+                          segment_versions=versions)
+
+    batch = [exp([3, 3, 5], [0, 0, 1]),   # only the last segment trained: age 6 - 5 = 1
+             exp([3, 4, 5], [1, 1, 1]),   # every segment trained: as old as version 3: age 3
+             exp([], [1, 1], 4),          # no per-token versions: policy_version 4, age 2
+             exp([6, 6], [1, 1])]         # fresh
+    kept, counts = drop_stale(batch, SimpleNamespace(max_staleness=2), version=6)
+    assert kept == [batch[0], batch[2], batch[3]]
+    assert counts == {"filter/stale_dropped": 1, "staleness/mean": 1.0, "staleness/max": 2,
+                      "staleness/dropped_min": 3}
+    kept, counts = drop_stale(batch, SimpleNamespace(max_staleness=0), version=6)
+    assert kept == [batch[3]] and counts["staleness/dropped_min"] == 1
 
 
 def test_filters_are_counted_in_the_train_step(tmp_path):

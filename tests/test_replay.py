@@ -10,6 +10,7 @@ from common.runtime.metrics import read_metrics
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
 from common.explorer.groups import Response
 from common.explorer.rollouts import Context, Rollouts
+from common.trainer.filters import trained_version
 from common.trainer.replay import ReplayBuffer
 from tests.conftest import TINY, assert_trained, run_script
 
@@ -48,7 +49,9 @@ def test_response_split_over_three_steps_reassembles_exactly():
         assert r.logprobs == segments[0][i][1] + segments[1][i][1] + segments[2][i][1]
         assert r.versions == [0] * 4 + [1] * 4 + [2] * 4
         assert r.loss_mask("last_segment") == [0] * 8 + [1] * 4 and r.loss_mask("all") == [1] * 12
-        assert (r.trained_version("last_segment"), r.trained_version("all")) == (2, 0)
+        # How old the experience is for --max-staleness: its oldest trained token.
+        assert [trained_version(Experience(r.prompt_ids, r.response_ids, r.logprobs, r.loss_mask(p), 0.0, 7, "t0", 2,
+                                           segment_versions=r.versions)) for p in ("last_segment", "all")] == [2, 0]
     # Each segment's behaviour log-probs are what the trainer computes under that segment's weights.
     exps = [Experience(r.prompt_ids, r.response_ids, r.logprobs, r.loss_mask("all"), 0.0, 7, "t0", 0)
             for r in group.responses]
@@ -120,6 +123,9 @@ def test_replay_skips_uniform_groups_stale_groups_and_bounds_size():
     _, m = buf.mix(_group(2, 1) + _group(3, 1) + _group(4, 1), version=2)
     assert m["replay/reused"] == 0  # group 1 (v0) is 2 versions old: too stale to replay
     assert buf.size == 4 and {g.version for g in buf.stored} == {1}  # capacity 2 groups
+    # The fresh samples are judged by the same rule: a group arriving already too stale is never stored.
+    buf.mix(_group(5, 0), version=2)
+    assert buf.stored and all(g.experiences[0].task_id != "task5" for g in buf.stored)
     assert ReplayBuffer(max_reuse=1).mix(_group(0, 0), version=0)[1]["replay/size"] == 0  # --max-reuse 1: off
 
 

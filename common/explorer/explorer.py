@@ -142,7 +142,7 @@ class Explorer:
         experiences = [Experience(
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
-            group_id=g.group_id, task_id=str(g.task["id"]), policy_version=r.trained_version(args.partial_loss),
+            group_id=g.group_id, task_id=str(g.task["id"]), policy_version=max(r.versions, default=self.version),
             finish_reason=r.finish_reason, timings={"rollout": round_.generated_s, "reward": t2 - t1},
             segment_versions=r.versions, turn_ends=r.turn_ends,
             turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=r.images,

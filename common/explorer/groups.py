@@ -9,12 +9,12 @@ own: HFEngine and VLLMEngine work as they are). A response ends at a stop token,
 (finish "length"). A group (the samples of one task) leaves only when all of its responses have ended, so
 group-normalised advantages and group reward shaping always see the whole group.
 
-Which tokens are trained (`--partial-loss`) and which version an experience carries (staleness, Trainer.drop_stale):
+Which tokens are trained (`--partial-loss`):
 - last_segment: only the tokens made by the response's newest weights count as on-policy; older segments keep
-  their place in the context but get loss mask 0. The experience carries that newest version.
-- all: every segment is trained against its own behaviour log-probs; the experience carries its oldest version,
-  so the staleness bound applies to the oldest trained token.
-Experience.segment_versions keeps the weights version of every response token either way.
+  their place in the context but get loss mask 0.
+- all: every segment is trained against its own behaviour log-probs.
+Experience.segment_versions keeps the weights version of every response token either way; how old that makes the
+experience (its oldest trained token) is the trainer's staleness rule, common/trainer/filters.py.
 """
 
 from __future__ import annotations
@@ -66,13 +66,10 @@ class Response(Sample):
     def turn_rewards(self) -> list[float]:
         return []
 
-    # ALGO LOGIC: which tokens of a partial rollout are trained, and how old the experience counts
+    # ALGO LOGIC: which tokens of a partial rollout are trained
     def loss_mask(self, partial_loss: str) -> list[int]:
         newest = self.versions[-1]
         return [1 if partial_loss == "all" or v == newest else 0 for v in self.versions]
-
-    def trained_version(self, partial_loss: str) -> int:
-        return min(self.versions) if partial_loss == "all" else self.versions[-1]
 
     def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str:
         return tokenizer.decode(self.response_ids, skip_special_tokens=True)

@@ -63,9 +63,6 @@ class Episode(Sample):
     def loss_mask(self, partial_loss: str = "last_segment") -> list[int]:
         return list(self.mask)
 
-    def trained_version(self, partial_loss: str = "last_segment") -> int:
-        return min((v for v, m in zip(self.versions, self.mask) if m), default=self.versions[0] if self.versions else 0)
-
     @property
     def sampled_tokens(self) -> int:
         """Tokens the model wrote (what a length penalty counts; observations excluded)."""

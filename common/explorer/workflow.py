@@ -32,10 +32,6 @@ class Sample(ABC):
         """Per response token: 1 where it is trained."""
 
     @abstractmethod
-    def trained_version(self, partial_loss: str) -> int:
-        """The version the experience counts as (its oldest trained token's, or the newest segment's)."""
-
-    @abstractmethod
     def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
         """What the task's verifier scores, or None (no verifier: the sample's own reward alone). `whole_episodes`
         (--reward-fn): every sample goes to the function."""

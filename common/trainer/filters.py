@@ -1,6 +1,8 @@
 """Experience processors: small functions applied, in order, to every rollout batch between the explorer and the
 trainer's update (the trainer runs them first thing in `train_step`, before collate). Each one takes the batch's
 experiences and the run's args and returns (experiences, counts); the counts go into the step's metrics row.
+The staleness processor also takes the trainer's version, and runs earlier: where the trainer takes a batch off the
+queue (TrainerRun.get), before the replay buffer sees it, so a batch that is too old costs no step.
 
 ALGO LOGIC: a processor of your own is one function + one line in `PROCESSORS` (or, from outside the package,
 `--processors my_module:my_fn`, appended after the built-in ones):
@@ -25,6 +27,29 @@ from common.runtime.plugins import load_object
 from common.trainer.losses import ALGOS
 
 Processor = Callable[[list[Experience], object], "tuple[list[Experience], dict]"]
+
+
+# ALGO LOGIC: staleness. The one rule of how old an experience is, for the trainer and the replay buffer alike.
+def trained_version(e: Experience) -> int:
+    """The oldest weights version among the tokens `e` trains (its per-token versions where the loss mask is 1): a
+    partial rollout trained on its last segment only is as old as that segment, one trained whole as its first.
+    Without per-token versions or trained tokens: its policy_version."""
+    return min((v for v, m in zip(e.segment_versions, e.loss_mask) if m), default=e.policy_version)
+
+
+def drop_stale(experiences: list[Experience], args, version: int) -> tuple[list[Experience], dict]:
+    """--max-staleness: samples whose trained tokens are more than K versions behind `version` (the weights the next
+    step updates) are dropped and counted; the kept ones' staleness goes into the metrics, and the dropped ones'
+    youngest age."""
+    ages = [version - trained_version(e) for e in experiences]
+    kept = [e for e, a in zip(experiences, ages) if a <= args.max_staleness]
+    counts = {"filter/stale_dropped": len(experiences) - len(kept)}
+    if kept:
+        kept_ages = [a for a in ages if a <= args.max_staleness]
+        counts.update({"staleness/mean": sum(kept_ages) / len(kept_ages), "staleness/max": max(kept_ages)})
+    if len(kept) < len(experiences):
+        counts["staleness/dropped_min"] = min(a for a in ages if a > args.max_staleness)
+    return kept, counts
 
 
 def drop_invalid_rewards(experiences: list[Experience], args) -> tuple[list[Experience], dict]:

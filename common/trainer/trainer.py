@@ -31,7 +31,7 @@ from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_opt
 from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
 from common.trainer.packing import batch_micro_batches, micro_batches
-from common.trainer.filters import build_processors, process
+from common.trainer.filters import build_processors, drop_stale, process
 from common.trainer.lr_schedule import build_lr_scheduler
 from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
@@ -119,13 +119,9 @@ class Trainer:
         return out
 
     def _incoming_metrics(self, experiences: list[Experience]) -> dict:
-        """Reward (finite ones) and staleness (versions behind the weights being updated) of a rollout batch."""
+        """Reward (finite ones) of a rollout batch, before any filter."""
         rewards = [e.reward for e in experiences if np.isfinite(e.reward)]
-        stale = [self.version - e.policy_version for e in experiences]
-        out = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))} if rewards else {}
-        if stale:
-            out.update({"staleness/mean": float(np.mean(stale)), "staleness/max": max(stale)})
-        return out
+        return {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))} if rewards else {}
 
     def skip_step(self) -> dict:
         """A step with nothing to train (partial rollouts: no group has finished yet; every sample filtered out). It
@@ -140,11 +136,6 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         return lr
-
-    def drop_stale(self, experiences: list[Experience], max_staleness: int) -> tuple[list[Experience], int]:
-        """Keep samples at most `max_staleness` versions behind the weights about to be updated."""
-        kept = [e for e in experiences if self.version - e.policy_version <= max_staleness]
-        return kept, len(experiences) - len(kept)
 
     def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats):
         """One optimizer step on minibatch `idx`: the algorithm's loss per micro-batch (each returns its share of the
@@ -370,6 +361,7 @@ class TrainerRun:
                         "evals": state.get("evals", [])}  # every evaluation's metrics, in the order they came
         self.start_time = time.time() - state.get("elapsed", 0.0)
         self.logged_step = self.trainer.step
+        self.stale_counts: dict = {}  # the staleness processor's counts since the last metrics row
         self.replay = None  # Kimi k1.5 replay: groups trained up to --max-reuse times (in memory: not resumed)
         if args.max_reuse > 1:
             self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
@@ -403,9 +395,16 @@ class TrainerRun:
             start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
         self.last_batch[batch.explorer] = (time.time(), batch.step)
         self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
-        # ALGO LOGIC: staleness control: drop what is too old, count it, train on the rest.
-        batch.experiences, dropped = self.trainer.drop_stale(batch.experiences, self.args.max_staleness)
-        self.summary["dropped_stale"] += dropped
+        # ALGO LOGIC: staleness (common/trainer/filters.py): what is too old is dropped and counted here, before the
+        # replay buffer sees it; a batch with nothing left costs no step (the loop takes the next one).
+        batch.experiences, counts = drop_stale(batch.experiences, self.args, self.trainer.version)
+        self.summary["dropped_stale"] += counts["filter/stale_dropped"]
+        since = self.stale_counts  # what batches dropped whole since the last row also counts there
+        counts["filter/stale_dropped"] += since.get("filter/stale_dropped", 0)
+        if "staleness/dropped_min" in since:
+            counts["staleness/dropped_min"] = min(since["staleness/dropped_min"],
+                                                  counts.get("staleness/dropped_min", since["staleness/dropped_min"]))
+        self.stale_counts = counts
         return batch
 
     def train(self, batch, step: int) -> dict:
@@ -424,7 +423,7 @@ class TrainerRun:
         evals = self._evaluations()
         times = {f"time/{k}": v for k, v in self.timeline.take_totals().items()}
         if self.logger:
-            self.logger.log({"step": step, **metrics, **batch.metrics, **evals, **times, **extra,
+            self.logger.log({"step": step, **self.stale_counts, **metrics, **batch.metrics, **evals, **times, **extra,
                              "dropped_stale": self.summary["dropped_stale"],
                              "time/elapsed": time.time() - self.start_time,
                              "samples": step * self.args.rollout_batch_size})
@@ -432,7 +431,7 @@ class TrainerRun:
             self.samples.log(sample_rows(batch.experiences, self.trainer.tokenizer, step, self.args.log_samples))
         if self.args.checkpoint_every and step % self.args.checkpoint_every == 0 and step < self.args.steps:
             self.checkpoint()
-        self.logged_step = step
+        self.logged_step, self.stale_counts = step, {}
         in_step.clear()
         if stop_requested.is_set():  # SIGTERM (preemption) or Ctrl-C during the step: checkpoint now, then stop
             raise KeyboardInterrupt
