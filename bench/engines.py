@@ -73,7 +73,7 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="bench-engines-")
     if args.model == "tiny-vllm":
-        from common.explorer.engine_vllm import save_servable_tiny
+        from common.model import save_servable_tiny
 
         path = save_servable_tiny(tmp)
     else:

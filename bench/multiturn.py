@@ -74,7 +74,8 @@ def main():
     else:  # vLLM keeps each episode's KV blocks in its prefix cache between turns
         import tempfile
 
-        from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny
+        from common.explorer.engine_vllm import VLLMEngine
+        from common.model import save_servable_tiny
         from common.model import resolve_model
 
         path = save_servable_tiny(tempfile.mkdtemp()) if args.model == "tiny" else resolve_model(args.model)

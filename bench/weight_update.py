@@ -1,5 +1,5 @@
 """One weight update into the running vLLM engine, side by side in one run: the direct copy into the parameters
-vLLM computes with (common/explorer/engine_vllm.py `_worker_copy_plan`, the default) vs vLLM's `reload_weights` (the
+vLLM computes with (common/explorer/vllm_worker.py `_worker_copy_plan`, the default) vs vLLM's `reload_weights` (the
 previous path), and a plain memcpy of the same bytes as the floor.
 
     python bench/weight_update.py                  # default model (SmolLM2-135M, fp32: 513 MB)
@@ -34,7 +34,8 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny
+    from common.explorer.engine_vllm import VLLMEngine
+    from common.model import save_servable_tiny
     from common.model import resolve_model
     from common.weight_sync import weights_hash
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -30,3 +32,32 @@ def unpack(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
     for t in bucket:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def flat_layout(shapes, align: int = 64) -> tuple[list, int]:
+    """Where tensors of `shapes` ((name, shape, dtype) rows) lie back to back in one flat byte buffer: rows
+    (name, shape, dtype name, byte offset), each start `align`-byte aligned, and the total size in bytes. Plain
+    data, so it crosses process boundaries (vLLM's worker, the colocated weight hand-off)."""
+    layout, offset = [], 0
+    for name, shape, dtype in shapes:
+        layout.append((name, list(shape), str(dtype).removeprefix("torch."), offset))
+        offset += -(-math.prod(shape) * dtype.itemsize // align) * align
+    return layout, offset
+
+
+def flat_views(flat: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a `flat_layout` as views into `flat` (a uint8 buffer, on whatever device it is)."""
+    views = []
+    for name, shape, dtype_name, offset in layout:
+        dtype = getattr(torch, dtype_name)
+        views.append((name, flat[offset: offset + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))))
+    return views
+
+
+def map_shared_file(path: str, size: int, create: bool = False) -> torch.Tensor:
+    """A file (in /dev/shm: shared memory) as a flat uint8 CPU tensor every process that maps it sees and writes;
+    `create` makes (or resizes) it first."""
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(max(size, 1))
+    return torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]

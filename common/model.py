@@ -5,7 +5,7 @@ log-probs.
   once into a plain HF folder under the cache dir (~/.cache/tandem or $TANDEM_CACHE) so later loads are fast and
   plain `from_pretrained` works.
 - `tiny`: a randomly initialised 2-layer Llama plus a byte-level tokenizer built in-process (tests; no files;
-  `--engine vllm` serves it from a temporary folder, `common.explorer.engine_vllm.save_servable_tiny`).
+  `--engine vllm` serves it from a temporary folder, `save_servable_tiny`).
 - `tiny-vlm`, and folders of vision-language models (Qwen2-VL family): common/vlm.py.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 import common.vlm as vlm
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by name
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -92,6 +92,23 @@ def build_tiny_model(tokenizer, seed: int = 0):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def save_servable_tiny(path: str, seed: int = 0) -> str:
+    """`--model tiny` (`build_tiny_model`, the same weights for the same seed) with its byte tokenizer,
+    saved as an HF folder vLLM can serve. Returns the folder."""
+    from safetensors.torch import save_file
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed)
+    # Not model.save_pretrained: transformers 5 silently writes nothing on a torch.distributed rank other than 0
+    # (an explorer's). named_parameters() holds the tied lm_head once, as HF checkpoints do.
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def resolve_model(name: str, flag: str = "--model") -> str:

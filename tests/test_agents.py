@@ -373,7 +373,8 @@ def timed_episodes(engine, tok, env_workers: int):
 def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(monkeypatch, tmp_path):
     """vLLM: with the environment step in the worker pool the three fast episodes end (all 3 turns decoded) while
     the slow one's first 3 s step is still running; stepped inline between decode steps they wait for it."""
-    from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny, vllm_available
+    from common.explorer.engine_vllm import VLLMEngine, vllm_available
+    from common.model import save_servable_tiny
 
     ok, why = vllm_available()
     if not ok:

@@ -23,7 +23,7 @@ LOGPROB_TOL = 1e-4  # fp32; measured max |vLLM - trainer| is ~1e-6 (see test_beh
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from common.explorer.engine_vllm import save_servable_tiny
+    from common.model import save_servable_tiny
 
     return save_servable_tiny(str(tmp_path_factory.mktemp("tiny-vllm")), seed=0)
 

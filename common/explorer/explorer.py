@@ -42,8 +42,8 @@ def build_vllm_engine(args, device, tokenizer):
     loads folders). The initial weight sync replaces whatever the folder holds."""
     import tempfile
 
-    from common.explorer.engine_vllm import VLLMEngine, save_servable_tiny
-    from common.model import resolve_model
+    from common.explorer.engine_vllm import VLLMEngine
+    from common.model import resolve_model, save_servable_tiny
 
     tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
     path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
