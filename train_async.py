@@ -22,6 +22,7 @@ Launch (one rank per worker: trainers first, then explorers; `python` starts the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.config import CommonArgs, ConfigError, parse_args
 from common.runtime.channel import Mailbox, StoreFlag
@@ -50,6 +51,9 @@ class Args(CommonArgs):
     score_behind: bool = False
     """Score each generation round in the reward pool while the next round generates (the batch reaches the queue
     one round later; its samples keep the version that generated them). Pays when verifiers are slow (code)."""
+
+    RANGES: ClassVar[dict[str, tuple]] = {"num_explorers": (1, True, None, False, ""),  # with CommonArgs.RANGES
+                                          "sync_interval": (1, True, None, False, "")}
 
     def validate(self):
         super().validate()

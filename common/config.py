@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from common.cli import check_choice, choices, cli
 from common.explorer.engine import vllm_available
@@ -26,6 +26,7 @@ from common.tasks.processors import TASK_PROCESSORS
 
 AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
 SyncMethod = Literal[tuple(METHODS)]  # --sync-method's choices: common/weight_sync's registry
+RewardKind = Literal[tuple(KINDS)]  # --default-reward's choices: the verifiers of rewards/base.py
 
 
 def check_chat_template(path: str) -> None:
@@ -134,7 +135,7 @@ class CommonArgs:
     episode_token_budget: int = 1024
     """Multi-turn episodes: most tokens of a whole episode (first prompt + every turn and observation); an
     episode whose next turn would not fit ends with reason 'budget' (finish reason 'length')."""
-    env_reward: str = "sum"
+    env_reward: Literal["sum", "last"] = "sum"
     """An episode's environment reward: sum (of its step rewards) or last (the final step's); a verifier named by
     the task's 'reward' field adds its score of the last assistant turn."""
     tool_timeout_s: float = 10.0
@@ -149,7 +150,7 @@ class CommonArgs:
     env_step_timeout_s: float = 300.0
     """Longest an environment step (tool calls included) may take before the explorer stops with an error
     naming the task (a tool's own bound, --tool-timeout-s, normally ends it long before)."""
-    reasoning_parser: str = "think"
+    reasoning_parser: Literal["think", "none"] = "think"
     """think: the text inside <think>...</think> of a turn never reaches the environment or the tool parser (a
     turn that never closes </think> is all reasoning); none: the whole turn does."""
     in_turn_tools: bool = False
@@ -332,7 +333,7 @@ class CommonArgs:
     prompt_template: str = "{prompt}"
     """Every task's prompt (chat messages: the last user message) becomes this with {prompt} replaced, e.g.
     '{prompt} Put the final answer in \\boxed{}.'; applied before --task-processors."""
-    default_reward: str = "math"
+    default_reward: RewardKind = "math"
     """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
 
     # --- memory: big models on one node (common/trainer/fsdp.py, common/trainer/packing.py, README "Big models") --------------
@@ -357,6 +358,45 @@ class CommonArgs:
     """LoRA scaling numerator (the adapter's update is scaled by alpha / rank)."""
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     """Comma-separated module names that get LoRA adapters."""
+
+    # --- checks: ranges here, cross-field rules in validate() ----------------------------------------------------
+    # field -> (low, low_inclusive, high, high_inclusive, why); None = unbounded. A numeric field not listed must be
+    # a finite number >= 0 (common/knobs.py). A schedule's Args lists its own fields in its own RANGES.
+    RANGES: ClassVar[dict[str, tuple]] = {
+        "steps": (1, True, None, False, ""),
+        "timeout_s": (0, False, None, False, "a wait of 0 s fails at once"),
+        "peer_timeout_s": (2, True, None, False, "a live worker may be silent for a second between its beats"),
+        "stall_log_s": (0, False, None, False, ""),
+        "vllm_gpu_memory_utilization": (0, False, 1, True, ""),
+        "vllm_kv_cache_gb": (0, False, None, False, ""),
+        "difficulty": (1, True, 4, True, "the arith levels"),
+        "eval_size": (1, True, None, False, ""),
+        "tasks_per_step": (1, True, None, False, ""),
+        "samples_per_task": (1, True, None, False, ""),
+        "temperature": (0, False, None, False, "sampling needs a positive temperature"),
+        "top_p": (0, False, 1, True, ""),
+        "max_new_tokens": (1, True, None, False, ""),
+        "max_turns": (1, True, None, False, ""),
+        "tool_timeout_s": (0, False, None, False, ""),
+        "env_step_timeout_s": (0, False, None, False, ""),
+        "reward_workers": (1, True, None, False, ""),
+        "reward_timeout_s": (0, False, None, False, ""),
+        "reward_memory_mb": (256, True, None, False, "a worker needs ~150 MB for its imports"),
+        "lr": (0, False, None, False, ""),
+        "ppo_epochs": (1, True, None, False, ""),
+        "minibatch_size": (1, True, None, False, ""),
+        "micro_batch_size": (1, True, None, False, ""),
+        "clip_eps": (0, False, None, False, "0 clips every update away"),
+        "max_grad_norm": (0, False, None, False, "a negative norm flips the gradient"),
+        "correction_cap": (1, True, None, False, "a cap below 1 cuts even on-policy weights"),
+        "critic_lr": (0, False, None, False, ""),
+        "gamma": (0, True, 1, True, ""),
+        "lam": (0, True, 1, True, ""),
+        "sync_bucket_mb": (1, True, None, False, ""),
+        "max_reuse": (1, True, None, False, "1 = no replay"),
+        "keep_checkpoints": (0, True, None, False, "0 = keep every one"),
+        "lora_alpha": (0, False, None, False, ""),
+    }
 
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
@@ -422,8 +462,6 @@ class CommonArgs:
                     raise ConfigError(f"--answer-regex {self.answer_regex!r} needs a group: (...) marks the answer")
             except re.error as e:
                 raise ConfigError(f"--answer-regex {self.answer_regex!r}: not a valid regular expression ({e})") from None
-        if self.default_reward not in KINDS:
-            raise ConfigError(f"--default-reward must be one of {', '.join(KINDS)} (got {self.default_reward!r})")
         if "{prompt}" not in self.prompt_template:
             raise ConfigError(f"--prompt-template {self.prompt_template!r} must contain {{prompt}}")
 
@@ -454,31 +492,18 @@ class CommonArgs:
 
     def _validate_workflows(self) -> None:
         """Multi-turn workflows, environments and task processors."""
-        if self.max_turns < 1:
-            raise ConfigError(f"--max-turns must be >= 1 (got {self.max_turns})")
         if self.episode_token_budget <= self.max_new_tokens:
             raise ConfigError(f"--episode-token-budget ({self.episode_token_budget}) must exceed --max-new-tokens "
                               f"({self.max_new_tokens}): a whole episode must hold more than one turn")
-        if self.env_reward not in ("sum", "last"):
-            raise ConfigError(f"--env-reward must be sum or last (got {self.env_reward!r})")
-        if self.tool_timeout_s <= 0:
-            raise ConfigError(f"--tool-timeout-s must be > 0 (got {self.tool_timeout_s})")
         try:
             parse_env_settings(self.env_setting)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.reasoning_parser not in ("think", "none"):
-            raise ConfigError(f"--reasoning-parser must be think or none (got {self.reasoning_parser!r})")
-        if self.env_workers < 0 or self.env_step_timeout_s <= 0:
-            raise ConfigError(f"--env-workers must be >= 0 and --env-step-timeout-s > 0 (got {self.env_workers}, "
-                              f"{self.env_step_timeout_s})")
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
         for name in filter(None, (n.strip() for n in self.task_processors.split(","))):
             if name not in TASK_PROCESSORS:
                 raise ConfigError(f"--task-processors: unknown processor {name!r} (one of {', '.join(TASK_PROCESSORS)})")
-        if self.max_prompt_chars < 0:
-            raise ConfigError(f"--max-prompt-chars must be >= 0 (got {self.max_prompt_chars})")
         if self.rollout_token_budget and taskset_has_envs(self.taskset):
             raise ConfigError(f"--rollout-token-budget (partial rollouts) works with single-turn tasks only, and "
                               f"--taskset {self.taskset} has multi-turn (env) tasks")
@@ -490,8 +515,6 @@ class CommonArgs:
         if self.fsdp_cpu_offload and not all(d.startswith("cuda") for d in self.trainer_device_list):
             raise ConfigError("--fsdp-cpu-offload needs cuda --trainer-devices (CPU trainers hold everything in "
                               "CPU memory already)")
-        if self.lora_rank and self.lora_alpha <= 0:
-            raise ConfigError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
         if self.lora_rank and not [m for m in self.lora_target_modules.split(",") if m.strip()]:
             raise ConfigError("--lora-target-modules must name at least one module")
         if self.lora_rank and self.trainer_shard == "fsdp":

@@ -1,8 +1,8 @@
 """Generic checks of every configuration knob, before any worker starts (one line naming the field, no traceback).
 
 - `check_numeric_ranges(args)`: every int/float field must be finite (no NaN, no infinities) and inside its range.
-  `RANGES` lists the fields whose range is not the default `>= 0`; a numeric field that is not listed (a new one
-  included) must be a finite number >= 0. Schedule-specific fields (train_async.py's) are listed here too.
+  Each config class lists in its own `RANGES` the fields whose range is not the default `>= 0` (the classes of
+  its MRO merged); a numeric field that is not listed (a new one included) must be a finite number >= 0.
 - `coerce_value(value, type)`: a YAML / saved-config value checked against the field's annotated type (int, float,
   bool, str, `X | None`, `Literal[...]`); a YAML string that spells a number ('1e-5') is taken as that number.
 - `read_utf8_lines(path)`: lines of a text file, `file:line: not UTF-8` on the first bad byte.
@@ -22,41 +22,7 @@ class ConfigError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
 
-# field -> (low, low_inclusive, high, high_inclusive, why). None = unbounded on that side.
-RANGES: dict[str, tuple] = {
-    "steps": (1, True, None, False, ""),
-    "timeout_s": (0, False, None, False, "a wait of 0 s fails at once"),
-    "peer_timeout_s": (2, True, None, False, "a live worker may be silent for a second between its beats"),
-    "stall_log_s": (0, False, None, False, ""),
-    "vllm_gpu_memory_utilization": (0, False, 1, True, ""),
-    "vllm_kv_cache_gb": (0, False, None, False, ""),
-    "difficulty": (1, True, 4, True, "the arith levels"),
-    "eval_size": (1, True, None, False, ""),
-    "tasks_per_step": (1, True, None, False, ""),
-    "samples_per_task": (1, True, None, False, ""),
-    "temperature": (0, False, None, False, "sampling needs a positive temperature"),
-    "top_p": (0, False, 1, True, ""),
-    "max_new_tokens": (1, True, None, False, ""),
-    "reward_workers": (1, True, None, False, ""),
-    "reward_timeout_s": (0, False, None, False, ""),
-    "reward_memory_mb": (256, True, None, False, "a worker needs ~150 MB for its imports"),
-    "lr": (0, False, None, False, ""),
-    "ppo_epochs": (1, True, None, False, ""),
-    "minibatch_size": (1, True, None, False, ""),
-    "micro_batch_size": (1, True, None, False, ""),
-    "clip_eps": (0, False, None, False, "0 clips every update away"),
-    "max_grad_norm": (0, False, None, False, "a negative norm flips the gradient"),
-    "correction_cap": (1, True, None, False, "a cap below 1 cuts even on-policy weights"),
-    "critic_lr": (0, False, None, False, ""),
-    "gamma": (0, True, 1, True, ""),
-    "lam": (0, True, 1, True, ""),
-    "sync_bucket_mb": (1, True, None, False, ""),
-    "max_reuse": (1, True, None, False, "1 = no replay"),
-    "keep_checkpoints": (0, True, None, False, "0 = keep every one"),
-    # train_async.py
-    "num_explorers": (1, True, None, False, ""),
-    "sync_interval": (1, True, None, False, ""),
-}
+# A config class's RANGES: field -> (low, low_inclusive, high, high_inclusive, why). None = unbounded on that side.
 DEFAULT_RANGE = (0, True, None, False, "")
 
 
@@ -80,8 +46,17 @@ def _numeric(tp) -> bool:
     return tp in (int, float) or any(a in (int, float) for a in typing.get_args(tp) if a is not type(None))
 
 
+def declared_ranges(cls) -> dict[str, tuple]:
+    """The `RANGES` of `cls` and of the classes it derives from (a subclass's entry wins)."""
+    out: dict[str, tuple] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(vars(klass).get("RANGES", {}))
+    return out
+
+
 def check_numeric_ranges(args) -> None:
     """Every numeric field finite and in range; SystemExit('error: --field ...') on the first that is not."""
+    ranges = declared_ranges(type(args))
     for name, tp in field_types(type(args)).items():
         value = getattr(args, name)
         if not _numeric(tp) or value is None or isinstance(value, bool):
@@ -90,7 +65,7 @@ def check_numeric_ranges(args) -> None:
             raise ConfigError(f"{_flag(name)} must be a number (got {value!r})")
         if not math.isfinite(value):
             raise ConfigError(f"{_flag(name)} must be a finite number (got {value})")
-        lo, lo_inc, hi, hi_inc, why = RANGES.get(name, DEFAULT_RANGE)
+        lo, lo_inc, hi, hi_inc, why = ranges.get(name, DEFAULT_RANGE)
         ok = (value >= lo if lo_inc else value > lo) and (hi is None or (value <= hi if hi_inc else value < hi))
         if not ok:
             raise ConfigError(f"{_flag(name)} must be {_describe(lo, lo_inc, hi, hi_inc)} (got {value}"

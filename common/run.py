@@ -1,6 +1,6 @@
 """How an entry script becomes a run: `launch` starts the ranks (or is one), prepares the run once, runs the
-schedule's worker function and wraps up. Set-up (checks before any compute) and wrap-up (timeline, plots, summary)
-are shared by every schedule."""
+schedule's worker function and wraps up. Set-up (out_dir, resume; the checks that need the model or the tasks are
+common/preflight.py) and wrap-up (timeline, plots, summary) are shared by every schedule."""
 
 from __future__ import annotations
 
@@ -15,20 +15,15 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.config import ConfigError
 from common.explorer.engine import resolve_engine
+from common.preflight import check_tasks
 from common.tasks.hub import DatasetOptions
-from common.explorer.rollouts import WORKFLOWS, workflow_name
 from common.runtime.launcher import WorkerContext, join_world, launch_local, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
-from common.model import chat_prompt_ids, load_tokenizer, resolve_model
-from common.tasks.named import taskset_has_envs
-from common.tasks.validate import WHERE
+from common.model import resolve_model
 from common.tasks import build_tasksets
-from common.trainer.losses import ALGOS
 from common.trainer.trainer import latest_checkpoint
-from common.vlm import is_vlm, load_processor
 from common.weight_sync import check_weight_sync
-from rewards.vision import load_images
 
 
 def prepare_run(args, schedule: str) -> None:
@@ -44,12 +39,7 @@ def prepare_run(args, schedule: str) -> None:
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
                                      args.dataset_split, args.eval_dataset_split)  # bad rows fail here
-    check_workflows((train.tasks or []) + held_out)
-    check_images(args, model_path, (train.tasks or []) + held_out)
-    check_prompt_lengths(args, (train.tasks or []) + held_out)
-    needs_rm = [t for t in (train.tasks or []) + held_out if t.get("reward") == "rm" and not t.get("rm_model")]
-    if needs_rm and not args.rm_model and not args.reward_fn:
-        raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
+    check_tasks(args, model_path, (train.tasks or []) + held_out)  # common/preflight.py
     if args.resume:
         rewind_to_checkpoint(args)
     if not args.resume and os.path.exists(os.path.join(args.out_dir, "metrics.jsonl")):
@@ -145,95 +135,6 @@ def rewind_to_checkpoint(args) -> None:
     print(f"[tandem] resuming from {path}" + (f"; the {redone} metrics rows after step {step} are redone"
                                                if redone else ""), file=sys.stderr, flush=True)
     ensure_free_space(os.path.dirname(path), folder_bytes(path) + MARGIN_BYTES, "the next checkpoint")
-
-
-def check_workflows(tasks: list[dict]) -> None:
-    """A task naming a workflow that does not exist is a one-line error naming its file:line."""
-    for task in tasks:
-        if workflow_name(task) not in WORKFLOWS:
-            raise ConfigError(f"{task.get(WHERE, task.get('id'))}: unknown workflow {task['workflow']!r} "
-                              f"(one of {', '.join(WORKFLOWS)})")
-
-
-def check_images(args, model_path: str, tasks: list[dict]) -> None:
-    """Image tasks need a vision-language policy, single-turn workflows and images that decode; a VLM policy runs
-    on the HF engine. One line naming the task (file:line) or the flag, before any compute."""
-    vision = is_vlm(args.model, model_path)
-    if args.freeze != "none" and not vision:
-        raise ConfigError(f"--freeze {args.freeze}: --model {args.model} has no vision tower to tell apart")
-    shown = any(t.get("image") for t in tasks) and "blind" not in args.task_processors
-    if args.freeze == "language" and not shown:
-        raise ConfigError("--freeze language trains only the vision tower, and no task shows the policy an image")
-    if vision:
-        load_processor(args.model, model_path, load_tokenizer(args.model, args.chat_template))  # it has one
-    if vision and args.engine == "vllm":
-        raise ConfigError(f"--engine vllm: --model {args.model} is a vision-language model, which tandem serves with "
-                          "the HF engine only (--engine hf or auto)")
-    if vision and ALGOS[args.algo].critic:
-        raise ConfigError(f"--algo {args.algo}: its critic is a text-only model; --model {args.model} is a "
-                          "vision-language policy (use a critic-free algorithm such as grpo)")
-    for task in tasks:
-        if not task.get("image"):
-            continue
-        where = task.get(WHERE, f"task {task.get('id')}")
-        if not vision:
-            raise ConfigError(f"{where}: an image task, but --model {args.model} is text-only and would answer "
-                              "without seeing it (use a vision-language model: --model tiny-vlm or a Qwen2-VL folder)")
-        if workflow_name(task) != "single_turn":
-            raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow "
-                              f"{workflow_name(task)!r}")
-        try:
-            load_images(task)
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-
-
-def check_episode_prompts(args, tasks: list[dict]) -> None:
-    """An environment task whose first prompt (the environment's reset, tools and chat template applied) leaves
-    no room for a turn in --episode-token-budget is rejected with file:line, before any compute."""
-    from common.explorer.multi_turn import MultiTurn
-    from common.explorer.rollouts import Context
-
-    if not (taskset_has_envs(args.taskset) or any("env" in t for t in tasks)):
-        return
-    ctx = Context.from_args(load_tokenizer(args.model, args.chat_template), args)
-    try:
-        ctx.renderer
-    except ValueError as e:
-        raise ConfigError(f"--model {args.model}" + (f" --chat-template {args.chat_template}"
-                                                     if args.chat_template else "") + f": {e}") from None
-    tasks = [t for t in tasks if WHERE in t and "env" in t]
-    for task in tasks:
-        e = MultiTurn(task, 0, 1, ctx).group.responses[0]
-        if e.end_reason is not None:
-            raise ConfigError(f"{task[WHERE]}: the episode cannot start: {e.error or e.end_reason} (a first "
-                              f"prompt needs fewer than --episode-token-budget {args.episode_token_budget} tokens "
-                              f"minus one turn)")
-        e._end("done")
-
-
-def check_prompt_lengths(args, tasks: list[dict]) -> None:
-    """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
-    (rejected, not truncated: a cut question is a different task)."""
-    check_episode_prompts(args, tasks)
-    tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
-    if not tasks:
-        return
-    if args.model in ("tiny", "tiny-vlm"):
-        context = 1024
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(resolve_model("default" if args.model == "default-vlm" else args.model))
-        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if not context:
-        return
-    tokenizer = load_tokenizer(args.model)
-    for task in tasks:
-        n = len(chat_prompt_ids(tokenizer, task))
-        if n + args.max_new_tokens > context:
-            raise ConfigError(f"{task.get(WHERE, task['id'])}: prompt is {n} tokens; with --max-new-tokens "
-                              f"{args.max_new_tokens} it does not fit the model's context of {context} tokens")
 
 
 def threads_per_worker(args, num_workers: int) -> int:

@@ -19,7 +19,7 @@ LAYERS = [
     ("common.envs",),
     ("common.tasks",),
     ("common.explorer", "common.trainer"),
-    ("common.cli", "common.config", "common.run"),
+    ("common.cli", "common.config", "common.preflight", "common.run"),
     ("train_sync", "train_offpolicy", "train_async"),
 ]
 # The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).
@@ -107,6 +107,19 @@ def test_explorer_side_never_loads_the_trainer_side():
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_lowest_layer_names_no_field_of_a_config():
+    """common/knobs.py checks every config's fields without naming one: ranges live with the fields (each config
+    class's RANGES), so a schedule's own flag is range-checked without editing the layer below it."""
+    from common.knobs import field_types
+    import train_async, train_offpolicy, train_sync
+
+    source = open(os.path.join(ROOT, "common", "knobs.py")).read()
+    fields = set().union(*(field_types(m.Args) for m in (train_sync, train_offpolicy, train_async)))
+    named = sorted(f for f in fields if re.search(rf"""["']{f}["']""", source))
+    assert not named, f"common/knobs.py names config fields: {named}"
+    assert {"num_explorers", "sync_interval"} <= set(train_async.Args.RANGES)  # the schedule's own, in its Args
 
 
 def test_design_layout_map_matches_the_tree():

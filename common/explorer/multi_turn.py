@@ -286,3 +286,13 @@ class MultiTurn(Workflow):
         e._append(obs, [0.0] * len(obs), 0, version)
         e.in_turn = True
         return len(ids)
+
+
+def cannot_start(task: dict, ctx) -> str | None:
+    """Why an episode of `task` cannot start (its first prompt leaves no room for a turn in the token budget, or
+    the environment fails to reset), or None; the environment is closed either way. For the checks before a run."""
+    e = MultiTurn(task, 0, 1, ctx).group.responses[0]
+    if e.end_reason is not None:
+        return e.error or e.end_reason
+    e._end("done")
+    return None

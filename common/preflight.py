@@ -1,0 +1,114 @@
+"""The checks of a run that need the model or the tasks, in one place: `check_tasks` runs once the tasksets are
+built and before any worker starts or any model loads (common/run.py prepare_run). Each failure is one line naming
+the task (file:line) or the flag. Field ranges and cross-field rules that need neither are the config's
+(common/config.py)."""
+
+from __future__ import annotations
+
+from common.explorer.multi_turn import cannot_start
+from common.explorer.rollouts import WORKFLOWS, Context, workflow_name
+from common.knobs import ConfigError
+from common.model import chat_prompt_ids, load_tokenizer, resolve_model
+from common.tasks.named import taskset_has_envs
+from common.tasks.validate import WHERE
+from common.trainer.losses import ALGOS
+from common.vlm import is_vlm, load_processor
+from rewards.vision import load_images
+
+
+def check_tasks(args, model_path: str, tasks: list[dict]) -> None:
+    """Every check below, on the training and held-out tasks together."""
+    check_workflows(tasks)
+    check_images(args, model_path, tasks)
+    check_episode_prompts(args, tasks)
+    check_prompt_lengths(args, tasks)
+    check_reward_models(args, tasks)
+
+
+def check_reward_models(args, tasks: list[dict]) -> None:
+    """Tasks scored by a reward model need one: theirs, --rm-model, or a --reward-fn instead."""
+    if any(t.get("reward") == "rm" and not t.get("rm_model") for t in tasks) and not (args.rm_model or args.reward_fn):
+        raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
+
+
+def check_workflows(tasks: list[dict]) -> None:
+    """A task naming a workflow that does not exist is a one-line error naming its file:line."""
+    for task in tasks:
+        if workflow_name(task) not in WORKFLOWS:
+            raise ConfigError(f"{task.get(WHERE, task.get('id'))}: unknown workflow {task['workflow']!r} "
+                              f"(one of {', '.join(WORKFLOWS)})")
+
+
+def check_images(args, model_path: str, tasks: list[dict]) -> None:
+    """Image tasks need a vision-language policy, single-turn workflows and images that decode; a VLM policy runs
+    on the HF engine. One line naming the task (file:line) or the flag, before any compute."""
+    vision = is_vlm(args.model, model_path)
+    if args.freeze != "none" and not vision:
+        raise ConfigError(f"--freeze {args.freeze}: --model {args.model} has no vision tower to tell apart")
+    shown = any(t.get("image") for t in tasks) and "blind" not in args.task_processors
+    if args.freeze == "language" and not shown:
+        raise ConfigError("--freeze language trains only the vision tower, and no task shows the policy an image")
+    if vision:
+        load_processor(args.model, model_path, load_tokenizer(args.model, args.chat_template))  # it has one
+    if vision and args.engine == "vllm":
+        raise ConfigError(f"--engine vllm: --model {args.model} is a vision-language model, which tandem serves with "
+                          "the HF engine only (--engine hf or auto)")
+    if vision and ALGOS[args.algo].critic:
+        raise ConfigError(f"--algo {args.algo}: its critic is a text-only model; --model {args.model} is a "
+                          "vision-language policy (use a critic-free algorithm such as grpo)")
+    for task in tasks:
+        if not task.get("image"):
+            continue
+        where = task.get(WHERE, f"task {task.get('id')}")
+        if not vision:
+            raise ConfigError(f"{where}: an image task, but --model {args.model} is text-only and would answer "
+                              "without seeing it (use a vision-language model: --model tiny-vlm or a Qwen2-VL folder)")
+        if workflow_name(task) != "single_turn":
+            raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow "
+                              f"{workflow_name(task)!r}")
+        try:
+            load_images(task)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+
+def check_episode_prompts(args, tasks: list[dict]) -> None:
+    """An environment task whose first prompt (the environment's reset, tools and chat template applied) leaves
+    no room for a turn in --episode-token-budget is rejected with file:line, before any compute."""
+
+    if not (taskset_has_envs(args.taskset) or any("env" in t for t in tasks)):
+        return
+    ctx = Context.from_args(load_tokenizer(args.model, args.chat_template), args)
+    try:
+        ctx.renderer
+    except ValueError as e:
+        raise ConfigError(f"--model {args.model}" + (f" --chat-template {args.chat_template}"
+                                                     if args.chat_template else "") + f": {e}") from None
+    for task in [t for t in tasks if WHERE in t and "env" in t]:
+        problem = cannot_start(task, ctx)
+        if problem:
+            raise ConfigError(f"{task[WHERE]}: the episode cannot start: {problem} (a first prompt needs fewer "
+                              f"than --episode-token-budget {args.episode_token_budget} tokens minus one turn)")
+
+
+def check_prompt_lengths(args, tasks: list[dict]) -> None:
+    """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
+    (rejected, not truncated: a cut question is a different task)."""
+    tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
+    if not tasks:
+        return
+    if args.model in ("tiny", "tiny-vlm"):
+        context = 1024
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(resolve_model("default" if args.model == "default-vlm" else args.model))
+        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not context:
+        return
+    tokenizer = load_tokenizer(args.model)
+    for task in tasks:
+        n = len(chat_prompt_ids(tokenizer, task))
+        if n + args.max_new_tokens > context:
+            raise ConfigError(f"{task.get(WHERE, task['id'])}: prompt is {n} tokens; with --max-new-tokens "
+                              f"{args.max_new_tokens} it does not fit the model's context of {context} tokens")
