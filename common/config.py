@@ -235,10 +235,12 @@ class CommonArgs:
     """grpo: divide group-centred rewards by the group std (dr_grpo and opmd never do); ppo: whiten the GAE
     advantages over the batch (mean 0, std 1)."""
 
-    off_policy_correction: Literal["none", "tis", "decoupled"] = "none"
-    """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO); see README."""
+    off_policy_correction: Literal["none", "tis", "decoupled", "geo_mask"] = "none"
+    """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO) | geo_mask
+    (sequence level: each sequence weighted by its geometric-mean ratio, masked whole outside [1/C, C])."""
     correction_cap: float = 2.0
-    """Cap C on the importance weight pi_prox/mu: tis truncates to C, decoupled masks tokens above C."""
+    """Cap C on the importance weight pi_prox/mu: tis truncates to C, decoupled masks tokens above C, geo_mask
+    masks sequences whose geometric-mean ratio leaves [1/C, C]."""
 
     # --- ALGO LOGIC: PPO / critic, reference model, experience filters -------------------------------------------
     critic_model: str | None = None

@@ -26,6 +26,20 @@ from common.trainer.trainer import latest_checkpoint
 from common.weight_sync import check_weight_sync
 
 
+TORCH_MIN = (2, 11)
+"""The oldest torch tandem supports (requirements.txt pins the newest tested, 2.13.0). tests/test_torch_api.py checks
+that the code names no torch API or keyword this release lacks."""
+
+
+def check_torch() -> None:
+    import torch
+
+    found = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if found < TORCH_MIN:
+        raise ConfigError(f"torch {torch.__version__}: tandem needs torch >= {TORCH_MIN[0]}.{TORCH_MIN[1]} "
+                          "(pip install -r requirements.txt)")
+
+
 def prepare_run(args, schedule: str) -> None:
     """Resolve the model (converting the default once, before any worker starts), check and create out_dir."""
     if not args.out_dir:
@@ -58,6 +72,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
     this same script once per rank through torch elastic. Under torchrun (or as one of those ranks): join the world,
     take the prepared configuration from rank 0, run `worker(ctx, args)`, and on rank 0 write the wrap-up once every
     rank is done."""
+    check_torch()
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
         prepare_run(args, schedule)

@@ -22,8 +22,10 @@ def test_default_tiny_command_outputs(tmp_path):
     assert json.loads((out / "config.json").read_text())["engine"] == "hf"
     rows = assert_trained(out, steps=3)
     for key in ("reward/mean", "loss", "time/rollout", "time/train", "time/sync", "time/wait",
-                "staleness/mean", "rollout/tokens_per_s"):
+                "staleness/mean", "rollout/tokens_per_s", "mismatch/logp_abs_mean", "mismatch/logp_abs_max",
+                "mismatch/k3"):
         assert key in rows[0], key
+    assert all(r["mismatch/logp_abs_max"] < 1e-4 for r in rows)  # HF engine and trainer, same fp32 weights
     assert all(r["staleness/max"] == 0 for r in rows)  # synchronous: always the current policy
     assert (out / "timeline.png").stat().st_size > 10_000
     from transformers import AutoModelForCausalLM

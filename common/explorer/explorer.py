@@ -16,7 +16,7 @@ import torch
 from common.explorer.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
 from common.experience import Experience
 from common.tasks.hub import DatasetOptions
-from common.runtime.metrics import Timeline
+from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
 from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
@@ -72,7 +72,7 @@ class _Round:
 
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
-        self.args, self.timeline, self.index = args, timeline, index
+        self.args, self.timeline, self.index, self.device = args, timeline, index, device
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
@@ -158,6 +158,7 @@ class Explorer:
             "rollout/sampled_tokens_mean": sum(r.sampled_tokens for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
             **rollout_metrics(flat), **generated.get("tasks", {}),
+            **peak_gpu_memory(self.device, f"explorer{self.index}"),
         }
         modes = sorted({r.info["sandbox"] for r in scores if r.info.get("sandbox")})  # code rewards: isolation in force
         if modes:

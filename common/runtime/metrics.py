@@ -51,6 +51,16 @@ class Timeline:
         return totals
 
 
+def peak_gpu_memory(device, who: str) -> dict:
+    """`memory/<who>_peak_gib`: the most GPU memory this process's torch allocator has held so far (off CUDA: none)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    return {f"memory/{who}_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
 def read_timeline(out_dir: str) -> list[dict]:
     events = []
     for path in sorted(glob.glob(os.path.join(out_dir, "timeline", "*.jsonl"))):

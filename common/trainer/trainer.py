@@ -24,8 +24,9 @@ from common.trainer.checkpoints import tensor_bytes
 from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.runtime.launcher import in_step, stop_requested
-from common.runtime.metrics import MetricsLogger, Timeline
-from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate, kl_penalized_rewards, masked_mean
+from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
+from common.trainer.losses import (ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate,
+                                   kl_penalized_rewards, masked_mean, mismatch_stats)
 from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
                                  prepare_model, save_hf_folder)
 from common.trainer.lora import merged_named_weights
@@ -95,6 +96,12 @@ class Trainer:
         single_update = args.ppo_epochs == 1 and n <= args.minibatch_size
         prox_logprobs = (self._logprobs(self.model, batch)
                          if correcting and not single_update and update_actor else None)
+        # Train-inference mismatch, before any update: over the whole batch where the proximal pass ran, else over
+        # the first minibatch (a random share, measured from its own forward passes at no extra cost).
+        fresh = None if prox_logprobs is not None else torch.zeros_like(batch.old_logprobs)
+        if prox_logprobs is not None:
+            stats.update({k: [v] for k, v in mismatch_stats(prox_logprobs, batch.old_logprobs,
+                                                            batch.response_mask).items()})
         # Seeded by step: every data-parallel trainer walks the same order, and a resumed run the same as before.
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + self.step)
         for _ in range(args.ppo_epochs):
@@ -102,7 +109,13 @@ class Trainer:
             for start in range(0, n, args.minibatch_size):
                 idx = order[start: start + args.minibatch_size]
                 if update_actor:
-                    self._minibatch_update(batch, adv.advantages, ref_logprobs, correcting, prox_logprobs, idx, stats)
+                    self._minibatch_update(batch, adv.advantages, ref_logprobs, correcting, prox_logprobs, idx, stats,
+                                           fresh)
+                if fresh is not None and update_actor:  # the first minibatch ran on the weights before the update
+                    rows = self.dp.local_slice(idx)
+                    stats.update({k: [v] for k, v in mismatch_stats(fresh[rows], batch.old_logprobs[rows],
+                                                                    batch.response_mask[rows]).items()})
+                    fresh = None
                 if self.critic is not None:
                     self.critic.update(batch, idx, adv.values, adv.returns, stats)
         lr = self._advance_lr()
@@ -116,6 +129,7 @@ class Trainer:
         if self.critic is not None:
             out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
         out["response/tokens_mean"] = batch.response_mask.sum().item() / n
+        out.update(peak_gpu_memory(self.device, "trainer"))
         return out
 
     def _incoming_metrics(self, experiences: list[Experience]) -> dict:
@@ -137,9 +151,11 @@ class Trainer:
         self.lr_scheduler.step()
         return lr
 
-    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats):
+    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats,
+                          fresh=None):
         """One optimizer step on minibatch `idx`: the algorithm's loss per micro-batch (each returns its share of the
-        minibatch loss, so the summed gradients are the minibatch's), plus the entropy bonus and the KL term."""
+        minibatch loss, so the summed gradients are the minibatch's), plus the entropy bonus and the KL term.
+        `fresh` [B, T-1], where given, gets the log-probs computed before the step (train-inference mismatch)."""
         args = self.args
         minibatch_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -159,10 +175,13 @@ class Trainer:
                                                   mb.response_mask, with_entropy=True,
                                                   entropy_grad=args.entropy_coef > 0,
                                                   packed=args.max_tokens_per_micro_batch > 0, images=mb.images)
+            if fresh is not None:
+                fresh[mb_idx] = logprobs.detach()
             old, weights = mb.old_logprobs, None
             if correcting:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
-                weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap)
+                weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap,
+                                            mb.response_mask)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
             loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, advantages[mb_idx], mb.response_mask, weights,
                                                          minibatch_tokens, len(idx)), **self.loss_kwargs)

@@ -1,0 +1,364 @@
+"""`make gpu-check`: what to run on a GPU machine after installing, in a few minutes.
+
+    python bench/gpu_check.py --out gpu_check.md         # the matrix, then the realistic-size table
+    python bench/gpu_check.py --skip-size --jobs 2       # the matrix alone (a CPU machine runs its CPU subset)
+
+1. The matrix of placements and features: the three schedules colocated, explorer and trainer on separate GPUs,
+   a CPU explorer with a GPU trainer, torchrun, checkpoint sync, LoRA, PPO, FSDP2 + CPU offload + gradient
+   checkpointing + packing, a VLM, an agent, vLLM. Each is a real run of an entry script (tiny model, 2 steps, bf16
+   on a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
+   gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
+2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (config written below, random weights, no hub)
+   - rollout tokens/s and weight-sync GB/s of each --sync-method: `train_sync.py` runs with both sides on one GPU
+     (metrics.jsonl's rollout/tokens_per_s and time/sync, median after a warm-up step);
+   - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): bench/train_step.py
+     `measure` (TRAIN_STEP_HOOK);
+   - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator).
+   A new sync method registered in --sync-method gets its row without a change here.
+
+The table is printed as markdown (for docs/BENCHMARKS.md) and written to --out. Needs torch (+ CUDA for the GPU
+rows) and the project's pure-Python requirements. Every check is a subprocess: a failure is reported, never raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Qwen/Qwen2.5-1.5B's config.json (the fields that set its shape): 1.54 B parameters, tied embeddings.
+QWEN25_1_5B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+                   tie_word_embeddings=True)
+TRAIN_STEP_HOOK = ("train_step", "measure")  # bench/train_step.py: measure(model, device, dtype, tokens, ...) -> dict
+STEPS = 2
+
+
+@dataclass
+class Check:
+    name: str
+    argv: list[str]                # after the interpreter, run in the repository root
+    skip: str = ""                 # why it does not run here ("" = it runs)
+    timeout_s: float = 180
+    result: dict = field(default_factory=dict)
+
+
+def tiny_flags(gpu: bool) -> list[str]:
+    return ["--model", "tiny", "--taskset", "parity", "--tasks-per-step", "4", "--samples-per-task", "2",
+            "--max-new-tokens", "12", "--ppo-epochs", "2", "--minibatch-size", "8", "--micro-batch-size", "4",
+            "--eval-size", "4", "--eval-every", "0", "--lr", "1e-3", "--steps", str(STEPS), "--engine", "hf",
+            "--num-threads", "2", *(["--dtype", "bfloat16"] if gpu else [])]
+
+
+def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
+    gpu = gpus > 0
+    d = "cuda:0" if gpu else "cpu"
+    on = ["--explorer-devices", d, "--trainer-devices", d]
+    no_cuda = "" if gpu else "needs CUDA"
+    fsdp = (["--trainer-devices", "cuda:0", "--fsdp-cpu-offload"] if gpu else ["--trainer-devices", "cpu,cpu"])
+    checks = [
+        Check("sync, colocated", ["train_sync.py", *on]),
+        Check("offpolicy, colocated", ["train_offpolicy.py", *on]),
+        Check("async, colocated", ["train_async.py", *on]),
+        Check("explorer and trainer on separate GPUs", ["train_async.py", "--explorer-devices", "cuda:0",
+                                                        "--trainer-devices", "cuda:1"],
+              "" if gpus >= 2 else f"needs 2 GPUs ({gpus} here)"),
+        Check("CPU explorer + GPU trainer", ["train_sync.py", "--explorer-devices", "cpu", "--trainer-devices",
+                                             "cuda:0"], no_cuda),
+        Check("torchrun --nproc-per-node 2", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                              "train_async.py", *on]),
+        Check("checkpoint sync", ["train_async.py", *on, "--sync-method", "checkpoint"]),
+        Check("LoRA", ["train_sync.py", *on, "--lora-rank", "4"]),
+        Check("PPO (critic)", ["train_sync.py", *on, "--algo", "ppo"]),
+        Check("FSDP2 + offload + checkpointing + packing" if gpu else "FSDP2 (2 trainers) + checkpointing + packing",
+              ["train_sync.py", "--explorer-devices", d, *fsdp, "--trainer-shard", "fsdp", "--gradient-checkpointing",
+               "--max-tokens-per-micro-batch", "64"]),
+        Check("VLM (tiny-vlm, shapes+parity)", ["train_sync.py", *on, "--model", "tiny-vlm", "--taskset",
+                                                "shapes+parity"]),
+        Check("agent (guess_number, 3 turns)", ["train_sync.py", *on, "--taskset", "guess_number", "--max-turns", "3",
+                                                "--episode-token-budget", "400", "--format-reward", "1"]),
+        Check("vLLM engine", ["train_sync.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15"],
+              "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),
+    ]
+    for c in checks:
+        script = c.argv.index(next(a for a in c.argv if a.endswith(".py")))
+        c.argv[script + 1:script + 1] = tiny_flags(gpu)  # the check's own flags come after: they win
+    return checks
+
+
+def read_rows(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error") or "Error" in ln.split(":")[0]:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_check(check: Check, work: str, logs: str) -> dict:
+    out_dir = os.path.join(work, re.sub(r"\W+", "_", check.name).strip("_"))
+    argv = [sys.executable, *check.argv, "--out-dir", out_dir]
+    log = os.path.join(logs, os.path.basename(out_dir) + ".log")
+    start = time.time()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=check.timeout_s,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = None
+        text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    seconds = time.time() - start
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n\n" + text)
+    rows = read_rows(out_dir)
+    trained = any(r.get("loss", 0) != 0 and r.get("grad_norm", 0) > 0 for r in rows)
+    if rc is None:
+        return {"verdict": "FAILED", "seconds": seconds, "detail": f"timed out after {check.timeout_s:.0f}s (log: {log})"}
+    if rc != 0:
+        return {"verdict": "FAILED", "seconds": seconds, "detail": f"{last_error(text)} (log: {log})"}
+    if len(rows) != STEPS:
+        return {"verdict": "FAILED", "seconds": seconds, "detail": f"{len(rows)} metrics rows, expected {STEPS}"}
+    if not trained:
+        return {"verdict": "FAILED", "seconds": seconds, "detail": "no step had loss != 0 and a gradient"}
+    mem = {k: v for r in rows for k, v in r.items() if k.startswith("memory/")}
+    mismatch = max((r["mismatch/logp_abs_max"] for r in rows if "mismatch/logp_abs_max" in r), default=None)
+    detail = ([] if mismatch is None else [f"mismatch max {mismatch:.1e}"]) + \
+        [f"{k[7:].replace('_peak_gib', '')} peak {v:.2f} GiB" for k, v in sorted(mem.items())]
+    return {"verdict": "ok", "seconds": seconds, "detail": ", ".join(detail)}
+
+
+def run_matrix(checks: list[Check], jobs: int, work: str, logs: str, deadline: float) -> None:
+    def one(c: Check):
+        if c.skip:
+            c.result = {"verdict": "skipped", "seconds": 0.0, "detail": c.skip}
+        elif time.time() > deadline:
+            c.result = {"verdict": "skipped", "seconds": 0.0, "detail": "out of the --budget-s time"}
+        else:
+            c.result = run_check(c, work, logs)
+        print(f"{c.result['verdict']:8s} {c.name} ({c.result['seconds']:.0f}s) {c.result['detail']}", flush=True)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(one, checks))
+
+
+# ----------------------------------------------------------------------------- the realistic size (GPU only)
+def _make_model(folder: str) -> None:
+    """A Qwen2.5-1.5B-shaped folder, random bf16 weights built on the GPU (seconds, not a CPU init), with the tiny
+    byte-level tokenizer (nothing is decoded that matters: the parity verifier scores any text)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from common.model import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_1_5B), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    n = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"params": n, "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+
+
+def _train_step(folder: str) -> None:
+    import importlib
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    module, function = TRAIN_STEP_HOOK
+    try:
+        measure = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as e:
+        print(json.dumps({"skip": f"bench/{module}.py {function}() is not on this checkout ({e})"}))
+        return
+    r = measure(folder, "cuda", torch.bfloat16, 8192, steps=3, micro_batches=2, gradient_checkpointing=True)
+    print(json.dumps(r))
+
+
+def _json_line(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line in its output")
+
+
+def _sub(argv: list[str], timeout_s: float, log: str) -> tuple[dict | None, str]:
+    """(the JSON its last such line printed, or None; an error line)."""
+    try:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout_s:.0f}s"
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n\n" + proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return None, f"{last_error(proc.stdout + proc.stderr)} (log: {log})"
+    try:
+        return _json_line(proc.stdout), ""
+    except ValueError as e:
+        return None, f"{e} (log: {log})"
+
+
+def sync_methods() -> list[str]:
+    try:
+        from common.weight_sync import METHODS  # a registry of sync methods, where there is one
+        return list(METHODS)
+    except ImportError:
+        from common.cli import choices
+        from train_sync import Args
+        return list(choices(Args)["sync_method"])
+
+
+def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, str]]:
+    """(what, figure, how) rows."""
+    rows: list[tuple[str, str, str]] = []
+    folder = os.path.join(work, "qwen2.5-1.5b-random")
+    made, err = _sub([os.path.abspath(__file__), "--_make-model", folder], 300, os.path.join(logs, "size_model.log"))
+    if made is None:
+        return [("model folder", "FAILED", err)]
+    gb = made["bytes"] / 1e9
+    rows.append(("model", f"{made['params'] / 1e9:.2f} B params, {gb:.2f} GB bf16",
+                 "Qwen2.5-1.5B config (bench/gpu_check.py QWEN25_1_5B), random weights"))
+    run_flags = ["--model", folder, "--dtype", "bfloat16", "--explorer-devices", "cuda:0", "--trainer-devices",
+                 "cuda:0", "--taskset", "parity", "--samples-per-task", "4", "--eval-size", "4", "--eval-every", "0",
+                 "--num-threads", "4", "--micro-batch-size", "8", "--gradient-checkpointing", "--overwrite"]
+    for i, method in enumerate(sync_methods()):
+        if time.time() > deadline:
+            rows.append((f"weight sync {method}", "skipped", "out of the --budget-s time"))
+            continue
+        main = i == 0  # the first method's run also gives the rollout and memory rows: a full-size rollout
+        size = ["--tasks-per-step", "16", "--max-new-tokens", "256", "--steps", "3"] if main else \
+            ["--tasks-per-step", "2", "--max-new-tokens", "16", "--steps", "3"]
+        out_dir = os.path.join(work, f"size-{method}")
+        argv = ["train_sync.py", *run_flags, *size, "--minibatch-size", "64", "--sync-method", method,
+                "--out-dir", out_dir]
+        log = os.path.join(logs, f"size_{method}.log")
+        try:
+            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            text, rc = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            text, rc = (e.stderr or b"").decode(errors="replace"), None
+        with open(log, "w") as f:
+            f.write(" ".join(argv) + "\n\n" + text)
+        metrics = read_rows(out_dir)[1:]  # the first step warms up
+        if rc != 0 or not metrics:
+            rows.append((f"train_sync.py --sync-method {method}", "FAILED",
+                         "timed out" if rc is None else f"{last_error(text)} (log: {log})"))
+            continue
+        sync_s = statistics.median(r["time/sync"] for r in metrics)
+        rows.append((f"weight sync, --sync-method {method}, colocated", f"{gb / sync_s:.2f} GB/s",
+                     f"{gb:.2f} GB / time/sync {sync_s:.2f} s (train_sync.py, median of steps 2-3)"))
+        if main:
+            tps = statistics.median(r["rollout/tokens_per_s"] for r in metrics)
+            with open(os.path.join(out_dir, "config.json")) as f:
+                engine = json.load(f)["engine"]
+            rows.insert(1, (f"rollout tokens/s ({engine} engine, 64 x 256 new tokens)", f"{tps:,.0f}",
+                            "train_sync.py metrics rollout/tokens_per_s, median of steps 2-3"))
+            for k in sorted({k for r in metrics for k in r if k.startswith("memory/")}):
+                rows.append((f"peak GPU memory, {k[7:].replace('_peak_gib', '')} process",
+                             f"{max(r.get(k, 0) for r in metrics):.1f} GiB", "torch max_memory_allocated"))
+    if time.time() > deadline:
+        rows.append(("train step", "skipped", "out of the --budget-s time"))
+        return rows
+    r, err = _sub([os.path.abspath(__file__), "--_train-step", folder], 300, os.path.join(logs, "size_train.log"))
+    if r is None:
+        rows.append(("train step", "FAILED", err))
+    elif "skip" in r:
+        rows.append(("train step", "skipped", r["skip"]))
+    else:
+        rows += [("train tokens/s", f"{r['tokens_per_s']:,.0f}", f"bench/train_step.py: {r['tokens']} tokens per "
+                  f"step, packed micro-batches of {r['micro_batch_tokens']}, gradient checkpointing"),
+                 ("MFU", f"{100 * r['mfu']:.1f} %", f"6·N·tokens / step time / {r['matmul_tflops']:.0f} TFLOP/s "
+                  "(bf16 matmul measured on this card)"),
+                 ("peak GPU memory, train step alone", f"{r['peak_memory_gib']:.1f} GiB", "bench/train_step.py")]
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+def machine() -> tuple[str, int, tuple[bool, str]]:
+    import torch
+    import transformers
+
+    from common.explorer.engine import vllm_available
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    card = torch.cuda.get_device_name(0) if gpus else platform.processor() or "CPU"
+    cuda = f", CUDA {torch.version.cuda}" if gpus else ""
+    desc = (f"{card} x {gpus}" if gpus else f"{os.cpu_count()}-core CPU, no GPU") + \
+        f"; torch {torch.__version__}{cuda}, transformers {transformers.__version__}"
+    return desc, gpus, vllm_available()
+
+
+def markdown(desc: str, checks: list[Check], size: list[tuple[str, str, str]] | None, skipped_size: str) -> str:
+    out = [f"### gpu-check, {time.strftime('%Y-%m-%d')}: {desc}", "", "`python bench/gpu_check.py` (`make gpu-check`)",
+           "", "| check | verdict | s | detail |", "|---|---|---|---|"]
+    out += [f"| {c.name} | {c.result['verdict']} | {c.result['seconds']:.0f} | {c.result['detail']} |" for c in checks]
+    out += [""]
+    if size is None:
+        out += [f"Realistic size (Qwen2.5-1.5B shape): skipped ({skipped_size})."]
+    else:
+        out += ["Realistic size: Qwen2.5-1.5B shape, random weights, bf16, explorer and trainer on one GPU", "",
+                "| what | figure | how |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in size]
+    return "\n".join(out) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="", help="also write the markdown report here")
+    parser.add_argument("--jobs", type=int, default=0, help="checks at once (default: 4 on a GPU, 1 on a CPU)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name contains one of these")
+    parser.add_argument("--skip-size", action="store_true", help="the matrix alone")
+    parser.add_argument("--budget-s", type=float, default=420, help="start no new check after this many seconds")
+    parser.add_argument("--_make-model", dest="make_model", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--_train-step", dest="train_step", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.make_model:
+        return _make_model(args.make_model)
+    if args.train_step:
+        return _train_step(args.train_step)
+    start = time.time()
+    deadline = start + args.budget_s
+    desc, gpus, vllm = machine()
+    print(f"[gpu-check] {desc}", flush=True)
+    work = tempfile.mkdtemp(prefix="gpu-check-")
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs)
+    checks = matrix(gpus, vllm)
+    if args.only is not None:
+        checks = [c for c in checks if any(o.lower() in c.name.lower() for o in args.only)]
+    run_matrix(checks, args.jobs or (4 if gpus else 1), work, logs, deadline)
+    size, why = None, "--skip-size" if args.skip_size else "needs CUDA"
+    if gpus and not args.skip_size:
+        size = size_table(work, logs, deadline)
+    report = markdown(desc, checks, size, why)
+    print("\n" + report, flush=True)
+    print(f"[gpu-check] {time.time() - start:.0f}s; logs in {logs}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    if any(c.result["verdict"] == "FAILED" for c in checks) or (size and any(b == "FAILED" for _, b, _ in size)):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The device placement of the train step, the weight sync and the explorer's generation, checked without a GPU:
+they run on the CPU under tests/fake_device.py, which marks what a GPU run would hold on the GPU and raises where
+CUDA would (a CPU index tensor into a GPU tensor is fine, a GPU index into a CPU tensor is not, ...)."""
+
+import pytest
+import torch
+
+from common.config import parse_args
+from conftest import TINY
+from fake_device import FAKE, FakeDevice, on_device
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_the_fake_device_raises_where_cuda_does():
+    with FakeDevice():
+        x = torch.arange(4).to(FAKE)
+        assert x.device == FAKE and on_device(x) and on_device(torch.zeros(2, device=x.device))
+        assert on_device(x[torch.tensor([0, 1])])  # a CPU index into a device tensor
+        assert on_device(x * torch.tensor(2))      # a 0-dim CPU tensor is a scalar
+        assert not on_device(x.cpu()) and on_device(x)
+        with pytest.raises(RuntimeError, match="indices should be either on cpu or on the same device"):
+            torch.arange(4)[torch.argsort(x)]
+        with pytest.raises(RuntimeError, match="expected all tensors to be on the same device"):
+            x + torch.arange(4)
+
+
+def test_train_step_on_a_device():
+    from common.trainer.trainer import Trainer
+    from test_scale_trainer import uneven_experiences
+    from train_sync import Args
+
+    args = parse_args(Args, [*TINY, "--minibatch-size", "4", "--micro-batch-size", "2", "--kl-coef", "0.01"])
+    torch.manual_seed(0)
+    with FakeDevice():
+        trainer = Trainer(args, FAKE)
+        assert all(on_device(p) for p in trainer.model.parameters())
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        metrics = trainer.train_step(uneven_experiences())
+        assert all(on_device(p) for p in trainer.model.parameters())
+    assert metrics["grad_norm"] > 0 and any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_generation_on_a_device():
+    from common.explorer.engine import HFEngine, SamplingConfig
+    from common.model import build_tiny_tokenizer, load_model
+
+    tokenizer = build_tiny_tokenizer()
+    with FakeDevice():
+        engine = HFEngine(load_model("tiny", FAKE), tokenizer)
+        out = engine.generate([[5, 6, 7], [8, 9]], SamplingConfig(temperature=1.0, max_new_tokens=6, n=2))
+    assert [len(g) for g in out] == [2, 2] and all(len(s.logprobs) == len(s.response_ids) > 0 for g in out for s in g)
