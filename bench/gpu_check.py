@@ -45,6 +45,11 @@ QWEN25_1_5B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidde
                    tie_word_embeddings=True)
 TRAIN_STEP_HOOK = ("train_step", "measure")  # bench/train_step.py: measure(model, device, dtype, tokens, ...) -> dict
 STEPS = 2
+HARD_END = [float("inf")]  # no subprocess runs past this (set from --budget-s): the whole check ends in time
+
+
+def timeout_for(seconds: float) -> float:
+    return max(5.0, min(seconds, HARD_END[0] - time.time()))
 
 
 @dataclass
@@ -121,7 +126,7 @@ def run_check(check: Check, work: str, logs: str) -> dict:
     log = os.path.join(logs, os.path.basename(out_dir) + ".log")
     start = time.time()
     try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=check.timeout_s,
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_for(check.timeout_s),
                               env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
@@ -154,7 +159,10 @@ def run_matrix(checks: list[Check], jobs: int, work: str, logs: str, deadline: f
         elif time.time() > deadline:
             c.result = {"verdict": "skipped", "seconds": 0.0, "detail": "out of the --budget-s time"}
         else:
-            c.result = run_check(c, work, logs)
+            try:
+                c.result = run_check(c, work, logs)
+            except Exception as e:  # noqa: BLE001 -- a broken check is a verdict, the others still run
+                c.result = {"verdict": "FAILED", "seconds": 0.0, "detail": f"gpu_check: {type(e).__name__}: {e}"}
         print(f"{c.result['verdict']:8s} {c.name} ({c.result['seconds']:.0f}s) {c.result['detail']}", flush=True)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -205,7 +213,8 @@ def _json_line(text: str) -> dict:
 def _sub(argv: list[str], timeout_s: float, log: str) -> tuple[dict | None, str]:
     """(the JSON its last such line printed, or None; an error line)."""
     try:
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_for(timeout_s),
                               env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout_s:.0f}s"
@@ -254,7 +263,8 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
                 "--out-dir", out_dir]
         log = os.path.join(logs, f"size_{method}.log")
         try:
-            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout_for(300))
             text, rc = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
             text, rc = (e.stderr or b"").decode(errors="replace"), None
@@ -265,7 +275,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             rows.append((f"train_sync.py --sync-method {method}", "FAILED",
                          "timed out" if rc is None else f"{last_error(text)} (log: {log})"))
             continue
-        sync_s = statistics.median(r["time/sync"] for r in metrics)
+        sync_s = statistics.median(r.get("time/sync", float("nan")) for r in metrics)
         rows.append((f"weight sync, --sync-method {method}, colocated", f"{gb / sync_s:.2f} GB/s",
                      f"{gb:.2f} GB / time/sync {sync_s:.2f} s (train_sync.py, median of steps 2-3)"))
         if main:
@@ -325,10 +335,11 @@ def markdown(desc: str, checks: list[Check], size: list[tuple[str, str, str]] | 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="", help="also write the markdown report here")
-    parser.add_argument("--jobs", type=int, default=0, help="checks at once (default: 4 on a GPU, 1 on a CPU)")
+    parser.add_argument("--jobs", type=int, default=0, help="checks at once (default: 6 on a GPU, 1 on a CPU)")
     parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name contains one of these")
     parser.add_argument("--skip-size", action="store_true", help="the matrix alone")
-    parser.add_argument("--budget-s", type=float, default=420, help="start no new check after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=360, help="start no new check after this many seconds")
+    parser.add_argument("--grace-s", type=float, default=90, help="and stop any still running this much later")
     parser.add_argument("--_make-model", dest="make_model", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_train-step", dest="train_step", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -338,6 +349,7 @@ def main():
         return _train_step(args.train_step)
     start = time.time()
     deadline = start + args.budget_s
+    HARD_END[0] = deadline + args.grace_s
     desc, gpus, vllm = machine()
     print(f"[gpu-check] {desc}", flush=True)
     work = tempfile.mkdtemp(prefix="gpu-check-")
@@ -346,10 +358,13 @@ def main():
     checks = matrix(gpus, vllm)
     if args.only is not None:
         checks = [c for c in checks if any(o.lower() in c.name.lower() for o in args.only)]
-    run_matrix(checks, args.jobs or (4 if gpus else 1), work, logs, deadline)
+    run_matrix(checks, args.jobs or (6 if gpus else 1), work, logs, deadline)
     size, why = None, "--skip-size" if args.skip_size else "needs CUDA"
     if gpus and not args.skip_size:
-        size = size_table(work, logs, deadline)
+        try:
+            size = size_table(work, logs, deadline)
+        except Exception as e:  # noqa: BLE001 -- reported in the table, the matrix's verdicts still print
+            size = [("realistic size", "FAILED", f"gpu_check: {type(e).__name__}: {e}")]
     report = markdown(desc, checks, size, why)
     print("\n" + report, flush=True)
     print(f"[gpu-check] {time.time() - start:.0f}s; logs in {logs}", flush=True)
