@@ -18,11 +18,11 @@ from common.explorer.engine import resolve_engine
 from common.preflight import check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.launcher import WorkerContext, join_world, launch_local, plan_world, run_worker, under_elastic
-from common.trainer.checkpoints import MARGIN_BYTES, ensure_free_space, folder_bytes, remove_newer, remove_partial
+from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
+                                       remove_partial)
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
 from common.tasks import build_tasksets
-from common.trainer.trainer import latest_checkpoint
 from common.weight_sync import check_weight_sync
 
 
@@ -106,7 +106,7 @@ def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:
                 prepared = json.loads(os.environ["TANDEM_ARGS"])
             else:
                 if ctx.restart:  # torchrun restarted the group: continue from the newest checkpoint, if any
-                    args.resume = bool(args.out_dir and latest_checkpoint(args.out_dir))
+                    args.resume = bool(args.out_dir and newest_valid(args.out_dir, warn=False))
                     args.overwrite = True
                 prepare_run(args, schedule)
                 prepared = dataclasses.asdict(args)
@@ -140,7 +140,7 @@ def rewind_to_checkpoint(args) -> None:
     the file), drop what came after it (checkpoints and metrics rows, which the resumed run redoes exactly once)
     and check there is room for the next checkpoint, all before any worker starts."""
     remove_partial(args.out_dir)
-    path = latest_checkpoint(args.out_dir, warn=True)
+    path = newest_valid(args.out_dir)
     if path is None:
         raise ConfigError(f"--resume: no usable checkpoint in {args.out_dir}/checkpoints (one is saved every "
                           "--checkpoint-every steps, on Ctrl-C, and at the end when the last step is on that grid)")

@@ -9,6 +9,7 @@ import torch
 
 from common.config import parse_args
 from common.experience import Experience, collate
+from common.trainer import checkpoints as ckpt
 from common.trainer.filters import PROCESSORS, build_processors, drop_stale, process
 from common.trainer.trainer import Trainer
 from tests.conftest import TINY, assert_trained, run_script
@@ -110,10 +111,10 @@ def test_ppo_critic_trains_and_its_checkpoint_restores(tmp_path):
     assert metrics["value_loss"] > 0 and metrics["value/mean"] != 0
     trained = _hash(trainer.critic.model)
     assert trained != fresh
-    trainer.save_checkpoint(args.out_dir)
+    ckpt.save(trainer, args.out_dir)
     restored = Trainer(args, torch.device("cpu"))
     assert _hash(restored.critic.model) == fresh
-    restored.resume(args.out_dir)
+    ckpt.resume(restored, args.out_dir)
     assert restored.step == 2 and _hash(restored.critic.model) == trained
     steps = {s["step"].item() for s in restored.critic.optimizer.state_dict()["state"].values()}
     assert steps == {4.0}  # the critic's Adam state came back too (2 steps x --ppo-epochs 2 in TINY)
@@ -138,9 +139,9 @@ def test_kl_in_the_reward_and_reference_reset(tmp_path):
     metrics = trainer.train_step(_experiences(trainer, rewards))
     assert metrics["kl"] > 0  # the behaviour policy (after step 1) differs from the reference
     assert metrics["ref_reset"] == 1.0 and _hash(trainer.ref_model) == _hash(trainer.model)
-    trainer.save_checkpoint(args.out_dir)
+    ckpt.save(trainer, args.out_dir)
     restored = Trainer(args, torch.device("cpu"))
-    restored.resume(args.out_dir)
+    ckpt.resume(restored, args.out_dir)
     assert _hash(restored.ref_model) == _hash(trainer.ref_model)
 
 

@@ -156,7 +156,7 @@ def test_failed_checkpoint_write_leaves_no_partial_folder(tmp_path, monkeypatch)
         trainer = Trainer(args, torch.device("cpu"))
         monkeypatch.setattr(checkpoints, "ensure_free_space", lambda *a: None)
         with pytest.raises(SystemExit) as e:
-            trainer.save_checkpoint(str(disk / "run"))
+            checkpoints.save(trainer, str(disk / "run"))
         assert str(e.value.code).startswith("error: could not write checkpoint step_0 in " + str(disk / "run"))
         assert "No space left" in str(e.value.code)
         assert os.listdir(disk / "run" / "checkpoints") == []

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.runtime.launcher import run_function
+from common.trainer import checkpoints as ckpt
 from conftest import ROOT, TINY
 from test_scale_trainer import uneven_experiences
 
@@ -57,7 +58,7 @@ def worker(ctx, out_dir, flags, resume):
         methods = {name: METHODS[name](ctx, args, timeline) for name in set(SYNC.values())} if ctx.explorer_ranks \
             else None
         if resume:
-            trainer.resume(out_dir)
+            ckpt.resume(trainer, out_dir)
         if methods:
             methods["broadcast"].push(trainer.named_weights(), trainer.version, 0)
         hashes[trainer.version] = weights_hash(trainer.named_weights())  # gathered: every trainer joins
@@ -68,9 +69,9 @@ def worker(ctx, out_dir, flags, resume):
             if methods:
                 methods[SYNC[trainer.step]].push(trainer.named_weights(), trainer.version, trainer.step)
             if trainer.step == 2:
-                trainer.save_checkpoint(out_dir)
-        trainer.save_checkpoint(out_dir)  # step_3: everything (final/ holds the model and tokenizer only)
-        trainer.save_checkpoint(out_dir, "final")
+                ckpt.save(trainer, out_dir)
+        ckpt.save(trainer, out_dir)  # step_3: everything (final/ holds the model and tokenizer only)
+        ckpt.save(trainer, out_dir, "final")
     with open(os.path.join(out_dir, f"hashes-{ctx.name}.json"), "w") as f:
         json.dump(hashes, f)
 
@@ -87,8 +88,8 @@ def one_trainer(out_dir, flags):
     trainer = Trainer(_args(out_dir, *flags), torch.device("cpu"))
     while trainer.step < STEPS:
         trainer.train_step(uneven_experiences(seed=trainer.step))
-    trainer.save_checkpoint(str(out_dir))
-    trainer.save_checkpoint(str(out_dir), "final")
+    ckpt.save(trainer, str(out_dir))
+    ckpt.save(trainer, str(out_dir), "final")
 
 
 def _max_diff(a, b):

@@ -1,4 +1,5 @@
-"""The files of checkpoints: whole or absent, verified before use, pruned, and never written to a full disk.
+"""Checkpoints: the trainer's save and resume (`save`, `resume`), and their files: whole or absent, verified before
+use, pruned, and never written to a full disk.
 
 - A checkpoint is written to `.tmp-<name>-<pid>` and renamed; a failed write removes the temporary folder, and the
   launcher removes any `.tmp-*` left by a killed run before it starts (`remove_partial`).
@@ -7,6 +8,9 @@
   previous checkpoint with a one-line warning.
 - `prune` keeps the newest `--keep-checkpoints` K step checkpoints (the older ones go once the newest is complete).
 - `ensure_free_space` refuses, in one line naming the folder, a save the disk has no room for (nothing is written).
+- step_N holds the HF folder, trainer_state.pt (step, version, optimizer, schedule, RNGs) and critic/, reference/
+  where they exist; final/ the model and tokenizer only. Sharded trainers all call `save` (each gather is a
+  collective); trainer 0 writes.
 """
 
 from __future__ import annotations
@@ -14,11 +18,19 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 import shutil
 import sys
 import zlib
 
+import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
+                                 save_hf_folder)
+from common.trainer.lora import merged_named_weights
 
 MANIFEST = "manifest.json"
 MARGIN_BYTES = 1 << 20  # tokenizer, config and metrics rows besides the tensors
@@ -177,3 +189,137 @@ def replace_folder(tmp: str, final: str) -> None:
     os.rename(tmp, final)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the trainer's save and resume
+def checkpoint_bytes(trainer, weights_only: bool = False) -> int:
+    """About the bytes a checkpoint takes: the parameters, plus (unless `weights_only`) AdamW's two moments,
+    the critic and its optimizer, and a reset reference model."""
+    total = tensor_bytes(list(trainer.model.parameters())) + MARGIN_BYTES + tokenizer_bytes(trainer.tokenizer)
+    if weights_only:
+        return total
+    total += adam_state_bytes(trainer.optimizer)
+    if trainer.critic is not None:
+        total += tensor_bytes(list(trainer.critic.model.parameters())) + adam_state_bytes(trainer.critic.optimizer)
+    if trainer.args.ref_reset_every:
+        total += tensor_bytes(list(trainer.ref_model.parameters()))
+    return total
+
+
+def save(trainer, out_dir: str, name: str | None = None, extra_state: dict | None = None) -> str | None:
+    """A checkpoint of `trainer` (common/trainer/trainer.py), written to a temp folder and renamed: whole or absent.
+    step_N: HF folder + trainer_state.pt (+ critic/, reference/), then older ones beyond --keep-checkpoints go.
+    final: the model and tokenizer only (hard links to step_N's files when that exists).
+    Sharded trainers all call it (the full state is gathered onto trainer 0, common/trainer/fsdp.py); trainer 0 writes."""
+    name = name or f"step_{trainer.step}"
+    weights_only = name == "final"
+    sharded = trainer.dp.sharded  # every gather below is a collective: each trainer takes the same branches
+    gathered = {"weights": full_state_dict(trainer.model) if sharded else None,
+                "optimizer": None if weights_only else optimizer_state(trainer.model, trainer.optimizer),
+                "critic": trainer.critic.state() if trainer.critic is not None and not weights_only else None,
+                "reference": (full_state_dict(trainer.ref_model) if trainer.args.ref_reset_every and not weights_only
+                              else None)}
+    if trainer.dp.rank != 0:
+        return None
+    parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
+    os.makedirs(parent, exist_ok=True)
+    final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    source = os.path.join(out_dir, "checkpoints", f"step_{trainer.step}") if weights_only else None
+    source = source if source and os.path.exists(os.path.join(source, MANIFEST)) else None  # whole
+    ensure_free_space(parent, MARGIN_BYTES if source else checkpoint_bytes(trainer, weights_only),
+                      f"checkpoint {name}")
+    try:
+        if source:
+            link_weights(source, tmp)
+        else:
+            _write(trainer, tmp, weights_only, extra_state, gathered)
+        write_manifest(tmp)
+        replace_folder(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no partial folder
+        if isinstance(e, (OSError, SafetensorError)):  # safetensors reports ENOSPC as its own error
+            raise disk_error(parent, f"checkpoint {name}", e) from None
+        raise
+    if not weights_only:
+        prune(out_dir, trainer.args.keep_checkpoints)
+    return final
+
+
+def _write(trainer, tmp: str, weights_only: bool, extra_state: dict | None, gathered: dict) -> None:
+    """The files of a checkpoint into `tmp`: the HF folder (merged weights and the adapter with LoRA), the
+    tokenizer, and unless `weights_only` the critic, a reset reference and trainer_state.pt (step, version,
+    optimizer, schedule, RNGs, `extra_state`)."""
+    if trainer.dp.sharded:
+        save_hf_folder(trainer.model, gathered["weights"], tmp)
+    elif trainer.args.lora_rank:  # a plain HF folder of the merged weights, plus the adapter to resume from
+        save_hf_folder(trainer.model.get_base_model(), dict(merged_named_weights(trainer.model)), tmp)
+        if not weights_only:
+            trainer.model.save_pretrained(os.path.join(tmp, "adapter"))
+    else:
+        trainer.model.save_pretrained(tmp)
+    trainer.tokenizer.save_pretrained(tmp)
+    if weights_only:
+        return
+    if trainer.critic is not None:
+        trainer.critic.save(tmp, gathered["critic"])
+    if trainer.args.ref_reset_every:  # the reference is no longer the initial model: keep it
+        save_hf_folder(trainer.ref_model, gathered["reference"], os.path.join(tmp, "reference"))
+    torch.save({
+        "step": trainer.step, "version": trainer.version, "optimizer": gathered["optimizer"],
+        "sharded_optimizer": trainer.dp.sharded, "lr_scheduler": trainer.lr_scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        **(extra_state or {}),
+    }, os.path.join(tmp, "trainer_state.pt"))
+
+
+def resume(trainer, out_dir: str) -> dict:
+    """Load the newest complete checkpoint into `trainer`; returns its extra state ({} when there is none)."""
+    path = newest_valid(out_dir, warn=False)
+    if path is None:
+        return {}
+    if trainer.args.lora_rank:
+        _load_adapter(trainer, path)
+    else:
+        _load_weights(trainer, trainer.model, path)
+    if trainer.critic is not None:
+        trainer.critic.load(path)
+    if trainer.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
+        _load_weights(trainer, trainer.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
+    try:
+        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError) as e:  # verified by its manifest, yet unreadable: say so
+        raise SystemExit(f"error: --resume: {path}/trainer_state.pt is unreadable ({str(e).splitlines()[0]})")
+    if state.get("sharded_optimizer", False) != trainer.dp.sharded:  # keyed by name vs by index
+        raise SystemExit(f"error: --resume {path}: optimizer state saved with --trainer-shard "
+                         f"{'fsdp' if state.get('sharded_optimizer') else 'none'}; resume with the same")
+    load_optimizer_state(trainer.model, trainer.optimizer, state["optimizer"])
+    trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    trainer.step, trainer.version = state["step"], state["version"]
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    return state
+
+
+def _load_adapter(trainer, path: str):
+    """LoRA: the base stays the initial model; the trained adapter comes back from <checkpoint>/adapter."""
+    from peft import set_peft_model_state_dict
+
+    file = os.path.join(path, "adapter", "adapter_model.safetensors")
+    if not os.path.exists(file):
+        raise SystemExit(f"error: --resume {path}: no LoRA adapter in the checkpoint (saved without --lora-rank?)")
+    result = set_peft_model_state_dict(trainer.model, load_file(file, device=str(trainer.device)))
+    if result.unexpected_keys:
+        raise SystemExit(f"error: --resume {file}: adapter does not match --lora-* ({result.unexpected_keys[:3]})")
+
+
+def _load_weights(trainer, model, path: str):
+    """`model` (the policy or the reference) from the safetensors files of `path`."""
+    weights = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        weights.update(load_file(f, device="cpu" if trainer.dp.sharded else str(trainer.device)))
+    missing, unexpected = load_full_state_dict(model, weights, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")

@@ -1,34 +1,29 @@
 """The trainer side shared by every schedule: policy + reference model (+ the critic of algorithms that have one,
-common/trainer/critic.py), one train step over a rollout batch, checkpoints (atomic) and resume. Entry scripts decide
-*when* it trains and syncs; this decides *how*. *What* is optimised is --algo's entry in common/losses.ALGOS (a
-loss function and an advantage estimator); the experience filters are common/trainer/filters.py.
+common/trainer/critic.py), one train step over a rollout batch, and the run's bookkeeping around it (TrainerRun).
+Entry scripts decide *when* it trains and syncs; this decides *how*. *What* is optimised is --algo's entry in
+common/trainer/losses.py ALGOS (a loss function and an advantage estimator); the experience filters are
+common/trainer/filters.py, checkpoints (save, resume) common/trainer/checkpoints.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
-import random
-import shutil
 import sys
 import time
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 
 from common.trainer import checkpoints as ckpt
-from common.trainer.checkpoints import tensor_bytes
 from common.trainer.critic import Critic
 from common.experience import Batch, Experience, collate
 from common.runtime.launcher import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
 from common.trainer.losses import (ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate,
                                    kl_penalized_rewards, masked_mean, mismatch_stats)
-from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
-                                 prepare_model, save_hf_folder)
+from common.trainer.fsdp import prepare_model
 from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
 from common.trainer.packing import batch_micro_batches, micro_batches
@@ -118,9 +113,7 @@ class Trainer:
                     fresh = None
                 if self.critic is not None:
                     self.critic.update(batch, idx, adv.values, adv.returns, stats)
-        lr = self._advance_lr()
-        self.step += 1
-        self.version += 1
+        lr = self._next_step()
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
             self.ref_model.load_state_dict(self.model.state_dict())  # sharded: shard to shard, same layout
             stats["ref_reset"] = [1.0]
@@ -140,15 +133,16 @@ class Trainer:
     def skip_step(self) -> dict:
         """A step with nothing to train (partial rollouts: no group has finished yet; every sample filtered out). It
         still counts, as a step and a version, so every schedule keeps one version per trainer step."""
-        lr = self._advance_lr()
-        self.step += 1
-        self.version += 1
+        lr = self._next_step()
         return {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr}
 
-    def _advance_lr(self) -> float:
-        """The learning rate this step used; moves the schedule on to the next trainer step."""
+    def _next_step(self) -> float:
+        """The end of every step, trained or skipped: one step and one weights version more (the one place either
+        moves), and the learning-rate schedule moved on. Returns the learning rate the step used."""
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
+        self.step += 1
+        self.version += 1
         return lr
 
     def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats,
@@ -221,134 +215,6 @@ class Trainer:
         named = merged_named_weights(self.model) if self.args.lora_rank else self.model.named_parameters()
         return [(n, t) for n, t in named if not is_frozen(n, self.args.freeze)]  # --freeze: the explorers have them
 
-    # ---------------------------------------------------------------- checkpoints
-    def checkpoint_bytes(self, weights_only: bool = False) -> int:
-        """About the bytes a checkpoint takes: the parameters, plus (unless `weights_only`) AdamW's two moments,
-        the critic and its optimizer, and a reset reference model."""
-        total = tensor_bytes(list(self.model.parameters())) + ckpt.MARGIN_BYTES + ckpt.tokenizer_bytes(self.tokenizer)
-        if weights_only:
-            return total
-        total += ckpt.adam_state_bytes(self.optimizer)
-        if self.critic is not None:
-            total += tensor_bytes(list(self.critic.model.parameters())) + ckpt.adam_state_bytes(self.critic.optimizer)
-        if self.args.ref_reset_every:
-            total += tensor_bytes(list(self.ref_model.parameters()))
-        return total
-
-    def save_checkpoint(self, out_dir: str, name: str | None = None,
-                        extra_state: dict | None = None) -> str | None:
-        """Written to a temp folder and renamed: a checkpoint is whole or absent (common/trainer/checkpoints.py).
-        step_N: HF folder + trainer_state.pt (+ critic/, reference/), then older ones beyond --keep-checkpoints go.
-        final: the model and tokenizer only (hard links to step_N's files when that exists).
-        Sharded trainers all call it (the full state is gathered onto trainer 0, common/trainer/fsdp.py); trainer 0 writes."""
-        name = name or f"step_{self.step}"
-        weights_only = name == "final"
-        sharded = self.dp.sharded  # every gather below is a collective: each trainer takes the same branches
-        gathered = {"weights": full_state_dict(self.model) if sharded else None,
-                    "optimizer": None if weights_only else optimizer_state(self.model, self.optimizer),
-                    "critic": self.critic.state() if self.critic is not None and not weights_only else None,
-                    "reference": (full_state_dict(self.ref_model) if self.args.ref_reset_every and not weights_only
-                                  else None)}
-        if self.dp.rank != 0:
-            return None
-        parent = os.path.join(out_dir, "checkpoints") if name.startswith("step_") else out_dir
-        os.makedirs(parent, exist_ok=True)
-        final, tmp = os.path.join(parent, name), os.path.join(parent, f".tmp-{name}-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        source = os.path.join(out_dir, "checkpoints", f"step_{self.step}") if weights_only else None
-        source = source if source and os.path.exists(os.path.join(source, ckpt.MANIFEST)) else None  # whole
-        ckpt.ensure_free_space(parent, ckpt.MARGIN_BYTES if source else self.checkpoint_bytes(weights_only),
-                               f"checkpoint {name}")
-        try:
-            if source:
-                ckpt.link_weights(source, tmp)
-            else:
-                self._write_checkpoint(tmp, weights_only, extra_state, gathered)
-            ckpt.write_manifest(tmp)
-            ckpt.replace_folder(tmp, final)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no partial folder
-            if isinstance(e, (OSError, SafetensorError)):  # safetensors reports ENOSPC as its own error
-                raise ckpt.disk_error(parent, f"checkpoint {name}", e) from None
-            raise
-        if not weights_only:
-            ckpt.prune(out_dir, self.args.keep_checkpoints)
-        return final
-
-    def _write_checkpoint(self, tmp: str, weights_only: bool, extra_state: dict | None, gathered: dict) -> None:
-        if self.dp.sharded:
-            save_hf_folder(self.model, gathered["weights"], tmp)
-        elif self.args.lora_rank:  # a plain HF folder of the merged weights, plus the adapter to resume from
-            save_hf_folder(self.model.get_base_model(), dict(merged_named_weights(self.model)), tmp)
-            if not weights_only:
-                self.model.save_pretrained(os.path.join(tmp, "adapter"))
-        else:
-            self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        if weights_only:
-            return
-        if self.critic is not None:
-            self.critic.save(tmp, gathered["critic"])
-        if self.args.ref_reset_every:  # the reference is no longer the initial model: keep it
-            save_hf_folder(self.ref_model, gathered["reference"], os.path.join(tmp, "reference"))
-        torch.save({
-            "step": self.step, "version": self.version, "optimizer": gathered["optimizer"],
-            "sharded_optimizer": self.dp.sharded, "lr_scheduler": self.lr_scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            **(extra_state or {}),
-        }, os.path.join(tmp, "trainer_state.pt"))
-
-    def resume(self, out_dir: str) -> dict:
-        """Load the newest complete checkpoint; returns its extra state ({} when there is none)."""
-        path = latest_checkpoint(out_dir)
-        if path is None:
-            return {}
-        if self.args.lora_rank:
-            self._load_adapter(path)
-        else:
-            self._load_weights(self.model, path)
-        if self.critic is not None:
-            self.critic.load(path)
-        if self.ref_model is not None and os.path.isdir(os.path.join(path, "reference")):
-            self._load_weights(self.ref_model, os.path.join(path, "reference"))  # else: never reset, the initial one
-        try:
-            state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-        except (RuntimeError, EOFError, OSError) as e:  # verified by its manifest, yet unreadable: say so
-            raise SystemExit(f"error: --resume: {path}/trainer_state.pt is unreadable ({str(e).splitlines()[0]})")
-        if state.get("sharded_optimizer", False) != self.dp.sharded:  # keyed by name vs by index
-            raise SystemExit(f"error: --resume {path}: optimizer state saved with --trainer-shard "
-                             f"{'fsdp' if state.get('sharded_optimizer') else 'none'}; resume with the same")
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.step, self.version = state["step"], state["version"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        return state
-
-    def _load_adapter(self, path: str):
-        """LoRA: the base stays the initial model; the trained adapter comes back from <checkpoint>/adapter."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        file = os.path.join(path, "adapter", "adapter_model.safetensors")
-        if not os.path.exists(file):
-            raise SystemExit(f"error: --resume {path}: no LoRA adapter in the checkpoint (saved without --lora-rank?)")
-        result = set_peft_model_state_dict(self.model, load_file(file, device=str(self.device)))
-        if result.unexpected_keys:
-            raise SystemExit(f"error: --resume {file}: adapter does not match --lora-* ({result.unexpected_keys[:3]})")
-
-    def _load_weights(self, model, path: str):
-        from safetensors.torch import load_file
-
-        weights = {}
-        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-            weights.update(load_file(f, device="cpu" if self.dp.sharded else str(self.device)))
-        missing, unexpected = load_full_state_dict(model, weights, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise SystemExit(f"error: --resume {path}: weights do not match the model ({missing[:3]} {unexpected[:3]})")
-
 
 def resolve_algo(args):
     """--algo's entry in common/trainer/losses.py ALGOS; --loss-fn module:function replaces its loss."""
@@ -356,12 +222,6 @@ def resolve_algo(args):
     if args.loss_fn:
         algo = dataclasses.replace(algo, loss=load_object(args.loss_fn, "--loss-fn"))
     return algo
-
-
-def latest_checkpoint(out_dir: str, warn: bool = False) -> str | None:
-    """The newest step checkpoint that verifies (common/trainer/checkpoints.py); corrupt newer ones are skipped, each with a
-    one-line warning naming the file when `warn`."""
-    return ckpt.newest_valid(out_dir, warn=warn)
 
 
 class TrainerRun:
@@ -375,7 +235,7 @@ class TrainerRun:
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
         self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
-        state = self.trainer.resume(args.out_dir) if args.resume else {}
+        state = ckpt.resume(self.trainer, args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0),
                         "evals": state.get("evals", [])}  # every evaluation's metrics, in the order they came
         self.start_time = time.time() - state.get("elapsed", 0.0)
@@ -459,8 +319,8 @@ class TrainerRun:
         if not self.is_main and not self.trainer.dp.sharded:  # the replicas are identical: one writer
             return None
         with self.timeline.phase("checkpoint", step=self.trainer.step):
-            return self.trainer.save_checkpoint(self.args.out_dir, name, {**self.summary,
-                                                                          "elapsed": time.time() - self.start_time})
+            return ckpt.save(self.trainer, self.args.out_dir, name,
+                             {**self.summary, "elapsed": time.time() - self.start_time})
 
     def _final_checkpoints(self):
         every = self.args.checkpoint_every
