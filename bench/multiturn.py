@@ -7,7 +7,7 @@
 
 Single-turn: 16 prompts, one response of turns x turn-tokens new tokens each. Multi-turn: 16 episodes of `turns`
 turns of turn-tokens each in an environment that never ends an episode early (it answers every turn with a short
-user message), all episodes advanced together (common/workflows.Rollouts: HF, one engine call per turn; vLLM, one
+user message), all episodes advanced together (common/explorer/rollouts.py Rollouts: HF, one engine call per turn; vLLM, one
 engine loop in which an episode's next turn starts as soon as its last one has finished). Reports
 sampled tokens / second of each (observation tokens are not counted as generated), best of --repeats alternating
 runs, and the ratio multi / single. A model that emits its stop token early makes the two generate different

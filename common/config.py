@@ -129,7 +129,7 @@ class CommonArgs:
     max_new_tokens: int = 48
     """Longest response in tokens; longer ones are cut and marked truncated."""
 
-    # --- workflows and environments (common/workflows, common/envs) --------------------------------------------
+    # --- workflows and environments (common/explorer, common/envs) ---------------------------------------------
     max_turns: int = 8
     """Multi-turn episodes: most assistant turns per episode (--max-new-tokens bounds each turn)."""
     episode_token_budget: int = 1024
@@ -222,7 +222,7 @@ class CommonArgs:
     """Weight of the KL to the reference model, as a loss term or a reward penalty (--kl-mode); 0 skips the
     reference model entirely."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """k1, k2 or k3 (see common/losses.kl_estimate)."""
+    """k1, k2 or k3 (see common/trainer/losses.py kl_estimate)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     max_grad_norm: float = 1.0
@@ -292,7 +292,7 @@ class CommonArgs:
     """last_segment: train only the tokens made by a response's newest weights (older segments get loss mask 0);
     all: train every segment (each with its own behaviour log-probs)."""
     max_reuse: int = 1
-    """Replay: train each sample group at most N times (1: no replay); see common/replay.ReplayBuffer."""
+    """Replay: train each sample group at most N times (1: no replay); see common/trainer/replay.py ReplayBuffer."""
     replay_groups: int = 0
     """Replayed groups added to each trainer step when --max-reuse > 1 (0: as many as the fresh batch has)."""
     task_sampling: Literal["uniform", "prioritized"] = "uniform"

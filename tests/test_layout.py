@@ -1,6 +1,7 @@
 """The house, checked: no import circle, imports that point one way by folder (the explorer and the trainer never
-import each other), the layout map of docs/DESIGN.md true to the tree, a README a newcomer reads in minutes, the
-trainer knowing no algorithm by name, short entry scripts, and docs that link only inside the repository."""
+import each other), the layout map of docs/DESIGN.md true to the tree and to each module's docstring, a README a
+newcomer reads in minutes, the trainer knowing no algorithm by name, short entry scripts, and docs and docstrings
+that name only paths that exist."""
 
 import ast
 import os
@@ -24,6 +25,7 @@ LAYERS = [
 ]
 # The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).
 UPWARD_ALLOWED = {("common.envs", "common.tasks")}
+SIDES = ("common.explorer", "common.trainer")  # one layer, and never import each other
 
 
 def project_modules() -> dict[str, str]:
@@ -47,8 +49,11 @@ def imports(modules: dict[str, str]) -> set[tuple[str, str]]:
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # relative ones too: `from . import x` counts like any other
+                package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+                module = ".".join(filter(None, (base, node.module)))
+                targets = [module] + [f"{module}.{a.name}" for a in node.names]
             for target in targets:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
@@ -94,7 +99,7 @@ def test_imports_point_one_way_by_folder():
         (la, fa), (lb, fb) = folder(a), folder(b)
         if lb > la:
             upward.add((fa, fb))
-        elif la == lb and fa != fb and la == 5:
+        elif fa != fb and {fa, fb} == set(SIDES):
             sideways.add((a, b))
     assert not sideways, f"the explorer and the trainer import each other: {sorted(sideways)}"
     assert upward <= UPWARD_ALLOWED, f"imports that run back up: {sorted(upward - UPWARD_ALLOWED)}"
@@ -122,25 +127,98 @@ def test_the_lowest_layer_names_no_field_of_a_config():
     assert {"num_explorers", "sync_interval"} <= set(train_async.Args.RANGES)  # the schedule's own, in its Args
 
 
-def test_design_layout_map_matches_the_tree():
+def layout_map() -> dict[str, str]:
+    """docs/DESIGN.md's layout map: module path -> its description."""
     text = open(os.path.join(ROOT, "docs", "DESIGN.md")).read()
     block = re.search(r"## Layout\n.*?```\n(.*?)```", text, re.S).group(1)
-    listed, stack = set(), []
+    listed, stack = {}, []
     for line in block.splitlines():
         if not line.strip() or line.startswith("train_"):
             continue
         indent = (len(line) - len(line.lstrip())) // 2
-        head = line.strip().split("  ")[0]
+        head, *description = re.split(r"\s{2,}", line.strip(), maxsplit=1)
         stack = stack[:indent]
         if head.endswith("/"):
             stack.append(head)
             continue
         for name in head.split(", "):
-            listed.add("".join(stack) + name)
+            listed["".join(stack) + name] = " ".join(description)
+    return listed
+
+
+def test_design_layout_map_matches_the_tree():
+    listed = set(layout_map())
     tree = {os.path.relpath(p, ROOT) for m, p in project_modules().items()
             if not m.startswith("train_") and os.path.getsize(p) > 0}  # empty __init__.py: package markers
     assert not listed - tree, f"docs/DESIGN.md lists modules that do not exist: {sorted(listed - tree)}"
     assert not tree - listed, f"docs/DESIGN.md's layout misses: {sorted(tree - listed)}"
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.replace("`", "").lower().split()).rstrip(".")
+
+
+def test_design_layout_map_says_what_each_module_says_of_itself():
+    """Each description in the map is a phrase of the module's own docstring (its first paragraph): a module that
+    changes what it is changes its docstring, and this points at the map line that no longer says so."""
+    wrong = []
+    for path, description in layout_map().items():
+        doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, path)).read())) or ""
+        if not description or _normal(description) not in _normal(doc.split("\n\n")[0]):
+            wrong.append(f"{path}: map says {description!r}; its docstring begins {doc.splitlines()[:1]}")
+    assert not wrong, "docs/DESIGN.md's layout map: use a phrase of each module's first docstring paragraph:\n" + \
+        "\n".join(wrong)
+
+
+# A path the repository's text names that may be absent: written by the code that names it, or a user's own file.
+WRITTEN = ("bench/out/",                 # benchmark outputs
+           "tests/torch_api.json",       # written by tests/test_torch_api.py --write where that torch is installed
+           "rewards/__pycache__",        # the sandbox launcher's compiled form
+           "common/envs/countdown.py",   # docs/USAGE.md's example of a new environment (tests/test_envs.py writes it)
+           "configs/X.yaml")             # a placeholder
+PATH = re.compile(r"(?<![\w/.<{-])((?:common|rewards|tests|bench|docs|configs|examples)/[\w./-]*[\w/])")
+DOTTED = re.compile(r"(?<![\w./])(common\.[a-z_][\w.]*\w)")  # rewards.<x> is as often a variable
+
+
+def _texts():
+    """Every doc, source and config file of the repository: (relative path, text)."""
+    paths = ["README.md", "Makefile", *(f for f in os.listdir(ROOT) if f.endswith(".py"))]
+    for top in ("common", "rewards", "bench", "tests", "docs", "configs", "examples"):
+        for folder_, _, files in os.walk(os.path.join(ROOT, top)):
+            paths += [os.path.relpath(os.path.join(folder_, f), ROOT) for f in files
+                      if f.endswith((".py", ".md", ".yaml", ".sh"))]
+    return [(p, open(os.path.join(ROOT, p), encoding="utf-8").read()) for p in sorted(set(paths))
+            if os.path.exists(os.path.join(ROOT, p))]
+
+
+def _exists(path: str) -> bool:
+    """path, path.py, or path with its trailing `.attribute`s taken off (common/trainer/losses.ALGOS)."""
+    while True:
+        if any(os.path.exists(os.path.join(ROOT, p)) for p in (path, path + ".py")):
+            return True
+        if "." not in os.path.basename(path):
+            return False
+        path = path.rsplit(".", 1)[0]
+
+
+def _module_exists(dotted: str) -> bool:
+    """A dotted module name (an attribute may follow): its longest module prefix exists, and at most one attribute
+    follows it."""
+    parts = dotted.split(".")
+    k = len(parts)
+    while k and not (os.path.exists(os.path.join(ROOT, *parts[:k]) + ".py") or
+                     os.path.isdir(os.path.join(ROOT, *parts[:k]))):
+        k -= 1
+    return k >= 2 and len(parts) - k <= 1
+
+
+def test_docs_and_docstrings_name_only_paths_that_exist():
+    missing = []
+    for path, text in _texts():
+        for n, line in enumerate(text.splitlines(), 1):
+            missing += [f"{path}:{n}: {m}" for m in PATH.findall(line) if not m.startswith(WRITTEN) and not _exists(m)]
+            missing += [f"{path}:{n}: {m}" for m in DOTTED.findall(line) if not _module_exists(m)]
+    assert not missing, "names of files or modules that do not exist:\n" + "\n".join(missing)
 
 
 def test_readme_reads_in_minutes():
@@ -169,7 +247,7 @@ def test_entry_scripts_stay_short():
 
 
 def test_docs_link_only_inside_the_repository():
-    for doc in ("README.md", *(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")))):
+    for doc in ("README.md", "rewards/THREATS.md", *(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")))):
         if not doc.endswith(".md"):
             continue
         text = open(os.path.join(ROOT, doc)).read()

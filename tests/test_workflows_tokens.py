@@ -1,4 +1,4 @@
-"""Token-in/token-out of multi-turn episodes (common/workflows): a 3-turn episode is the exact sampled ids plus the
+"""Token-in/token-out of multi-turn episodes (common/explorer/multi_turn.py): a 3-turn episode is the exact sampled ids plus the
 template's observation tokens, decodes to the template's rendering of the whole conversation, trains only the
 sampled tokens, and its behaviour log-probs equal the trainer's recomputation over the whole sequence."""
 

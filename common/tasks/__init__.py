@@ -25,7 +25,7 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                    sampling: str = "uniform", curriculum: bool = False, options=None, split: str = "train",
                    eval_split: str = "test"):
     """(training TaskStream, held-out list) from the config fields of the same names; `options`
-    (common/hub_tasks.DatasetOptions) maps dataset columns, `split` / `eval_split` pick the datasets' splits."""
+    (common/tasks/hub.py DatasetOptions) maps dataset columns, `split` / `eval_split` pick the datasets' splits."""
     if "+" in taskset:  # a mixture: round-robin over its parts
         parts = [p for p in taskset.split("+") if p]
         built = [build_tasksets(p, None, difficulty, max(1, eval_size // len(parts)), seed + k, sampling, curriculum,

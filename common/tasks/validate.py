@@ -15,7 +15,7 @@ WHERE = "_where"  # task key holding the file:line (or row) the task came from
 def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     if not isinstance(task, dict):
         raise SystemExit(f"error: {where}: a task must be a JSON object, got {type(task).__name__}")
-    if "env" in task:  # a multi-turn row: its environment makes the prompt (common/workflows)
+    if "env" in task:  # a multi-turn row: its environment makes the prompt (common/explorer/multi_turn.py)
         return validate_env_task(task, where)
     if "prompt" not in task and "messages" not in task:
         raise SystemExit(f"error: {where}: missing field 'prompt' (or 'messages')")
