@@ -148,8 +148,13 @@ class CommonArgs:
     """Threads that step environments, run tool calls and render observations off the decode path (a slow tool
     delays its own episode only); 0: inline, between decode steps (the reference path, for comparison)."""
     env_step_timeout_s: float = 300.0
-    """Longest an environment step (tool calls included) may take before the explorer stops with an error
-    naming the task (a tool's own bound, --tool-timeout-s, normally ends it long before)."""
+    """Longest an environment call (reset, step with its tool calls, close) may take: past it that episode ends
+    with reason 'timeout' (failed, counted) and the run goes on (a tool's own bound, --tool-timeout-s, normally
+    ends a step long before)."""
+    truncated_turns: Literal["end", "continue"] = "end"
+    """A turn cut at --max-new-tokens: end (the episode ends there, reason 'truncated', as verl and SkyRL do; the
+    cut text is no answer) or continue (the environment steps the cut text and the episode goes on). Either way
+    the episode carries finish reason 'length' (--mask-truncated, rollout/truncated_frac)."""
     reasoning_parser: Literal["think", "none"] = "think"
     """think: the text inside <think>...</think> of a turn never reaches the environment or the tool parser (a
     turn that never closes </think> is all reasoning); none: the whole turn does."""
@@ -265,11 +270,14 @@ class CommonArgs:
     """Copy the policy's weights into the reference model every N steps (Kimi k1.5 / ProRL "reference reset");
     0: the reference stays the initial model. Needs --kl-coef > 0."""
     mask_truncated: bool = False
-    """Give responses cut at --max-new-tokens (finish reason 'length') loss mask 0, as DAPO's overlong filtering
+    """Give responses cut by a token limit (finish reason 'length': --max-new-tokens, or an episode's
+    --episode-token-budget; not an episode that ran out of --max-turns) loss mask 0, as DAPO's overlong filtering
     (their reward still counts in the group mean). Counted as filter/truncated_masked."""
     drop_failed_rewards: bool = True
-    """Drop samples whose verifier failed (reward_info['failed']: error, timeout, crash) instead of training on
-    their 0. Non-finite rewards are always dropped. Both counted as filter/invalid_dropped."""
+    """Drop failed samples (reward_info['failed']: a verifier's error, timeout or crash; an episode that ended in
+    an environment error, timeout or template failure) instead of training on their floor score. Non-finite
+    rewards are always dropped. Counted as filter/invalid_dropped, failures per reason as
+    filter/failed_dropped/<reason>."""
 
     # --- weight sync -----------------------------------------------------------------------------------------
     sync_method: SyncMethod = "broadcast"

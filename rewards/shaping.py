@@ -8,7 +8,8 @@
 `shape_group` combines them with config weights (0 switches a term off):
     shaped_i = reward_i + length_penalty_weight * λ'_i + format_weight * format_i
 `shape_batch` does it for a whole rollout batch (consecutive groups) and keeps each term (`--length-penalty`,
-`--format-reward` in common/config.py).
+`--format-reward` in common/config.py); a failed sample (info["failed"]) is capped at its group's lowest
+legitimate shaped reward.
 """
 
 from __future__ import annotations
@@ -76,7 +77,13 @@ def shape_batch(rewards, lengths: list[int], group_size: int, length_penalty_wei
         raw = [float(r.score) for r in group]
         terms = shaping_terms(raw, lengths[start: start + group_size], length_penalty_weight=length_penalty_weight,
                               format_weight=format_weight, format_ok=[bool(r.info.get("format_ok")) for r in group])
+        shaped = [score + sum(values[i] for values in terms.values()) for i, score in enumerate(raw)]
+        legit = [v for v, r in zip(shaped, group) if not r.info.get("failed")]
         for i, score in enumerate(raw):
             parts = {name: values[i] for name, values in terms.items()}
+            if group[i].info.get("failed") and legit and shaped[i] > min(legit):
+                # a failed sample never out-scores its group's worst legitimate one (a short crash would otherwise
+                # beat a long loss under the length penalty): rewards/THREATS.md
+                parts["failed_floor"] = min(legit) - shaped[i]
             out.append((score + sum(parts.values()), {"raw": score, **parts}))
     return out

@@ -136,7 +136,8 @@ def test_qwen3_thinking_template_runs_past_turn_one_token_in_token_out():
     assert not after.startswith(before)
     model = build_tiny_model(tok, seed=0).eval()
     engine = HFEngine(model, tok)
-    ctx = Context(tok, max_new_tokens=10, max_turns=3, episode_token_budget=1024)
+    # The random model seldom stops within 10 tokens: its cut turns go on (--truncated-turns continue).
+    ctx = Context(tok, max_new_tokens=10, max_turns=3, episode_token_budget=1024, truncated_turns="continue")
     torch.manual_seed(0)
     tasks = [{"id": f"g{i}", "env": "guess_number", "secret": 5 + i, "high": 64} for i in range(2)]
     groups, _ = run_episodes(engine, ctx, tasks, SamplingConfig(temperature=1.0, max_new_tokens=10, n=3))
@@ -241,22 +242,168 @@ def test_the_final_answer_is_scored_and_cut_episodes_are_truncated():
     early = 'Answer: 7 <tool_call>{"name": "calculate", "arguments": {"expression": "3+4"}}</tool_call>'
     # Turn 2 is cut by the episode budget: there is no final answer, so the verifier scores "" (0), not turn 1.
     ctx = Context(tok, max_new_tokens=300, max_turns=4, episode_token_budget=1000)
-    groups, _ = run_episodes(Scripted(tok, [early, "x" * 2000], stop=False), ctx, [task],
-                             SamplingConfig(n=1, max_new_tokens=300))
+    groups, _ = run_episodes(Scripted(tok, [early, "x" * 2000]), ctx, [task], SamplingConfig(n=1, max_new_tokens=300))
     e = groups[0].responses[0]
     assert e.end_reason == "budget" and e.finish_reason == "length" and e.final_text == ""
     assert score(e.verifier_input(task, tok), task).score == 0.0
-    # Max turns: truncated too (filters and rollout/truncated_frac see it).
+    # Max turns: a legitimate end, not a cut (--mask-truncated must not mask every episode that ran out of turns).
     ctx = Context(tok, max_new_tokens=300, max_turns=2, episode_token_budget=4000)
     groups, _ = run_episodes(Scripted(tok, [early]), ctx, [task], SamplingConfig(n=1, max_new_tokens=300))
     e = groups[0].responses[0]
-    assert e.end_reason == "max_turns" and e.finish_reason == "length" and e.final_text == ""
+    assert e.end_reason == "max_turns" and e.finish_reason == "stop" and e.final_text == ""
     # A right final answer after a tool call is scored; the length counted is the sampled tokens only.
     groups, _ = run_episodes(Scripted(tok, [early, "It is 7. Answer: 7"]), ctx, [task],
                              SamplingConfig(n=1, max_new_tokens=300))
     e = groups[0].responses[0]
     assert e.final_text == "It is 7. Answer: 7" and score(e.verifier_input(task, tok), task).score == 1.0
     assert e.sampled_tokens == sum(e.mask) < len(e.response_ids)
+
+
+class Rigged(Env):
+    """Pays 0.5 for a first answer and goes on; raises when the reply says "crash" (a policy that found how to
+    break it), ends on anything else."""
+
+    def reset(self, task):
+        self.turn = 0
+        return [{"role": "user", "content": "What is 3+4?"}]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult([{"role": "user", "content": "Sure?"}], 0.5, False, {"format_ok": True})
+        if "crash" in action:
+            raise RuntimeError("the environment broke")
+        return StepResult([], 0.0, True, {"format_ok": True})
+
+
+def scored(groups, tok):
+    """(episode, Reward, Experience) of every episode, scored as the explorer does (verifier in-process)."""
+    from rewards import score
+
+    out = []
+    for g in groups:
+        for e in g.responses:
+            text = e.verifier_input(g.task, tok)
+            reward = e.reward(score(text, g.task) if text is not None else None, "sum")
+            out.append((e, reward, Experience(prompt_ids=e.prompt_ids, response_ids=e.response_ids,
+                                              logprobs=e.logprobs, loss_mask=e.loss_mask(), reward=reward.score,
+                                              group_id=0, task_id="t", policy_version=0,
+                                              reward_info=reward.info, finish_reason=e.finish_reason)))
+    return out
+
+
+def test_an_environment_error_after_a_winning_looking_turn_pays_no_more_than_a_loss(monkeypatch):
+    """Turn 1 writes the right answer (the verifier would pay 1) and earns a step reward; turn 2 makes the
+    environment raise. That episode must score no more than one that goes on to lose, be marked failed, and be
+    dropped under --drop-failed-rewards, counted by reason."""
+    from types import SimpleNamespace
+
+    from common.trainer.filters import drop_invalid_rewards
+
+    monkeypatch.setitem(ENVS, "rigged", "tests.test_agents:Rigged")
+    tok = tiny_with()
+    ctx = Context(tok, max_new_tokens=50, max_turns=4, episode_token_budget=2000)
+    task = {"id": "r", "env": "rigged", "answer": "7", "reward": "math"}
+    (crash, r_crash, x_crash), = scored(run_episodes(Scripted(tok, ["Answer: 7", "crash"]), ctx, [task],
+                                                     SamplingConfig(n=1))[0], tok)
+    (loss, r_loss, x_loss), = scored(run_episodes(Scripted(tok, ["Answer: 7", "Answer: 3"]), ctx, [task],
+                                                  SamplingConfig(n=1))[0], tok)
+    assert r_crash.score <= r_loss.score and r_crash.score == Rigged.worst_reward, (r_crash, r_loss)
+    assert crash.end_reason == "error" and crash.failed and crash.final_text == "" and loss.end_reason == "done"
+    assert r_crash.info["failed"] and r_crash.info["failed_reason"] == "error" and not r_crash.info["format_ok"]
+    kept, counts = drop_invalid_rewards([x_crash, x_loss], SimpleNamespace(drop_failed_rewards=True))
+    assert kept == [x_loss] and counts["filter/failed_dropped/error"] == 1
+    kept, _ = drop_invalid_rewards([x_crash, x_loss], SimpleNamespace(drop_failed_rewards=False))
+    assert kept == [x_crash, x_loss]
+    # Shaping never lifts it above the group's worst legitimate sample (a short crash vs a long loss).
+    from rewards.shaping import shape_batch
+
+    shaped = shape_batch([r_crash, r_loss], [1, 100], 2, length_penalty_weight=1.0, format_weight=1.0)
+    assert shaped[0][0] <= shaped[1][0]
+
+
+def test_a_turn_cut_at_max_new_tokens_is_reported_and_masked():
+    """A turn cut at --max-new-tokens is not an answer: the environment never steps it (here it would have found
+    the number), the episode ends "truncated" with finish reason "length", and --mask-truncated masks it; an
+    episode that ran out of turns is not masked."""
+    from types import SimpleNamespace
+
+    from common.trainer.filters import mask_truncated
+
+    tok = tiny_with()
+    ctx = Context(tok, max_new_tokens=10, max_turns=2, episode_token_budget=2000)
+    task = {"id": "g", "env": "guess_number", "secret": 5, "high": 8, "answer": "5", "reward": "math"}
+    (cut, r_cut, x_cut), = scored(run_episodes(Scripted(tok, ["Answer: 5 because " + "x" * 40]), ctx, [task],
+                                               SamplingConfig(n=1, max_new_tokens=10))[0], tok)
+    (out, _, x_out), = scored(run_episodes(Scripted(tok, ["1", "2"]), ctx, [task],
+                                           SamplingConfig(n=1, max_new_tokens=10))[0], tok)
+    assert cut.end_reason == "truncated" and cut.finish_reason == "length" and cut.turns == 1
+    assert cut.final_text == "" and cut.turn_rewards == [0.0] and r_cut.score == 0.0
+    assert out.end_reason == "max_turns" and out.finish_reason == "stop"
+    assert rollout_metrics([(None, cut), (None, out)])["rollout/end/truncated"] == 1
+    masked, counts = mask_truncated([x_cut, x_out], SimpleNamespace(mask_truncated=True))
+    assert sum(masked[0].loss_mask) == 0 and masked[1].loss_mask == x_out.loss_mask and sum(x_out.loss_mask) > 0
+    assert counts["filter/truncated_masked"] == 1
+
+
+class Hung(Env):
+    """A step that never returns for tasks with "hang" (sync: until close() releases it; or async); the others
+    end at once."""
+
+    def reset(self, task):
+        self.hang, self.released = task.get("hang"), __import__("threading").Event()
+        return [{"role": "user", "content": "Go."}]
+
+    def step(self, action):
+        if self.hang == "sync":
+            self.released.wait(3600)
+        return StepResult([], 1.0, True, {})
+
+    def close(self):
+        self.released.set()
+
+
+class AsyncHung(Env):
+    async def reset(self, task):
+        self.hang = task.get("hang")
+        return [{"role": "user", "content": "Go."}]
+
+    async def step(self, action):
+        import asyncio
+
+        if self.hang:
+            await asyncio.sleep(3600)
+        return StepResult([], 1.0, True, {})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env_workers", [0, 4])
+def test_a_hung_step_ends_its_episode_and_the_run_goes_on(monkeypatch, env_workers):
+    import threading
+
+    monkeypatch.setitem(ENVS, "hung", "tests.test_agents:Hung")
+    monkeypatch.setitem(ENVS, "async_hung", "tests.test_agents:AsyncHung")
+    tok = tiny_with()
+    ctx = Context(tok, max_new_tokens=20, max_turns=2, episode_token_budget=2000, env_step_timeout_s=1.0,
+                  env_workers=env_workers)
+    tasks = [{"id": "sync", "env": "hung", "hang": "sync"}, {"id": "async", "env": "async_hung", "hang": True},
+             {"id": "ok", "env": "hung"}, {"id": "ok_async", "env": "async_hung"}]
+    t0 = time.monotonic()
+    groups, _ = run_episodes(Scripted(tok, ["1"]), ctx, tasks, SamplingConfig(n=2))
+    assert time.monotonic() - t0 < 30
+    ends = {g.task["id"]: [e.end_reason for e in g.responses] for g in groups}
+    assert ends == {"sync": ["timeout"] * 2, "async": ["timeout"] * 2, "ok": ["done"] * 2, "ok_async": ["done"] * 2}
+    flat = [(g, e) for g in groups for e in g.responses]
+    assert all(e.failed and "did not return within 1s" in e.error for g, e in flat if g.task.get("hang"))
+    metrics = rollout_metrics(flat)
+    assert metrics["rollout/end/timeout"] == 4
+    # Nothing left behind: close() released the sync step's thread, the async step was cancelled.
+    from common.envs import abandoned_threads
+
+    deadline = time.monotonic() + 10
+    while abandoned_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert abandoned_threads() == 0 and not [t for t in threading.enumerate() if t.name.startswith("env-call-")]
 
 
 def test_in_turn_tool_call_result_is_masked_and_the_turn_goes_on():
@@ -306,7 +453,8 @@ def test_env_settings_are_typed_and_checked():
 def test_grpo_turn_and_in_turn_tools_each_train_two_steps(tmp_path):
     template = tmp_path / "qwen3.jinja"
     template.write_text(QWEN3_TEMPLATE)
-    common = [*TINY, "--steps", "2", "--max-turns", "3", "--episode-token-budget", "400"]
+    common = [*TINY, "--steps", "2", "--max-turns", "3", "--episode-token-budget", "400", "--truncated-turns",
+              "continue"]  # the random model seldom stops: its cut turns go on
     # --format-reward: guess_number says per turn whether the reply held a number (format_ok), so the random tiny
     # model's episodes differ in reward and the turn-level advantages carry a signal (zero-signal groups dropped).
     turn = run_script("train_sync.py", *common, "--taskset", "guess_number", "--algo", "grpo_turn", "--gamma", "0.9",

@@ -52,13 +52,16 @@ def test_shape_batch_is_per_group_and_keeps_the_parts():
                Reward(0.0, {"format_ok": True}), Reward(1.0, {}), Reward(0.5, {"failed": True})]
     lengths = [10, 20, 30, 100, 100, 300]  # group 2's lengths are not compared with group 1's
     off = shape_batch(rewards, lengths, group_size=3)
-    assert off == [(r.score, {"raw": r.score}) for r in rewards]
+    # A failed sample never out-scores its group's worst legitimate one (rewards/THREATS.md "Errors never pay").
+    assert off == [(r.score, {"raw": r.score}) for r in rewards[:5]] + [(0.0, {"raw": 0.5, "failed_floor": -0.5})]
     both = shape_batch(rewards, lengths, group_size=3, length_penalty_weight=0.5, format_weight=0.2)
     lp = [0.25, 0.0, -0.25, 0.0, 0.25, -0.25]  # 0.5 * Kimi lambda within each group; wrong ones min(0, lambda)
     fmt = [0.2, 0.2, 0.0, 0.2, 0.0, 0.0]  # no format_ok (an RM, a failed verifier) earns nothing
-    for (shaped, parts), r, want_lp, want_fmt in zip(both, rewards, lp, fmt):
-        assert parts == pytest.approx({"raw": r.score, "length_penalty": want_lp, "format": want_fmt})
-        assert shaped == pytest.approx(r.score + want_lp + want_fmt)
+    floor = [0.0] * 5 + [0.2 - 0.25]  # the failed one: capped at its group's lowest legitimate 0.0 + 0 + 0.2
+    for (shaped, parts), r, want_lp, want_fmt, cap in zip(both, rewards, lp, fmt, floor):
+        want = {"raw": r.score, "length_penalty": want_lp, "format": want_fmt, **({"failed_floor": cap} if cap else {})}
+        assert parts == pytest.approx(want)
+        assert shaped == pytest.approx(r.score + want_lp + want_fmt + cap)
     only_format = shape_batch(rewards, lengths, group_size=3, format_weight=1.0)
     assert [set(p) for _, p in only_format] == [{"raw", "format"}] * 6
     with pytest.raises(ValueError, match="whole groups of 4"):

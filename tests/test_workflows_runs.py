@@ -11,7 +11,9 @@ from tests.conftest import TINY, run_script
 
 # The random tiny model rarely scores on these tasks: an entropy bonus on every group (no zero-signal filter) keeps
 # a non-zero loss and gradient on every step whatever the rewards were.
-SIGNAL = ["--entropy-coef", "0.01", "--no-drop-zero-signal-groups"]
+# It seldom stops within --max-new-tokens either: its cut turns go on (--truncated-turns continue), so episodes
+# have several turns.
+SIGNAL = ["--entropy-coef", "0.01", "--no-drop-zero-signal-groups", "--truncated-turns", "continue"]
 MIXED = ["--taskset", "arith+guess_number+calculator", "--max-turns", "3", "--episode-token-budget", "900", *SIGNAL]
 
 

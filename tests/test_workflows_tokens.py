@@ -58,7 +58,7 @@ def test_three_turn_episode_is_token_exact(smol_tokenizer, monkeypatch):
     monkeypatch.setitem(ENVS, "echo", "tests.test_workflows_tokens:Echo")
     model = eos_prone_model(tok)
     engine = HFEngine(model, tok)
-    ctx = Context(tok, max_new_tokens=12, max_turns=3, episode_token_budget=2048)
+    ctx = Context(tok, max_new_tokens=12, max_turns=3, episode_token_budget=2048, truncated_turns="continue")
     torch.manual_seed(3)
     task = {"id": "t0", "env": "echo", "prompt": "Say something about 12 apples."}
     groups, counts = run_episodes(engine, ctx, [task], SamplingConfig(temperature=1.0, max_new_tokens=12, n=4))

@@ -42,6 +42,7 @@ def observation(text, info: dict) -> str:
 
 class Gem(Env):
     required_fields = ("gem_env",)
+    worst_reward = -1.0  # GEM does not declare a floor; its games' penalties are assumed to be no lower
     make_task = staticmethod(gem_task)
 
     def reset(self, task: dict) -> list[dict]:

@@ -72,6 +72,7 @@ def end_reward(library_reward: float, invalid_move: bool, partial_credit: bool) 
 
 class TextArena(Env):
     required_fields = ("game",)
+    worst_reward = -1.0  # the library's invalid-move penalty (textarena.state.State.set_invalid_move)
     make_task = staticmethod(make_textarena_task)
 
     def reset(self, task: dict) -> list[dict]:

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 
-from common.envs import Env, StepResult
+from common.envs import ABANDONED, Env, StepResult
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -91,6 +91,7 @@ class ToolThread:
     def result(self):
         self.thread.join(max(0.0, self.deadline - time.monotonic()))
         if self.thread.is_alive():
+            ABANDONED.add(self.thread)
             raise ToolError("timeout", f"tool did not answer within {self.timeout_s:g}s")
         if "error" in self.box:
             e = self.box["error"]

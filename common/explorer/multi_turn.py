@@ -11,25 +11,33 @@ after the call are dropped: the kept prefix and its log-probs are exactly what t
 appended as masked tokens and generation goes on in the same turn.
 
 An episode ends (`end_reason`, counted as rollout/end/<reason>) when the environment says done ("done"), after
---max-turns turns ("max_turns"), when the next turn would not fit in --episode-token-budget ("budget"), when the
-environment raises in reset or step ("error") or the chat template cannot render its messages ("template"). The
-cut ones (max_turns, budget) carry finish reason "length" like a truncated response, so --mask-truncated and
-rollout/truncated_frac see them. The verifier scores `final_text`: the last turn's answer, "" when that turn was a
-tool call or was cut by the budget (an earlier turn's text never counts).
+--max-turns turns ("max_turns"), when a turn is cut at --max-new-tokens ("truncated"; with --truncated-turns
+continue the environment steps the cut turn and the episode goes on, still marked cut) or the next turn would not
+fit in --episode-token-budget ("budget"), when an environment call (reset, step, close) raises ("error") or runs past
+--env-step-timeout-s ("timeout"), or the chat template cannot render its messages ("template"). Only the episodes cut by
+a token limit (truncated, budget, or a cut turn that went on) carry finish reason "length", like a truncated
+single-turn response, so --mask-truncated and rollout/truncated_frac see exactly them; running out of turns is a legitimate ending.
+The failures (error, timeout, template) are marked failed and score the environment's `worst_reward` whatever
+came before (an error never pays more than losing; --drop-failed-rewards drops them, counted per reason). The
+verifier scores `final_text`: the last turn the policy wrote, "" when that turn was a tool call, was cut, or the
+episode failed (an earlier turn's text never counts).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+from collections import Counter
 from dataclasses import dataclass, field
 
-from collections import Counter
-
-from common.envs import make_env
+from common.envs import EnvTimeout, call_bounded, make_env
 from common.explorer.chat import TemplateMismatch, strip_reasoning
 from common.explorer.workflow import Group, Sample, Workflow
 from rewards import Reward
 
 TOOL_CLOSE = "</tool_call>"
+CUT = ("truncated", "budget")              # ended by a token limit: finish reason "length"
+FAILED = ("error", "timeout", "template")  # ended by a failure: scores worst_reward, dropped by --drop-failed-rewards
 
 
 @dataclass
@@ -39,8 +47,8 @@ class Episode(Sample):
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None          # None while live; "stop", or "length" when max_turns / budget cut it
-    end_reason: str | None = None             # done | max_turns | budget | error | template
+    finish_reason: str | None = None          # None while live; "stop", or "length" when a token limit cut it
+    end_reason: str | None = None             # done | max_turns | truncated | budget | error | timeout | template
     turns: int = 0
     turn_rewards: list[float] = field(default_factory=list)
     turn_ends: list[int] = field(default_factory=list)  # per turn: end of its sampled ids in response_ids
@@ -55,6 +63,14 @@ class Episode(Sample):
     env: object = None
     in_turn: bool = False                     # the current turn goes on after an in-turn tool result
     tool_rounds: int = 0                      # in-turn tool results so far (bounded by --max-turns)
+    cut_turns: int = 0                        # turns cut at --max-new-tokens (--truncated-turns continue)
+    worst_reward: float = 0.0                 # the environment's: what the episode scores if it fails
+    timeout_s: float = 300.0                  # --env-step-timeout-s, for every environment call
+    loop: object = None                       # the episode's event loop, for an environment written with async def
+
+    @property
+    def failed(self) -> bool:
+        return self.end_reason in FAILED
 
     @property
     def segments(self) -> int:
@@ -76,8 +92,9 @@ class Episode(Sample):
 
     # ------------------------------------------------------------------ reward (the Sample interface)
     def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
-        """The final answer, only when the task names a verifier in "reward" (or with --reward-fn)."""
-        return self.final_text if "reward" in task or whole_episodes else None
+        """The final answer, only when the task names a verifier in "reward" (or with --reward-fn); never for a
+        failed episode (it scores the environment's worst reward alone)."""
+        return self.final_text if ("reward" in task or whole_episodes) and not self.failed else None
 
     def verifier_task(self, task: dict, whole_episodes: bool = False) -> dict:
         """For a --reward-fn: the task with the whole trajectory (every message, the assistant turns as sampled),
@@ -90,8 +107,10 @@ class Episode(Sample):
     def reward(self, verified: Reward | None, env_reward: str) -> Reward:
         """ALGO LOGIC: an episode's reward = the environment's (sum or last step reward) + the verifier's score (if
         the task names one). reward_info keeps the parts, the per-turn rewards, the end reason and format_ok (the
-        verifier's, else the environment's verdict) for --format-reward."""
-        env = self.env_reward(env_reward)
+        verifier's, else the environment's verdict) for --format-reward. A failed episode (error, timeout,
+        template) scores the environment's worst reward and nothing else, and is marked failed with its reason
+        (--drop-failed-rewards; rewards/THREATS.md "Errors never pay")."""
+        env = self.worst_reward if self.failed else self.env_reward(env_reward)
         info = {"reason": f"episode {self.end_reason}", "env_reward": env, "turn_rewards": list(self.turn_rewards),
                 "end_reason": self.end_reason, "turns": self.turns, "tool_calls": self.tool_calls,
                 "tool_errors": list(self.tool_errors)}
@@ -107,6 +126,8 @@ class Episode(Sample):
                 info["format_ok"] = bool(verified.info["format_ok"]) and self.end_reason == "done"
             if verified.info.get("failed"):
                 info["failed"] = True
+        if self.failed:
+            info.update({"failed": True, "failed_reason": self.end_reason, "format_ok": False})
         return Reward(score, info)
 
     def counts(self) -> dict[str, float]:
@@ -133,29 +154,39 @@ class Episode(Sample):
 
     def _end(self, reason: str):
         self.end_reason = reason
-        self.finish_reason = "length" if reason in ("budget", "max_turns") else "stop"
-        if reason == "budget":
-            self.final_text = ""  # the cut turn has no answer, and an earlier turn's text is not one
         if self.env is not None:
             env, self.env = self.env, None
             try:
-                env.close()
-            except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
+                call_bounded(env.close, timeout_s=self.timeout_s, loop=self.loop)
+            except Exception as exc:  # noqa: BLE001  (an environment bug fails this episode, counted; not the run)
                 self.error = self.error or f"close: {type(exc).__name__}: {exc}"
+                self.end_reason = "timeout" if isinstance(exc, EnvTimeout) else "error"
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
+        self.finish_reason = "length" if self.end_reason in CUT or self.cut_turns else "stop"
+        if self.end_reason in CUT or self.failed:
+            self.final_text = ""  # a cut turn is no answer, a failed episode has none; an earlier turn's is not one
+        if self.failed:  # nothing the episode collected before the failure counts (rewards/THREATS.md)
+            self.turn_rewards = [0.0] * len(self.turn_rewards)
+            self.success = False
+            self.format_ok = False
 
 
-def tool_call_end(ids: list[int], decode) -> int | None:
-    """The number of leading ids whose text first contains a complete tool call (None: there is none)."""
-    if TOOL_CLOSE not in decode(ids):
-        return None
-    lo, hi = 1, len(ids)
-    while lo < hi:  # the text of a prefix grows with it: binary search for the first prefix with the close tag
-        mid = (lo + hi) // 2
-        if TOOL_CLOSE in decode(ids[:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def tool_call_end(ids: list[int], decode, visible=lambda text: text, close: str = TOOL_CLOSE) -> int | None:
+    """The number of leading ids whose text first holds a complete tool call that `visible` keeps (one written
+    inside unclosed reasoning is not a call), or None."""
+    for k in range(1, decode(ids).count(close) + 1):
+        lo, hi = 1, len(ids)
+        while lo < hi:  # the text of a prefix grows with it: binary search for the first prefix with k close tags
+            mid = (lo + hi) // 2
+            if decode(ids[:mid]).count(close) >= k:
+                hi = mid
+            else:
+                lo = mid + 1
+        if close in visible(decode(ids[:lo])):
+            return lo
+    return None
 
 
 class MultiTurn(Workflow):
@@ -168,29 +199,46 @@ class MultiTurn(Workflow):
         self.group = Group(task, group_id, [self._start(task) for _ in range(n)])
 
     def _start(self, task: dict) -> Episode:
+        """A new episode: its environment built and reset (under --env-step-timeout-s), its first prompt rendered;
+        an episode that cannot start has no tokens to train (an empty response) and its reason counted."""
         renderer = self.ctx.renderer
+        e = Episode(prompt_ids=renderer.ids(renderer.glue_text)[:1] or [0], timeout_s=self.ctx.env_step_timeout_s)
         try:
-            env = make_env(task["env"], self.ctx.env_settings)
-            messages, tools = renderer.with_tools(env.reset(task), env.tool_schemas())
+            e.env = make_env(task["env"], self.ctx.env_settings)
+            e.worst_reward = float(e.env.worst_reward)
+            if any(inspect.iscoroutinefunction(getattr(e.env, m)) for m in ("reset", "step", "close")):
+                e.loop = asyncio.new_event_loop()
+            first = call_bounded(e.env.reset, task, timeout_s=e.timeout_s, loop=e.loop)
+            messages, tools = renderer.with_tools(first, e.env.tool_schemas())
         except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
-            return self._failed(renderer, "error", f"reset: {type(exc).__name__}: {exc}")
+            e.error = f"reset: {type(exc).__name__}: {exc}"
+            e._end("timeout" if isinstance(exc, EnvTimeout) else "error")
+            return e
         try:
             prompt = renderer.prompt_ids(messages, tools)
         except TemplateMismatch as exc:
-            env.close()
-            return self._failed(renderer, "template", str(exc))
-        e = Episode(prompt_ids=prompt, messages=list(messages), tools=tools, env=env)
+            e.error = str(exc)
+            e._end("template")
+            return e
+        e.prompt_ids, e.messages, e.tools = prompt, list(messages), tools
         if len(prompt) >= self.ctx.episode_token_budget:  # files are checked at load (common/run.py); not built-ins
             e.error = f"first prompt has {len(prompt)} tokens, --episode-token-budget {self.ctx.episode_token_budget}"
             e._end("budget")
         return e
 
-    @staticmethod
-    def _failed(renderer, reason: str, error: str) -> Episode:
-        """An episode that could not start: no tokens to train (an empty response), its reason counted."""
-        e = Episode(prompt_ids=renderer.ids(renderer.glue_text)[:1] or [0], error=error)
-        e._end(reason)
-        return e
+    def _visible(self, text: str) -> str:
+        """What the environment and the tool parser see of a turn: its text without the reasoning."""
+        return strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
+
+    def _step(self, e: Episode, action: str):
+        """env.step(action) under --env-step-timeout-s; None when it failed (the episode then has ended)."""
+        try:
+            return call_bounded(e.env.step, action, timeout_s=e.timeout_s, loop=e.loop)
+        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
+            e.error = f"step: {type(exc).__name__}: {exc}"
+            e.turn_rewards.append(0.0)
+            e._end("timeout" if isinstance(exc, EnvTimeout) else "error")
+            return None
 
     def _cap(self, e: Episode) -> int:
         return min(self.ctx.max_new_tokens, self.ctx.episode_token_budget - len(e.prompt_ids) - len(e.response_ids))
@@ -207,7 +255,7 @@ class MultiTurn(Workflow):
         stopped = generation.finish_reason == "stop" and len(generation.response_ids) <= cap
         decode = self.ctx.renderer.decode
         if self.ctx.in_turn_tools and e.env is not None and e.env.tool_schemas():
-            cut = tool_call_end(ids, decode)
+            cut = tool_call_end(ids, decode, self._visible)
             if cut is not None:
                 return self._in_turn_call(e, ids[:cut], logprobs[:cut], version, generation.versions)
         e._append(ids, logprobs, 1, version, generation.versions)
@@ -215,25 +263,23 @@ class MultiTurn(Workflow):
             e.turns += 1
         e.in_turn = False
         e.turn_ends.append(len(e.response_ids))
-        if not stopped and cap < self.ctx.max_new_tokens:  # cut by the episode budget, not the per-turn limit
-            e.turn_rewards.append(0.0)
-            e._end("budget")
-            return len(ids)
         text = decode(ids)  # in-turn tools: only the part after the last tool result (the calls already ran)
         e.messages.append({"role": "assistant", "content": text})
-        action = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
-        try:
-            result = e.env.step(action)
-        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
-            e.turn_rewards.append(0.0)
-            e.error = f"step: {type(exc).__name__}: {exc}"
-            e._end("error")
+        if not stopped:  # cut by a token limit: the turn is not finished, so the environment does not see it
+            if cap < self.ctx.max_new_tokens or self.ctx.truncated_turns == "end":
+                e.turn_rewards.append(0.0)
+                e._end("budget" if cap < self.ctx.max_new_tokens else "truncated")
+                return len(ids)
+            e.cut_turns += 1  # --truncated-turns continue: it does, and the episode counts as cut
+        action = self._visible(text)
+        result = self._step(e, action)
+        if result is None:
             return len(ids)
         e.turn_rewards.append(float(result.reward))
         calls = int(result.info.get("tool_calls", 0))
         e.tool_calls += calls
         e.tool_errors += list(result.info.get("tool_errors", []))
-        e.final_text = "" if calls else action  # a tool-call turn is no answer
+        e.final_text = "" if calls or not stopped else action  # a tool-call turn or a cut turn is no answer
         if "success" in result.info:
             e.success = bool(result.info["success"])
         if "format_ok" in result.info:
@@ -264,13 +310,10 @@ class MultiTurn(Workflow):
         e._append(ids, logprobs, 1, version, versions)
         if not e.in_turn:
             e.turns += 1
-        text = self.ctx.renderer.decode(ids)
-        action = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
-        try:
-            result = e.env.step(action[:action.rindex(TOOL_CLOSE) + len(TOOL_CLOSE)])
-        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
-            e.error = f"step: {type(exc).__name__}: {exc}"
-            e._end("error")
+        action = self._visible(self.ctx.renderer.decode(ids))  # tool_call_end found the call in this part
+        result = self._step(e, action[:action.rindex(TOOL_CLOSE) + len(TOOL_CLOSE)])
+        if result is None:
+            e.turn_ends.append(len(e.response_ids))
             return len(ids)
         e.tool_calls += int(result.info.get("tool_calls", 0))
         e.tool_errors += list(result.info.get("tool_errors", []))

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.envs import parse_env_settings
+from common.envs import abandoned_threads, parse_env_settings
 
 if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
     from common.explorer.engine import RolloutEngine, SamplingConfig
@@ -67,6 +67,7 @@ class Context:
     env_step_timeout_s: float = 300.0
     reasoning_parser: str = "think"
     in_turn_tools: bool = False
+    truncated_turns: str = "end"        # --truncated-turns: a turn cut at max_new_tokens ends its episode, or goes on
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     _renderer: object = None
 
@@ -87,7 +88,8 @@ class Context:
     def from_args(cls, tokenizer, args, processor=None) -> "Context":
         return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
                    args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
-                   args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools, processor)
+                   args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools,
+                   args.truncated_turns, processor)
 
 
 class Rollouts:
@@ -154,10 +156,16 @@ class Rollouts:
         from concurrent.futures import TimeoutError as FutureTimeout
 
         try:
-            return future.result(timeout=self.ctx.env_step_timeout_s)
+            return future.result(timeout=self.step_bound_s)
         except FutureTimeout:
-            raise RuntimeError(f"explorer: waited {self.ctx.env_step_timeout_s:g}s (--env-step-timeout-s) for an "
-                               f"environment step of group {self._group_of(sample)}") from None
+            raise RuntimeError(f"explorer: waited {self.step_bound_s:g}s (twice --env-step-timeout-s, and 60 s) "
+                               f"for an environment step of group {self._group_of(sample)}") from None
+
+    @property
+    def step_bound_s(self) -> float:
+        """How long a `receive` may take: its environment calls (step, then close) are each bounded by
+        --env-step-timeout-s and end only their episode, so a longer wait is a bug of ours, not a slow environment."""
+        return 2 * self.ctx.env_step_timeout_s + 60
 
     def _group_of(self, sample) -> str:
         for w in self.workflows:
@@ -205,9 +213,9 @@ class Rollouts:
                         else answered.get_nowait()
                 except queue.Empty:
                     oldest = min(pending.items(), key=lambda kv: kv[1])
-                    if time.monotonic() - oldest[1] > self.ctx.env_step_timeout_s:
-                        raise RuntimeError(f"explorer: waited {self.ctx.env_step_timeout_s:g}s "
-                                           f"(--env-step-timeout-s) for an environment step of group "
+                    if time.monotonic() - oldest[1] > self.step_bound_s:
+                        raise RuntimeError(f"explorer: waited {self.step_bound_s:g}s (twice --env-step-timeout-s, "
+                                           f"and 60 s) for an environment step of group "
                                            f"{self._group_of(owner[oldest[0]][1])}") from None
                     if block and not out:
                         deadline = time.monotonic() + 1.0
@@ -284,6 +292,7 @@ def rollout_metrics(flat: list) -> dict:
         counts.update(s.counts())
     if "rollout/episode_truncated" in counts:
         counts["rollout/episode_truncated_frac"] = counts.pop("rollout/episode_truncated") / counts["rollout/episodes"]
+        counts["rollout/env_threads_abandoned"] = abandoned_threads()  # timed-out sync env/tool calls still running
     return {**out, **counts}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Callable
 
 from common.experience import Experience
@@ -53,11 +54,18 @@ def drop_stale(experiences: list[Experience], args, version: int) -> tuple[list[
 
 
 def drop_invalid_rewards(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
-    """Non-finite rewards are always dropped; failed verifiers (reward_info["failed"]: error, timeout, crash) too
-    when --drop-failed-rewards (instead of training on their 0)."""
-    kept = [e for e in experiences
-            if math.isfinite(e.reward) and not (args.drop_failed_rewards and e.reward_info.get("failed"))]
-    return kept, {"filter/invalid_dropped": len(experiences) - len(kept)}
+    """Non-finite rewards are always dropped; failed samples (reward_info["failed"]: a verifier's error, timeout or
+    crash, an episode that ended in an environment error, timeout or template failure) too when
+    --drop-failed-rewards (instead of training on their floor score), counted per reason as
+    filter/failed_dropped/<reason> (an episode's end reason, or "verifier")."""
+    kept, failed = [], Counter()
+    for e in experiences:
+        if args.drop_failed_rewards and e.reward_info.get("failed"):
+            failed[e.reward_info.get("failed_reason", "verifier")] += 1
+        elif math.isfinite(e.reward):
+            kept.append(e)
+    return kept, {"filter/invalid_dropped": len(experiences) - len(kept),
+                  **{f"filter/failed_dropped/{k}": v for k, v in failed.items()}}
 
 
 def mask_truncated(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
