@@ -141,6 +141,12 @@ class CommonArgs:
     tool_timeout_s: float = 10.0
     """A tool call that takes longer gives an error observation ('timeout') and the episode goes on (the calls
     of one turn run in parallel)."""
+    max_tool_calls_per_turn: int = 8
+    """Tool calls of one turn that run; each one beyond gets an error observation ('too_many_calls', counted as
+    rollout/tool_error/too_many_calls) and starts nothing."""
+    sandbox_procs: int = 4
+    """Sandboxed programs (a tool's model-written code, rewards/sandbox.py) that run at once in one explorer; a
+    call waits for a slot within its --tool-timeout-s."""
     env_setting: tuple[str, ...] = ()
     """An environment's typed setting, NAME.FIELD=VALUE (repeatable), e.g. calculator.sandbox_timeout_s=2: the
     fields of the environment's Settings dataclass (common/envs/)."""
@@ -388,6 +394,8 @@ class CommonArgs:
         "max_new_tokens": (1, True, None, False, ""),
         "max_turns": (1, True, None, False, ""),
         "tool_timeout_s": (0, False, None, False, ""),
+        "max_tool_calls_per_turn": (1, True, None, False, ""),
+        "sandbox_procs": (1, True, None, False, ""),
         "env_step_timeout_s": (0, False, None, False, ""),
         "reward_workers": (1, True, None, False, ""),
         "reward_timeout_s": (0, False, None, False, ""),

@@ -421,6 +421,13 @@ def test_in_turn_tool_call_result_is_masked_and_the_turn_goes_on():
     assert first.endswith("</tool_call>") and "junk" not in first  # ids after the call are dropped
     assert result == "\n<tool_response>\n42\n</tool_response>\n"
     assert rest.startswith(" So Answer: 42") and e.final_text == " So Answer: 42"
+    # A call written inside reasoning that never closes counts for nothing: no tool runs, the turn is not cut,
+    # and the episode ends on its (empty) answer, not with an error.
+    groups, _ = run_episodes(Scripted(tok, ["<think>maybe " + call + " then more thoughts"]), ctx, [task],
+                             SamplingConfig(n=1))
+    e = groups[0].responses[0]
+    assert e.end_reason == "done" and e.tool_calls == 0 and not e.error and e.final_text == "", (e.end_reason, e.error)
+    assert tok.decode(e.response_ids, skip_special_tokens=True).endswith("then more thoughts")
 
 
 def test_turn_level_returns_and_advantages():

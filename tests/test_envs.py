@@ -104,6 +104,28 @@ def test_calculator_python_tool_runs_in_the_sandbox_and_a_hang_is_a_timeout():
     assert env.step("Answer: 27").done
 
 
+@pytest.mark.timeout(120)
+def test_forty_tool_calls_in_one_turn_start_at_most_the_bounded_number_of_programs():
+    """--max-tool-calls-per-turn 8: 40 sandboxed `python` calls in one turn run 8 programs (the rest are counted
+    errors that start nothing), and --sandbox-procs 3 keeps at most 3 of them running at any moment."""
+    from common.envs.tools import set_sandbox_slots
+
+    set_sandbox_slots(3)
+    try:
+        env = make_env("calculator", {"max_tool_calls_per_turn": 8, "tool_timeout_s": 60.0})
+        env.reset({"prompt": "p"})
+        code = "import time; a = time.time(); time.sleep(0.4); print(a, time.time())"
+        call = '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>' % code
+        out = env.step(call * 40)
+    finally:
+        set_sandbox_slots(4)
+    ran = [tuple(map(float, m["content"].split())) for m in out.messages if not m["content"].startswith("error")]
+    assert len(ran) == 8 and out.info["tool_errors"] == ["too_many_calls"] * 32, out.messages[:2]
+    assert out.info["tool_calls"] == 40 and "too_many_calls" in out.messages[-1]["content"]
+    most = max(sum(a <= t < b for a, b in ran) for t, _ in ran)  # programs running when each one started
+    assert most <= 3, ran
+
+
 def test_guess_number_and_retry_feedback():
     env = make_env("guess_number")
     env.reset({"secret": 5, "high": 8})

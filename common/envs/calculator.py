@@ -102,12 +102,12 @@ class Calculator(ToolEnv):
         Args:
             code: a program that prints the result
         """
-        from rewards.sandbox import Limits, run
+        from common.envs.tools import ToolError, run_sandboxed
+        from rewards.sandbox import Limits
 
         limit = self.settings.sandbox_timeout_s
-        result = run(code, limits=Limits(timeout_s=limit, memory_mb=self.settings.sandbox_memory_mb))
+        result = run_sandboxed(code, Limits(timeout_s=limit, memory_mb=self.settings.sandbox_memory_mb),
+                               wait_s=self.settings.tool_timeout_s)
         if result.timed_out:
-            from common.envs.tools import ToolError
-
             raise ToolError("timeout", f"program ran past {limit:g}s")
         return (result.stdout if result.ok else f"{result.stdout}\n{result.reason}").strip()[-2000:]

@@ -10,11 +10,12 @@ error observation ("error: <reason>: ...") and the episode goes on; the reason i
 (rollout/tool_error/<reason>). A turn without any tool call is the model's answer: `ToolEnv.answer` decides.
 
 Tools run in this process (they are the environment's own code), the calls of one turn in parallel threads, each
-waited on for at most tool_timeout_s (an environment setting, --tool-timeout-s); an output longer than
-max_tool_output_chars keeps its head and tail. A thread cannot be killed, so a tool must bound its own work (the
+waited on for at most tool_timeout_s (an environment setting, --tool-timeout-s); at most max_tool_calls_per_turn
+calls of one turn run (--max-tool-calls-per-turn: each one beyond is an error observation, "too_many_calls", and
+starts nothing); an output longer than max_tool_output_chars keeps its head and tail. A thread cannot be killed, so a tool must bound its own work (the
 calculator refuses over-large integers before computing them), and a tool that runs model-written code must hand
-it to rewards/sandbox.py (see common/envs/calculator.py's `python` tool: a process with time and memory limits),
-never exec it here.
+it to rewards/sandbox.py through `run_sandboxed` (see common/envs/calculator.py's `python` tool: a process with
+time and memory limits, at most --sandbox-procs of them at once in one explorer), never exec it here.
 """
 
 from __future__ import annotations
@@ -101,6 +102,28 @@ class ToolThread:
         return self.box.get("value")
 
 
+SANDBOX_SLOTS = threading.BoundedSemaphore(4)  # sandboxed programs of this process's tools at once (--sandbox-procs)
+
+
+def set_sandbox_slots(n: int) -> None:
+    global SANDBOX_SLOTS
+    SANDBOX_SLOTS = threading.BoundedSemaphore(n)
+
+
+def run_sandboxed(code: str, limits, wait_s: float):
+    """rewards.sandbox.run(code) once one of this process's --sandbox-procs slots is free (waited on for at most
+    `wait_s`: a ToolError("busy") past it), so the tool calls of many episodes never start more programs than that."""
+    from rewards.sandbox import run
+
+    slots = SANDBOX_SLOTS
+    if not slots.acquire(timeout=wait_s):
+        raise ToolError("busy", f"no sandbox slot free within {wait_s:g}s (--sandbox-procs)")
+    try:
+        return run(code, limits=limits)
+    finally:
+        slots.release()
+
+
 def call_with_timeout(fn, kwargs: dict, timeout_s: float):
     """fn(**kwargs), waited on for at most `timeout_s` (see ToolThread)."""
     return ToolThread(fn, kwargs, timeout_s).result()
@@ -119,7 +142,7 @@ class ToolEnv(Env):
 
     tools: tuple[str, ...] | None = None
     API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "max_tool_output_chars",
-           "API", "settings", "Settings", "make_task", "required_fields"}
+           "API", "settings", "Settings", "make_task", "task_list", "required_fields", "worst_reward"}
 
     @property
     def tool_timeout_s(self) -> float:
@@ -144,12 +167,15 @@ class ToolEnv(Env):
         return StepResult([], 0.0, True, {})
 
     def step(self, action: str) -> StepResult:
-        """The calls of one turn run in parallel (each bounded by tool_timeout_s from the same start); their
-        results come back in the order of the calls."""
+        """The calls of one turn run in parallel (each bounded by tool_timeout_s from the same start; at most
+        max_tool_calls_per_turn of them); their results come back in the order of the calls."""
         calls = parse_tool_calls(action)
         if calls is None:
             return self.answer(action)
-        started = [self._start(c) for c in calls]
+        limit = self.settings.max_tool_calls_per_turn
+        started = [self._start(c) for c in calls[:limit]] + [
+            ToolError("too_many_calls", f"more than {limit} tool calls in one turn (--max-tool-calls-per-turn): "
+                                        f"this one was not run") for _ in calls[limit:]]
         messages, errors = [], []
         for call in started:
             try:

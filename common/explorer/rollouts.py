@@ -68,6 +68,7 @@ class Context:
     reasoning_parser: str = "think"
     in_turn_tools: bool = False
     truncated_turns: str = "end"        # --truncated-turns: a turn cut at max_new_tokens ends its episode, or goes on
+    max_tool_calls_per_turn: int = 8
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     _renderer: object = None
 
@@ -81,15 +82,19 @@ class Context:
 
     @property
     def env_settings(self) -> dict:
-        """make_env's overrides: the shared tool timeout, then every --env-setting."""
-        return {"tool_timeout_s": self.tool_timeout_s, **parse_env_settings(self.env_setting)}
+        """make_env's overrides: the shared tool limits, then every --env-setting."""
+        return {"tool_timeout_s": self.tool_timeout_s, "max_tool_calls_per_turn": self.max_tool_calls_per_turn,
+                **parse_env_settings(self.env_setting)}
 
     @classmethod
     def from_args(cls, tokenizer, args, processor=None) -> "Context":
+        from common.envs.tools import set_sandbox_slots
+
+        set_sandbox_slots(args.sandbox_procs)  # one explorer per process: its tools' sandboxed programs at once
         return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
                    args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
                    args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools,
-                   args.truncated_turns, processor)
+                   args.truncated_turns, args.max_tool_calls_per_turn, processor)
 
 
 class Rollouts:
