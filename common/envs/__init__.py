@@ -106,7 +106,7 @@ def call_bounded(fn, *args, timeout_s: float, loop: asyncio.AbstractEventLoop | 
     """fn(*args), waited on for at most `timeout_s` (EnvTimeout past it). A coroutine function runs on `loop` (the
     episode's own event loop, so what the environment binds to it lives across its steps) and is cancelled at the
     limit; a plain function runs in a daemon thread that is abandoned at the limit (it cannot be killed: an
-    environment whose calls can hang on I/O should be async or out of process, common/envs/http_env.py)."""
+    environment whose calls can hang on I/O should be async, or let `close` release them)."""
     if inspect.iscoroutinefunction(fn):
         if loop is None:
             raise ValueError("an async environment call needs the episode's event loop")
