@@ -1,9 +1,12 @@
-"""Many tensors as a few flat buffers, one collective each: what the weight broadcast
-(common/weight_sync/broadcast.py) and the data-parallel gradient all-reduce (common/trainer/parallel.py) send."""
+"""Many tensors as a few flat buffers: one collective each (the weight broadcast, common/weight_sync/broadcast.py, and
+the data-parallel gradient all-reduce, common/trainer/parallel.py), or one shared buffer with a byte layout (the
+vLLM engine's receive buffers, the colocated weight hand-off)."""
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import torch
 
@@ -56,8 +59,14 @@ def flat_views(flat: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor
 
 def map_shared_file(path: str, size: int, create: bool = False) -> torch.Tensor:
     """A file (in /dev/shm: shared memory) as a flat uint8 CPU tensor every process that maps it sees and writes;
-    `create` makes (or resizes) it first."""
+    `create` makes it first, its pages reserved (a full /dev/shm is this one-line error, not a SIGBUS later)."""
     if create:
         with open(path, "wb") as f:
-            f.truncate(max(size, 1))
+            try:
+                os.posix_fallocate(f.fileno(), 0, max(size, 1))
+            except OSError as e:
+                free = shutil.disk_usage(os.path.dirname(path)).free
+                raise RuntimeError(f"no room for {size / 2**20:.0f} MB of weights in {os.path.dirname(path)} "
+                                   f"({free / 2**20:.0f} MB free: {e.strerror}); enlarge it (docker: --shm-size)") \
+                    from None
     return torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]

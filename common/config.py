@@ -25,7 +25,7 @@ from rewards.base import KINDS
 from common.tasks.processors import TASK_PROCESSORS
 
 AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
-SyncMethod = Literal[tuple(METHODS)]  # --sync-method's choices: common/weight_sync's registry
+SyncMethod = Literal[("auto", *METHODS)]  # --sync-method's choices: common/weight_sync's registry
 RewardKind = Literal[tuple(KINDS)]  # --default-reward's choices: the verifiers of rewards/base.py
 
 
@@ -286,8 +286,10 @@ class CommonArgs:
     filter/failed_dropped/<reason>."""
 
     # --- weight sync -----------------------------------------------------------------------------------------
-    sync_method: SyncMethod = "broadcast"
-    """broadcast (torch.distributed: nccl on CUDA, gloo on CPU) or checkpoint (safetensors files the explorers poll)."""
+    sync_method: SyncMethod = "auto"
+    """How weights reach the explorers (common/weight_sync/): broadcast (torch.distributed: nccl on CUDA, gloo on
+    CPU), checkpoint (safetensors files the explorers poll), colocated (one shared buffer, /dev/shm or CUDA IPC: every
+    explorer on trainer 0's node and device), auto: colocated where it applies, else broadcast."""
     sync_bucket_mb: int = 256
     """Size of the flat buffers weights are packed into for the broadcast."""
     max_staleness: int = 2

@@ -75,7 +75,7 @@ def test_async_two_explorers_on_two_nodes(tmp_path):
     on the final weights, bit-identical to the trainer's."""
     out, port = tmp_path / "run", _port()
     args = [*TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync", "--num-explorers", "2",
-            "--max-staleness", "1"]
+            "--max-staleness", "1", "--sync-method", "broadcast"]  # what auto picks across real nodes
     finish(node(0, 2, 2, port, "train_async.py", *args), node(1, 2, 1, port, "train_async.py", *args))
     rows = assert_trained(out, steps=6)
     assert all(r["staleness/max"] <= 1 for r in rows)

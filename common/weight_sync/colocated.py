@@ -1,0 +1,206 @@
+"""--sync-method colocated: explorers that share trainer rank 0's device hand weights over through one shared buffer,
+with no socket and no collective: the trainer writes once, every explorer reads once.
+
+The buffer (the slot) is one flat byte buffer in trainer 0's memory holding every weight at a fixed offset
+(`common.buckets.flat_layout`, HF named_parameters order and names):
+- CPU: a file in /dev/shm that trainer and explorers map (torch.from_file, shared);
+- CUDA: a tensor on trainer 0's GPU whose CUDA IPC handle (torch.multiprocessing's reduction, the one its
+  Queue uses) explorers on that same GPU open; their copy out of it is a device-to-device copy.
+Both take the same code path; only opening the slot differs (`_open_slot`).
+
+One slot, guarded by a handshake in the run's store (each key written by one side only):
+- `writing` (trainer 0) is set before it writes and cleared after the new version is published;
+- `reading/<i>` (explorer i) is set before it reads and cleared once its copy has finished.
+Each side raises its own flag, then reads the other's (the store orders every operation): an explorer that sees
+`writing` lowers its flag and tries later; the trainer waits (a copy, milliseconds on a GPU) until no explorer
+reads. So a version is never read while written, and what an explorer reads is exactly the published version.
+The trainer never waits for an explorer to come and fetch (it writes into the slot when no copy is running, as the
+in-flight broadcast snapshots): explorers take the newest version between generation batches, or between decode
+steps with vLLM, and may skip versions as with checkpoint sync. `pull` blocks for a version newer than the one
+held (the synchronous schedules, whose trainer pushes each version before it can make the next).
+
+Applies when every explorer runs on trainer 0's node and device (all cpu, or the same GPU); checked at start-up.
+`--sync-method auto` (the default) picks it there (common/weight_sync/__init__.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import pickle
+import socket
+import time
+import uuid
+
+import torch
+
+from common.buckets import flat_layout, flat_views, map_shared_file
+from common.runtime.channel import StoreValue
+from common.weight_sync.base import WeightSync, full_tensor
+
+
+def placement(ctx) -> dict:
+    """Where this rank runs, as colocation compares it: node and device."""
+    return {"node": socket.gethostname(), "device": str(ctx.device)}
+
+
+def colocated(ctx, timeout_s: float) -> tuple[bool, str]:
+    """(every explorer runs on trainer 0's node and device, why not): each rank of the sync group publishes its
+    placement in the store once; every rank of the run reads them all, so all reach the same answer."""
+    if ctx.rank == ctx.sync_src or ctx.role == "explorer":
+        ctx.store.set(f"weight_sync/where/{ctx.rank}", json.dumps(placement(ctx)))
+    where = {r: json.loads(ctx.wait_key(f"weight_sync/where/{r}", timeout_s, f"placement of {ctx.names[r]}"))
+             for r in [ctx.sync_src, *ctx.explorer_ranks]}
+    trainer = where[ctx.sync_src]
+    for r in ctx.explorer_ranks:
+        if where[r] != trainer:
+            return False, (f"{ctx.names[r]} runs on {where[r]['device']} of node {where[r]['node']}, trainer0 on "
+                           f"{trainer['device']} of node {trainer['node']}")
+    return True, ""
+
+
+def _share(slot: torch.Tensor, path: str | None) -> bytes:
+    """How another process opens the slot: the /dev/shm file, or the CUDA IPC handle of the GPU tensor."""
+    if slot.device.type == "cpu":
+        return pickle.dumps({"path": path, "size": slot.numel()})
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    buf = io.BytesIO()
+    pickle.dump({"cuda": reduce_tensor(slot)}, buf)
+    return buf.getvalue()
+
+
+def _open_slot(shared: bytes, device: torch.device) -> torch.Tensor:
+    """The trainer's slot in this process: the same memory, no copy (CPU: mapped file; CUDA: IPC handle)."""
+    desc = pickle.loads(shared)
+    if "path" in desc:
+        return map_shared_file(desc["path"], desc["size"])
+    rebuild, args = desc["cuda"]
+    slot = rebuild(*args)
+    if slot.device != device:
+        raise RuntimeError(f"colocated weight sync: trainer0's slot is on {slot.device}, this explorer on {device}")
+    return slot
+
+
+class ColocatedSync(WeightSync):
+    name = "colocated"
+
+    def __init__(self, ctx, args, timeline, engine=None):
+        super().__init__(ctx, args, timeline, engine)
+        self.published = StoreValue(ctx.store, "weight_sync/colocated/version", -1)
+        self.writing = StoreValue(ctx.store, "weight_sync/colocated/writing", 0)
+        self.opened = StoreValue(ctx.store, "weight_sync/colocated/opened", 0)
+        self.reading = [StoreValue(ctx.store, f"weight_sync/colocated/reading/{i}", 0)
+                        for i in range(len(ctx.explorer_ranks))]
+        self.slot: torch.Tensor | None = None
+        self.views: dict[str, torch.Tensor] = {}
+        self.path: str | None = None  # trainer, CPU: the /dev/shm file until every explorer has mapped it
+
+    @classmethod
+    def check(cls, ctx, args):
+        ok, why = colocated(ctx, args.timeout_s)
+        if not ok:
+            raise SystemExit(f"error: --sync-method colocated needs every explorer on trainer0's device: {why} "
+                             "(use --sync-method broadcast)")
+
+    # ------------------------------------------------------------------ trainer 0
+    def _allocate(self, named_tensors) -> None:
+        device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
+        layout, size = flat_layout([(n, tuple(t.shape), t.dtype) for n, t in named_tensors])
+        if device.type == "cuda":
+            self.slot = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+            self.path = os.path.join(shm, f"tandem-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            atexit.register(self._unlink)
+            self.slot = map_shared_file(self.path, size, create=True)
+        self.views = dict(flat_views(self.slot, layout))
+        self.ctx.store.set("weight_sync/colocated/slot", _share(self.slot, self.path))
+        self.ctx.store.set("weight_sync/colocated/layout", json.dumps(layout))
+
+    def _unlink(self) -> None:
+        if self.path is not None and os.path.exists(self.path):
+            os.unlink(self.path)  # explorers that mapped it keep their mapping
+        self.path = None
+
+    @torch.no_grad()
+    def _send(self, named_tensors, version, step, wait, check):
+        # a sharded trainer's full_tensor gathers are collectives over the trainers: every trainer reaches them
+        with self.timeline.phase("sync", step=step, version=version, **check):
+            if self.slot is None:
+                self._allocate(named_tensors)
+            self.writing.value = 1
+            try:
+                self._wait_for_readers()
+                for name, t in named_tensors:
+                    self.views[name].copy_(full_tensor(t).detach())
+                if self.slot.device.type == "cuda":
+                    torch.cuda.synchronize(self.slot.device)  # written before anyone is told
+                self.published.value = version
+            finally:
+                self.writing.value = 0
+        if self.path is not None and self.opened.value >= len(self.ctx.explorer_ranks):
+            self._unlink()
+
+    def _wait_for_readers(self) -> None:
+        start = time.time()
+        for i, flag in enumerate(self.reading):
+            while flag.value:
+                if time.time() - start > self.args.timeout_s:
+                    raise TimeoutError(f"trainer0: explorer{i} still copying the colocated weights after "
+                                       f"{self.args.timeout_s:.0f}s")
+                time.sleep(0.001)
+
+    # ------------------------------------------------------------------ an explorer
+    def _attach(self) -> None:
+        shared = self.ctx.wait_key("weight_sync/colocated/slot", self.args.timeout_s, "trainer0's weight slot")
+        layout = json.loads(self.ctx.wait_key("weight_sync/colocated/layout", self.args.timeout_s,
+                                              "trainer0's weight layout"))
+        self.slot = _open_slot(shared, self.ctx.device)
+        self.views = dict(flat_views(self.slot, layout))
+        self.ctx.store.add("weight_sync/colocated/opened", 1)  # trainer0 unlinks the /dev/shm file once all have
+
+    @torch.no_grad()
+    def _take(self, step: int) -> float | None:
+        """Copy the published version into the engine if it is newer and not being written; returns when the copy
+        started, None when there was nothing to take."""
+        if self.published.value <= self.version:
+            return None
+        if self.slot is None:
+            self._attach()
+        mine = self.reading[self.ctx.index]
+        mine.value = 1
+        try:
+            if self.writing.value:
+                return None
+            start, version = time.time(), self.published.value
+            buffers = self.engine.weight_buffers()
+            for name, t in buffers:
+                src = self.views.get(name)
+                if src is None:
+                    raise KeyError(f"colocated weight sync: trainer0 sends no {name}")
+                t.copy_(src)
+            if self.slot.device.type == "cuda":
+                torch.cuda.synchronize(self.slot.device)  # the copy has finished reading the slot
+        finally:
+            mine.value = 0
+        self.engine.commit_weights(buffers, version)
+        self.version = version
+        self.timeline.record("sync", start, time.time(), step=step, version=version, **self._checked())
+        return start
+
+    def pull(self, step):
+        """Wait until trainer0 has published a version newer than the one held, and take it."""
+        start = time.time()
+        while (took := self._take(step)) is None:
+            if time.time() - start > self.args.timeout_s:
+                raise TimeoutError(f"{self.ctx.name}: no weights newer than v{self.version} from trainer0 after "
+                                   f"{self.args.timeout_s:.0f}s (trainer stalled?)")
+            time.sleep(0.001)
+        self.timeline.record("wait", start, took, step=step)
+        return self.version
+
+    def poll(self, step):
+        return self._take(step) is not None

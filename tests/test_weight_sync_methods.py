@@ -1,0 +1,152 @@
+"""Every weight-sync method of common/weight_sync/ hands weights from a trainer process to an explorer process (a
+real world: gloo, the store, /dev/shm): the explorer holds exactly the versions sent, bit for bit, and generates
+with them."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from common.runtime.launcher import run_function
+from common.weight_sync import METHODS
+from tests.conftest import ROOT, TINY
+
+VERSIONS = 3
+PROMPT = [[5, 17, 42, 99, 7]]
+
+
+def _args(out_dir, method):
+    from common.config import parse_args
+    from train_sync import Args
+
+    return parse_args(Args, [*TINY, "--out-dir", out_dir, "--sync-method", method, "--verify-sync"])
+
+
+def _greedy(engine):
+    from common.explorer.engine import SamplingConfig
+
+    return engine.generate(PROMPT, SamplingConfig(temperature=0, max_new_tokens=12))[0][0].response_ids
+
+
+def ranks(ctx, out_dir, method):
+    """Trainer: versions 0..2, each with weights moved far from the last; records hash and greedy output. Explorer
+    (other initial weights): pulls each version, records the version, its engine's hash and its greedy output."""
+    from common.explorer.engine import HFEngine
+    from common.model import build_tiny_tokenizer, load_model
+    from common.runtime.metrics import Timeline
+    from common.weight_sync import check_weight_sync, make_weight_sync, weights_hash
+
+    args = _args(out_dir, method)
+    check_weight_sync(ctx, args)
+    timeline = Timeline(out_dir, ctx.name)
+    engine = HFEngine(load_model("tiny", seed=7 if ctx.role == "explorer" else 0), build_tiny_tokenizer())
+    seen = []
+    if ctx.role == "explorer":
+        weights = make_weight_sync(args, ctx, timeline, engine)
+        for step in range(VERSIONS):
+            version = weights.pull(step)
+            seen.append((version, engine.weights_checksum(), _greedy(engine)))
+            ctx.store.set(f"took/{version}", "1")
+    else:
+        weights = make_weight_sync(args, ctx, timeline)
+        named = engine.weight_buffers()
+        for version in range(VERSIONS):
+            with torch.no_grad():
+                for _, p in named:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.5 * version)
+            seen.append((version, weights_hash(named), _greedy(engine)))
+            weights.push(named, version, version)
+            ctx.store.wait([f"took/{version}"])  # the explorer has it: the next version may overwrite
+    with open(os.path.join(out_dir, f"seen-{ctx.name}.json"), "w") as f:
+        json.dump({"method": args.sync_method, "seen": seen}, f)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_each_method_hands_over_exact_versions_that_generate(tmp_path, method):
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    run_function("test_weight_sync_methods:ranks", 1, 1, str(tmp_path), method)
+    sent, got = (json.load(open(tmp_path / f"seen-{n}.json")) for n in ("trainer0", "explorer0"))
+    assert sent["method"] == got["method"] == method
+    assert [v for v, _, _ in got["seen"]] == list(range(VERSIONS))  # every version, in order, none twice
+    assert got["seen"] == sent["seen"]  # bit-identical weights, and the explorer generates what they generate
+    assert len({h for _, h, _ in sent["seen"]}) == VERSIONS and len({str(o) for _, _, o in sent["seen"]}) > 1
+
+
+def test_auto_picks_colocated_for_cpu_ranks(tmp_path):
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    run_function("test_weight_sync_methods:ranks", 1, 1, str(tmp_path), "auto")
+    assert json.load(open(tmp_path / "seen-explorer0.json"))["method"] == "colocated"
+
+
+class _Buffers:
+    """The engine side a weight-sync method needs: buffers to write into, and a commit (here: checked at once)."""
+
+    def __init__(self):
+        self.buffers = [("w", torch.zeros(4, 1 << 20)), ("b", torch.zeros(1 << 20))]
+        self.torn = []
+
+    def weight_buffers(self):
+        return self.buffers
+
+    def commit_weights(self, buffers, version):
+        values = {float(t.min()) for _, t in buffers} | {float(t.max()) for _, t in buffers}
+        if values != {float(version)}:
+            self.torn.append((version, sorted(values)))
+
+
+def race(ctx, out_dir):
+    """The trainer writes versions back to back while the explorer takes whatever is published (as between decode
+    steps): every version taken must be whole (each tensor filled with its version number), never half-written."""
+    from common.runtime.metrics import Timeline
+    from common.weight_sync import make_weight_sync
+
+    args = _args(out_dir, "colocated")
+    args.verify_sync = False  # the commit itself checks
+    engine = _Buffers()
+    weights = make_weight_sync(args, ctx, Timeline(out_dir, ctx.name), engine if ctx.role == "explorer" else None)
+    last = 40
+    if ctx.role == "trainer":
+        named = [(n, torch.empty_like(t)) for n, t in engine.buffers]
+        for version in range(last + 1):
+            for _, t in named:
+                t.fill_(version)
+            weights.push(named, version, version)
+        return
+    taken = [weights.pull(0)]
+    while taken[-1] < last:
+        if weights.poll(0):
+            taken.append(weights.version)
+    with open(os.path.join(out_dir, "race.json"), "w") as f:
+        json.dump({"taken": taken, "torn": engine.torn}, f)
+
+
+def test_colocated_never_hands_over_a_half_written_version(tmp_path):
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    run_function("test_weight_sync_methods:race", 1, 1, str(tmp_path))
+    got = json.load(open(tmp_path / "race.json"))
+    assert got["torn"] == [] and got["taken"] == sorted(set(got["taken"])) and len(got["taken"]) > 2, got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (run by make gpu-check)")
+def test_colocated_cuda_slot_opens_in_another_process():
+    """The CUDA sibling of the shared file: a GPU tensor's IPC handle opened in a second process is the same memory."""
+    import torch.multiprocessing as mp
+
+    from common.weight_sync.colocated import _share
+
+    slot = torch.arange(1 << 20, dtype=torch.uint8, device="cuda")
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    proc = ctx.Process(target=_cuda_reader, args=(_share(slot, None), str(slot.device), result))
+    proc.start()
+    assert result.get(timeout=120) == int(slot.sum())
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+
+
+def _cuda_reader(shared, device, result):
+    from common.weight_sync.colocated import _open_slot
+
+    torch.cuda.set_device(torch.device(device))
+    result.put(int(_open_slot(shared, torch.device(device)).sum()))
