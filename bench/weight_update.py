@@ -131,6 +131,14 @@ def _handoff_rank(rank, port, out_dir, shapes, device, dtype, methods, repeats, 
                 if version:
                     times[method].append(end - float(ctx.store.get(f"start/{method}/{version}")))
         sync.wait()
+        # The explorer holds the trainer's weights bit for bit: integer sums of the raw bits, per tensor.
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+        digest = json.dumps([int(t.view(bits).to(torch.int64).sum()) for _, t in named])
+        if rank == 0:
+            ctx.store.set(f"digest/{method}", digest)
+        else:
+            times[f"{method}_exact"] = digest == ctx.store.get(f"digest/{method}").decode()
+        dist.barrier(group=ctx.sync_group)
     if rank == 1:
         results.put(times)
     dist.barrier(group=ctx.sync_group)
@@ -140,8 +148,9 @@ def _handoff_rank(rank, port, out_dir, shapes, device, dtype, methods, repeats, 
 def handoff_gbps(model="default", device: str = "cpu", dtype: str = "float32",
                  methods=("broadcast", "colocated"), repeats: int = 3, timeout_s: float = 300) -> dict:
     """Weight hand-off from a trainer process to an explorer process on `device` (both on it: colocated), per
-    weight-sync method. Returns {"weights_gb", "device", "dtype", method: {"gbps", "best_s", "all_s"}}; GB/s is
-    the weights' bytes over the best hand-off time (push start to the explorer holding them)."""
+    weight-sync method. Returns {"weights_gb", "device", "dtype", method: {"gbps", "best_s", "all_s",
+    "bit_identical"}}; GB/s is the weights' bytes over the best hand-off time (push start to the explorer holding
+    them); bit_identical: the explorer's weights equal the trainer's afterwards."""
     import socket
     import tempfile
 
@@ -171,9 +180,10 @@ def handoff_gbps(model="default", device: str = "cpu", dtype: str = "float32",
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"hand-off benchmark: a rank failed (exit codes {[p.exitcode for p in procs]})")
     out = {"weights_gb": round(size / 1e9, 3), "device": device, "dtype": dtype}
-    for method, ts in times.items():
+    for method in methods:
+        ts = times[method]
         out[method] = {"gbps": round(size / 1e9 / min(ts), 2), "best_s": round(min(ts), 4),
-                       "all_s": [round(t, 4) for t in ts]}
+                       "all_s": [round(t, 4) for t in ts], "bit_identical": times[f"{method}_exact"]}
     return out
 
 
