@@ -59,13 +59,18 @@ def alive(pid: int) -> bool:
 
 def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=(),
                    model: str = "tiny") -> list[dict]:
-    """The end-to-end check that a run learned: every step's row has loss != 0 and grad_norm > 0 (steps listed in
-    `skipped` are exempt: e.g. partial rollouts where no group had finished), and final/ differs from the initial
-    tiny model. Returns the metrics rows."""
+    """The end-to-end check that a run learned through its policy-gradient term: the run has no entropy bonus (which
+    alone makes loss and gradient non-zero whatever the rewards), and every step's row has non-zero advantages,
+    loss != 0 and grad_norm > 0 (steps listed in `skipped` are exempt: e.g. partial rollouts where no group had
+    finished), and final/ differs from the initial tiny model. Returns the metrics rows."""
+    import json
+
     import torch
 
     from common.runtime.metrics import read_metrics
 
+    config = json.load(open(os.path.join(str(out_dir), "config.json")))
+    assert config["entropy_coef"] == 0, "an entropy bonus trains without any reward signal: give the run a signal"
     rows = read_metrics(str(out_dir))
     assert rows, f"no metrics in {out_dir}"
     if steps is not None:
@@ -73,6 +78,7 @@ def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = Tr
     for r in rows:
         if r["step"] in skipped:
             continue
+        assert r.get("advantage/abs_mean", 0) > 0, f"step {r['step']} had no advantage to learn from: {r}"
         assert r["loss"] != 0 and r["grad_norm"] > 0, f"step {r['step']} did not train: {r}"
     if weights_changed:
         from common.model import load_model

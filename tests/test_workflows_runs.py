@@ -1,27 +1,26 @@
 """Every schedule trains a taskset that mixes single-turn (arith) and multi-turn (guess_number, calculator tools)
-tasks with the HF engine (with vLLM: tests/test_vllm_runs.py): the steps train (loss != 0, grad_norm > 0) and the
-metrics count the episodes' turns and end reasons."""
+tasks with the HF engine (with vLLM: tests/test_vllm_runs.py): the steps train through the policy gradient
+(assert_trained) and the metrics count the episodes' turns and end reasons."""
 
 import json
 
 import pytest
 
 from common.runtime.metrics import read_metrics
-from tests.conftest import TINY, run_script
+from tests.conftest import TINY, assert_trained, run_script
 
-# The random tiny model rarely scores on these tasks: an entropy bonus on every group (no zero-signal filter) keeps
-# a non-zero loss and gradient on every step whatever the rewards were.
+# A reward signal the random tiny model gets (no entropy bonus: it would make every step "train" on no signal):
+# parity scores every response by a share of its characters, and --format-reward scores each guess_number turn
+# that holds a number; groups whose rewards are all equal (calculator's, mostly) are left out of the update.
 # It seldom stops within --max-new-tokens either: its cut turns go on (--truncated-turns continue), so episodes
 # have several turns.
-SIGNAL = ["--entropy-coef", "0.01", "--no-drop-zero-signal-groups", "--truncated-turns", "continue"]
-MIXED = ["--taskset", "arith+guess_number+calculator", "--max-turns", "3", "--episode-token-budget", "900", *SIGNAL]
+SIGNAL = ["--format-reward", "1", "--truncated-turns", "continue"]
+MIXED = ["--taskset", "parity+guess_number+calculator", "--max-turns", "3", "--episode-token-budget", "900", *SIGNAL]
 
 
 def check_episodes(out, steps=2):
-    rows = read_metrics(str(out))
-    assert len(rows) == steps
+    rows = assert_trained(out, steps=steps)
     for r in rows:
-        assert r["loss"] != 0 and r["grad_norm"] > 0
         assert r["rollout/episodes"] > 0 and r["rollout/turns_mean"] > 1.0
         assert sum(v for k, v in r.items() if k.startswith("rollout/end/")) == r["rollout/episodes"]
 
@@ -38,7 +37,8 @@ def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
 
 @pytest.mark.timeout(600)
 def test_jsonl_rows_pick_their_env(tmp_path):
-    rows = [{"prompt": f"{i} + 1 = ? Answer: <n>", "answer": str(i + 1)} for i in range(6)]
+    rows = [{"prompt": f"Write {i + 3} characters, each with an even code point.", "reward": "parity", "parity": "even"}
+            for i in range(6)]
     rows += [{"env": "guess_number", "secret": i % 8 + 1, "high": 8} for i in range(6)]
     rows += [{"env": "retry", "prompt": f"{i} * 2 = ?", "answer": str(2 * i)} for i in range(6)]
     path = tmp_path / "mixed.jsonl"

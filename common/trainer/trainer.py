@@ -82,6 +82,10 @@ class Trainer:
             stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
             ref_logprobs = None  # no KL loss term
         adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, or GAE (critic)
+        per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
+        # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
+        stats["advantage/abs_mean"] = [masked_mean(per_token.abs().expand_as(batch.response_mask),
+                                                   batch.response_mask).item()]
         update_actor = self.step >= args.critic_warmup_steps  # critic warm-up: the policy waits
         # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
