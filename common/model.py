@@ -11,6 +11,7 @@ log-probs.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
 import shutil
@@ -211,10 +212,58 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=No
         return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False).last_hidden_state
     real = attention_mask.bool()
-    flat = body(input_ids=input_ids[real][None], attention_mask=None, position_ids=position_ids[real][None],
-                use_cache=False).last_hidden_state[0]
+    inputs = dict(input_ids=input_ids[real][None], attention_mask=None, position_ids=position_ids[real][None],
+                  use_cache=False)
+    config = getattr(body, "config", None)
+    if (getattr(config, "_attn_implementation", None) != "sdpa"  # flash-attention: varlen from the position ids
+            or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        flat = body(**inputs).last_hidden_state[0]
+    else:
+        _register_segment_sdpa()
+        ends = attention_mask.sum(-1).cumsum(0).tolist()
+        token = _PACKED_SEGMENTS.set(True)
+        try:
+            flat = body(**inputs, tandem_segments=tuple(zip([0] + ends[:-1], ends))).last_hidden_state[0]
+        finally:
+            _PACKED_SEGMENTS.reset(token)
     hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])
     return hidden.masked_scatter(real[..., None], flat)
+
+
+_PACKED_SEGMENTS = contextvars.ContextVar("tandem_packed_segments", default=False)
+"""Set while `hidden_states` runs a packed forward with sdpa: the mask builder then makes no [N, N] mask."""
+
+
+def _segment_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                  tandem_segments=None, **kwargs):
+    """transformers' sdpa attention, except for a packed forward (`tandem_segments`: (start, end) of every
+    sequence in the flat N tokens), which runs causal sdpa per sequence: no [N, N] mask in memory and no attention
+    computed across sequences (with a block-diagonal mask sdpa computes all N x N scores and cannot use its flash
+    kernel). The segments travel as a keyword of the forward, so a checkpointed layer's recomputation sees them."""
+    if tandem_segments is None:
+        return _SDPA_ATTENTION(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
+        enable_gqa=gqa) for s, e in tandem_segments], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _segment_sdpa_mask(*args, **kwargs):
+    """sdpa's mask builder, or no mask at all inside a packed forward (`_segment_sdpa` masks per sequence)."""
+    return None if _PACKED_SEGMENTS.get() else _SDPA_MASK(*args, **kwargs)
+
+
+def _register_segment_sdpa() -> None:
+    """Put `_segment_sdpa` in place of transformers' sdpa (once; it behaves as sdpa outside packed forwards)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    global _SDPA_ATTENTION, _SDPA_MASK
+    if ALL_ATTENTION_FUNCTIONS["sdpa"] is not _segment_sdpa:
+        _SDPA_ATTENTION, _SDPA_MASK = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+        ALL_ATTENTION_FUNCTIONS.register("sdpa", _segment_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", _segment_sdpa_mask)
 
 
 SHARED_PROMPT_MAX_TOKENS = 2048

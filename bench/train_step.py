@@ -1,0 +1,244 @@
+"""The trainer's step alone (synthetic experiences, no rollout): tokens/s and MFU against the device's own measured
+matmul rate.
+
+    python bench/train_step.py                                  # default model (SmolLM2-135M), fp32, CPU
+    python bench/train_step.py --model tiny --tokens 256 --steps 2
+    python bench/train_step.py --model cfg:Qwen/Qwen2.5-1.5B --device cuda --dtype bfloat16 --tokens 16384
+
+From code (bench/gpu_check.py): `measure(config, "cuda", torch.bfloat16, 16384)` with a transformers config (random
+weights of that shape) or a --model name.
+
+One step is `Trainer.train_step` as every schedule runs it (filters, collate, advantages, forward + backward of
+every micro-batch, gradient clipping, AdamW) over one minibatch of `micro_batches` packed micro-batches of about
+`tokens` tokens each: rows of a `prompt_len`-token prompt and a response of `response_len / 4 .. response_len`
+tokens, two per group with rewards 0 and 1 (every row has a non-zero advantage). The first step warms up; the
+figure is the median of the others.
+
+MFU = model FLOPs / step time / the matmul rate measured on the same device and dtype in the same process (fp32
+on CPU, bf16 on a GPU: `matmul_rate`). Model FLOPs = 6 x (non-embedding parameters x every token forwarded + the
+LM head's vocab x hidden x every trained token, the only positions the head runs on), the usual 6·N·D; attention's
+own score FLOPs and the recomputation of gradient checkpointing are not counted (they are overhead, as in PaLM's
+MFU). On a CPU the same ratio is also taken per CPU-second of this process (`mfu_cpu_time`: step CPU time against
+the matmul's FLOPs per CPU-second), which the other jobs of a shared machine do not dilute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, n: int | None = None,
+                seconds: float = 1.0, per_cpu_second: bool = False) -> float:
+    """FLOP/s of square n x n matmuls on `device` in `dtype` (best of a few timed rounds): the peak the train step
+    is compared with. n: 8192 on a GPU, 1024 on a CPU (large enough to reach the BLAS kernel's rate).
+    `per_cpu_second` (CPU): FLOPs per second of this process's CPU time, which other jobs on a shared machine
+    do not dilute."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    torch.mm(a, b, out=out)
+    _sync(device)
+    clock = time.perf_counter if device.type == "cuda" or not per_cpu_second else time.process_time
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == 0.0:
+        reps = 20 if device.type == "cuda" else 2
+        start = clock()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        _sync(device)
+        best = max(best, 2 * n**3 * reps / (clock() - start))
+    return best
+
+
+def model_flops(config, tokens: int, trained_tokens: int) -> float:
+    """6 x (non-embedding parameters x tokens + LM head vocab x hidden x trained tokens), from the config alone."""
+    from common.memory import ModelShape
+
+    shape = ModelShape.from_config(config)
+    return 6.0 * (shape.body_params * tokens + shape.vocab * shape.hidden * trained_tokens)
+
+
+def synthetic_experiences(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
+    """`rows` experiences, 2 per group (rewards 1 and 0), responses of response_len/4 .. response_len tokens."""
+    from common.experience import Experience
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(rows):
+        r = rng.randint(max(1, response_len // 4), response_len)
+        out.append(Experience([rng.randrange(vocab) for _ in range(prompt_len)], [rng.randrange(vocab) for _ in range(r)],
+                              [-1.0] * r, [1] * r, float(i % 2 == 0), i // 2, f"t{i // 2}", 0))
+    return out
+
+
+def rows_for(tokens: int, micro_batches: int, prompt_len: int, response_len: int) -> int:
+    """Rows whose expected total length fills `micro_batches` micro-batches of `tokens` tokens (even: 2 per group)."""
+    mean_row = prompt_len + (response_len // 4 + response_len) / 2
+    return max(2, 2 * round(tokens * micro_batches / mean_row / 2))
+
+
+def random_model_folder(config, dtype: torch.dtype, folder: str) -> str:
+    """A model folder of `config`'s shape with random weights (and the tiny byte-level tokenizer: the step never
+    decodes), so the trainer loads it as a user's model."""
+    from transformers import AutoModelForCausalLM
+
+    from common.model import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _peak_memory_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: restart the VmHWM count
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, tokens: int = 2048,
+            steps: int = 3, micro_batches: int = 1, prompt_len: int = 64, response_len: int = 512,
+            packed: bool = True, gradient_checkpointing: bool = False, extra_args: tuple[str, ...] = (),
+            peak_flops: float | None = None) -> dict:
+    """Time `steps` train steps (the first a warm-up) of the trainer on synthetic experiences and return tokens/s,
+    the model FLOP rate, the measured matmul rate and MFU.
+
+    config: a transformers config (random weights of its shape) or a --model name ('default', 'tiny', a folder).
+    tokens: tokens per micro-batch (--max-tokens-per-micro-batch when packed; else the rows of one micro-batch
+    hold about that many real tokens, padded to the longest). peak_flops: the rate MFU is taken against (default:
+    `matmul_rate` on the device in `dtype`, measured here)."""
+    from common.config import parse_args
+    from common.trainer.trainer import Trainer
+    from train_sync import Args
+
+    device = torch.device(device)
+    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    rows = rows_for(tokens, micro_batches, prompt_len, response_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        if isinstance(config, str):
+            model_name = config
+        else:
+            model_name = random_model_folder(config, dtype, os.path.join(tmp, "model"))
+        argv = ["--model", model_name, "--dtype", dtype_name, "--trainer-devices", str(device),
+                "--tasks-per-step", str(rows // 2), "--samples-per-task", "2", "--max-new-tokens", str(response_len),
+                "--no-drop-zero-signal-groups", "--out-dir", os.path.join(tmp, "run"),
+                *(["--max-tokens-per-micro-batch", str(tokens)] if packed else
+                  ["--micro-batch-size", str(max(1, rows // micro_batches))]),
+                *(["--gradient-checkpointing"] if gradient_checkpointing else []), *extra_args]
+        args = parse_args(Args, argv)
+        trainer = Trainer(args, device)
+    model_config = trainer.model.config
+    batch = synthetic_experiences(rows, prompt_len, response_len, model_config.vocab_size)
+    all_tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
+    trained = sum(len(e.response_ids) for e in batch)
+    times, cpu_times = [], []
+    for step in range(steps):
+        if step == 1:
+            _peak_memory_reset(device)
+        _sync(device)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        metrics = trainer.train_step(batch)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    peak_gib = _peak_memory_gib(device)
+    del trainer
+    step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
+    flops = model_flops(model_config, all_tokens, trained)
+    peak = peak_flops or matmul_rate(device, dtype)
+    cpu = {}
+    if device.type == "cpu":  # the same figures per CPU-second: what a loaded machine's other jobs do not change
+        cpu_peak = matmul_rate(device, dtype, per_cpu_second=True)
+        cpu = {"step_cpu_s": cpu_s, "cpu_step_times": cpu_times, "matmul_tflops_per_cpu_s": cpu_peak / 1e12,
+               "mfu_cpu_time": flops / cpu_s / cpu_peak}
+    return {"device": str(device), "dtype": dtype_name, "threads": torch.get_num_threads(), "rows": rows,
+            "tokens": all_tokens, "trained_tokens": trained, "micro_batch_tokens": tokens, "packed": packed,
+            "gradient_checkpointing": gradient_checkpointing, "step_s": step_s, "step_times": times,
+            "tokens_per_s": all_tokens / step_s, "trained_tokens_per_s": trained / step_s,
+            "model_tflops": flops / step_s / 1e12, "matmul_tflops": peak / 1e12, "mfu": flops / step_s / peak,
+            "peak_memory_gib": peak_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu}
+
+
+def resolve_config(name: str):
+    """'cfg:<hub id or folder>' -> that model's config (random weights); anything else is a --model name."""
+    if not name.startswith("cfg:"):
+        return name
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name[4:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="--model name, or cfg:<hub id|folder> for random weights")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=512, help="longest response; the shortest is 1/4 of it")
+    parser.add_argument("--steps", type=int, default=3, help="train steps; the first is a warm-up")
+    parser.add_argument("--padded", action="store_true", help="padded micro-batches instead of packing")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--json", default=None, help="also write the result here")
+    opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
+        opts.dtype or ("bfloat16" if opts.device.startswith("cuda") else "float32")]
+    if opts.model == "default":
+        from common.model import resolve_model
+
+        resolve_model("default")  # converted once, outside the timing
+    r = measure(resolve_config(opts.model), opts.device, dtype, opts.tokens, opts.steps, opts.micro_batches,
+                opts.prompt_len, opts.response_len, not opts.padded, opts.gradient_checkpointing)
+    print(f"train step ({r['device']} {r['dtype']}, {r['threads']} threads, {r['rows']} rows, {r['tokens']} tokens, "
+          f"{r['trained_tokens']} trained, {'packed' if r['packed'] else 'padded'} micro-batches of {r['micro_batch_tokens']}"
+          f"{', checkpointing' if r['gradient_checkpointing'] else ''}): step {r['step_s']:.3f} s, "
+          f"{r['tokens_per_s']:.0f} tokens/s, {r['model_tflops']:.3f} model TFLOP/s against a measured matmul rate of "
+          f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB")
+    if "mfu_cpu_time" in r:
+        print(f"  per CPU-second of this process: step {r['step_cpu_s']:.2f} CPU-s, matmul "
+              f"{r['matmul_tflops_per_cpu_s']:.3f} TFLOP per CPU-s: MFU {100 * r['mfu_cpu_time']:.1f} %")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(r, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

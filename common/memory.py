@@ -1,0 +1,345 @@
+"""Memory that fits, decided before any model loads: the peak memory of every trainer and explorer, estimated from
+the model's config (no weights) and the flags, against the memory of the device each one uses (a GPU: its free
+memory; the CPU: the machine's available memory, shared by every worker placed on it).
+
+`plan_memory(args)` (called by common/run.py before any worker starts) either fits the run as configured, or
+chooses what the user left open (--gradient-checkpointing, --micro-batch-size) so that it fits, saying so in one
+line, or stops with one line naming the flag to change and the numbers.
+
+The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --trainer-shard fsdp, else 1):
+- states: parameters P x b / S, gradients and AdamW's two moments 3 x P_trained x b / S (in the parameters'
+  dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo);
+- AdamW's step: one temporary the size of the trained parameters (the foreach kernels);
+- activations of one micro-batch, linear in its tokens (packed micro-batches: attention runs per sequence,
+  `common.model._segment_sdpa`, so nothing is N x N): what autograd keeps of every decoder layer per token
+  (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's working
+  set recomputed in the backward;
+- the log-probs: one chunk of common.model.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the vocabulary, with
+  their softmax, entropy and gradients (`head_bytes`);
+- the process itself: CUDA context, or on the CPU the interpreter with torch and transformers loaded.
+An explorer: its weights (in --dtype) plus, with vLLM on a GPU, --vllm-gpu-memory-utilization x the GPU's memory in
+all; with vLLM on the CPU --vllm-kv-cache-gb; with HF generate the KV cache of every sample of a rollout batch.
+bench/memory.py --estimate-check compares these figures with measured CPU peaks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from common.knobs import ConfigError
+
+GIB = 2**30
+CPU_PROCESS_BYTES = int(0.8 * GIB)   # a worker's interpreter with torch + transformers imported (measured ~0.7 GiB)
+CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + cuBLAS workspace of a process on a GPU
+SLACK = 1.10                         # allocator fragmentation and what the accounting leaves out
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs of a causal LM, read from its config (the parameter count from a model built on
+    the meta device: no memory, no weights)."""
+    params: int          # every parameter (tied embeddings once)
+    embed_params: int    # input embedding (+ an untied LM head)
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    q_dim: int           # attention heads x head size
+    kv_dim: int          # key/value heads x head size
+
+    @property
+    def body_params(self) -> int:
+        """Non-embedding parameters (the N of 6·N·tokens)."""
+        return self.params - self.embed_params
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        embed = model.get_input_embeddings().weight.numel()
+        head = model.get_output_embeddings()
+        if head is not None and head.weight is not model.get_input_embeddings().weight:
+            embed += head.weight.numel()
+        hidden = text.hidden_size
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        inter = getattr(text, "intermediate_size", None) or 4 * hidden
+        return cls(params, embed, hidden, text.num_hidden_layers, text.vocab_size, inter, heads * head_dim,
+                   kv_heads * head_dim)
+
+
+def model_config(name: str):
+    """The transformers config of --model (no weights), or None for the built-in vision models (small)."""
+    from common.model import build_tiny_tokenizer, resolve_model
+    from common.vlm import BUILT_IN
+
+    if name == "tiny":
+        from common.model import build_tiny_model
+        import torch
+
+        with torch.device("meta"):
+            return build_tiny_model(build_tiny_tokenizer()).config
+    if name in BUILT_IN:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model(name))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {name}: cannot read its config ({str(e).splitlines()[0]})") from None
+
+
+# ----------------------------------------------------------------------------- the trainer
+def layer_bytes_per_token(shape: ModelShape, b: int) -> float:
+    """What autograd keeps of one decoder layer per token (Llama-style: RMSNorm, attention with rotary embeddings,
+    gated MLP): the layer's input and the two norms' fp32 intermediates and outputs, q/k/v, their rotated copies,
+    the attention output (twice: per-sequence pieces and their concatenation) and o_proj's input, the residual
+    sum, and the MLP's gate, up, activation and product."""
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    norms = 2 * h * (4 + 4 + (b if b != 4 else 0))  # fp32 copy (bf16 only), normalised fp32, output
+    return b * (2 * h + 6 * q + 5 * kv + 4 * i) + norms
+
+
+def head_bytes(shape: ModelShape, chunk_tokens: int) -> float:
+    """The log-prob chunk: fp32 logits over the vocabulary, scaled, log-softmax, softmax, the entropy's product,
+    and their gradients in the backward (~8 [chunk, vocab] fp32 tensors)."""
+    return 8 * 4 * chunk_tokens * shape.vocab
+
+
+def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int, checkpointing: bool) -> float:
+    """Peak bytes above the states while one micro-batch of `tokens` tokens (`trained_tokens` of them trained)
+    runs forward and backward."""
+    from common.model import LOGPROB_CHUNK_TOKENS
+
+    layer = layer_bytes_per_token(shape, b) * tokens
+    saved = (shape.layers * shape.hidden * b * tokens + layer) if checkpointing else shape.layers * layer
+    # the final hidden states, their trained rows, the gradient flowing back through one layer
+    edges = 4 * shape.hidden * b * tokens + 2 * shape.hidden * max(b, 4) * trained_tokens
+    return saved + edges + head_bytes(shape, min(max(trained_tokens, 1), LOGPROB_CHUNK_TOKENS))
+
+
+@dataclass
+class TrainerEstimate:
+    states: float        # weights, gradients, optimizer state, reference, critic (per trainer)
+    optimizer_step: float
+    activations: float   # one micro-batch
+    process: float
+
+    @property
+    def peak(self) -> float:
+        return SLACK * (self.states + max(self.activations, self.optimizer_step)) + self.process
+
+
+def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, trained_tokens: int,
+                     checkpointing: bool, critic: ModelShape | None = None) -> TrainerEstimate:
+    """One trainer's memory with micro-batches of `tokens` tokens (module docstring)."""
+    b = 2 if args.dtype == "bfloat16" else 4
+    shards = len(args.trainer_device_list) if args.trainer_shard == "fsdp" else 1
+    trained = lora_params(shape, args) if args.lora_rank else shape.params
+    states = (shape.params + 3 * trained) * b / shards
+    if args.kl_coef > 0:
+        states += shape.params * b / shards
+    acts = activation_bytes(shape, b, tokens, trained_tokens, checkpointing)
+    if critic is not None:
+        states += 4 * critic.params * b / shards
+        acts = max(acts, activation_bytes(critic, b, tokens, 0, checkpointing))
+    if args.trainer_shard == "fsdp":  # two gathered layers (the current one and the prefetched next)
+        acts += 2 * b * shape.body_params / shape.layers
+    process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
+    return TrainerEstimate(states, trained * b / shards, acts, process)
+
+
+def lora_params(shape: ModelShape, args) -> int:
+    """LoRA adapters' parameters: rank x (in + out) per adapted projection per layer."""
+    dims = {"q_proj": (shape.hidden, shape.q_dim), "k_proj": (shape.hidden, shape.kv_dim),
+            "v_proj": (shape.hidden, shape.kv_dim), "o_proj": (shape.q_dim, shape.hidden),
+            "gate_proj": (shape.hidden, shape.intermediate), "up_proj": (shape.hidden, shape.intermediate),
+            "down_proj": (shape.intermediate, shape.hidden)}
+    names = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
+    return shape.layers * sum(args.lora_rank * sum(dims.get(m, (shape.hidden, shape.hidden))) for m in names)
+
+
+def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequence_tokens: int) -> float:
+    """One explorer's memory: weights plus the engine's KV cache (vLLM: its whole share of a GPU)."""
+    b = 2 if args.dtype == "bfloat16" else 4
+    weights = shape.params * b
+    if args.engine == "vllm" and device_type == "cuda":
+        return args.vllm_gpu_memory_utilization * total
+    if args.engine == "vllm":
+        return weights + args.vllm_kv_cache_gb * GIB + 1.5 * GIB  # + vLLM's own process
+    kv = 2 * shape.layers * shape.kv_dim * b * sequence_tokens * args.rollout_batch_size
+    logits = 3 * 4 * shape.vocab * args.rollout_batch_size  # one decoding step's fp32 logits and their softmax
+    process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
+    return SLACK * (weights + kv + logits) + process
+
+
+# ----------------------------------------------------------------------------- the devices
+def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
+    """(free, total) bytes of every device: a GPU's free memory (queried in a short child process, so this one
+    holds no CUDA context), the machine's available memory for "cpu"."""
+    out = {}
+    if "cpu" in devices:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+        out["cpu"] = (float(info.get("MemAvailable", info["MemFree"])), float(info["MemTotal"]))
+    gpus = sorted({d for d in devices if d.startswith("cuda")})
+    if gpus:
+        code = ("import sys, torch\nfor d in sys.argv[1:]: print(*torch.cuda.mem_get_info(torch.device(d)))")
+        try:
+            done = subprocess.run([sys.executable, "-c", code, *gpus], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"querying the free memory of {', '.join(gpus)} took over 120 s") from None
+        if done.returncode != 0:
+            raise ConfigError(f"cannot query the free memory of {', '.join(gpus)}: "
+                              f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        for d, line in zip(gpus, done.stdout.split("\n")):
+            free, total = map(float, line.split())
+            out[d] = (free, total)
+    return out
+
+
+def worker_devices(args) -> tuple[list[str], list[str]]:
+    """The device of every trainer and explorer, bare `cuda` resolved as the launcher does (the rank's own GPU)."""
+    from common.runtime.launcher import plan_world
+
+    plan = plan_world(args.trainer_device_list, args.explorer_device_list)
+    devices = [w.device if w.device != "cuda" else f"cuda:{rank}" for rank, w in enumerate(plan)]
+    return devices[:len(args.trainer_device_list)], devices[len(args.trainer_device_list):]
+
+
+# ----------------------------------------------------------------------------- the decision
+def gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB"
+
+
+def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dict | None = None) -> list[str]:
+    """Fit the run into its devices before any model loads: returns the lines saying what was chosen (fields of
+    `args` set: --gradient-checkpointing, --micro-batch-size or --max-tokens-per-micro-batch), or raises a one-line
+    ConfigError naming the flag. `sequence`: tokens of the longest sequence a rollout makes (prompt + response,
+    or a whole episode); `given`: fields the user set (never changed here); `memory`: (free, total) bytes per
+    device (default: measured now)."""
+    from common.trainer.losses import ALGOS
+
+    config = model_config(args.model)
+    if config is None:
+        return []
+    shape = ModelShape.from_config(config)
+    critic = None
+    if ALGOS[args.algo].critic:
+        critic_config = model_config(args.critic_model) if args.critic_model else config
+        critic = ModelShape.from_config(critic_config) if critic_config is not None else shape
+    trainers, explorers = worker_devices(args)
+    memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers)))
+    # what the explorers take of each device
+    taken: dict[str, float] = {}
+    for d in explorers:
+        key = "cpu" if d == "cpu" else d
+        need = explorer_bytes(shape, args, "cuda" if key != "cpu" else "cpu", memory[key][1], sequence)
+        taken[key] = taken.get(key, 0.0) + need
+    # each trainer device's budget: what is free minus the explorers there (CPU: minus the other CPU trainers)
+    cpu_trainers = sum(1 for d in trainers if d == "cpu")
+    notes: list[str] = []
+    for key in sorted(set(trainers)):
+        free, _ = memory[key]
+        budget = (free - taken.get(key, 0.0)) / (cpu_trainers if key == "cpu" else 1)
+        notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given)
+    for key, need in taken.items():
+        if key not in trainers and need > memory[key][0]:
+            raise ConfigError(_explorer_error(args, key, need, memory[key][0], shape))
+    return notes
+
+
+def _where(key: str, free: float, explorers: float) -> str:
+    place = "the machine's available memory" if key == "cpu" else f"{key}'s free memory"
+    shared = f", of which the explorers there take {gib(explorers)}" if explorers else ""
+    return f"{place} is {gib(free)}{shared}"
+
+
+def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, given) -> list[str]:
+    """Fit one trainer device: as configured, else with checkpointing, else with smaller micro-batches (each only
+    where the user left that field open), else one line naming the flag."""
+    device_type = "cpu" if key == "cpu" else "cuda"
+    packed = args.max_tokens_per_micro_batch > 0
+    flag, field = (("--max-tokens-per-micro-batch", "max_tokens_per_micro_batch") if packed else
+                   ("--micro-batch-size", "micro_batch_size"))
+    size, smallest = getattr(args, field), sequence if packed else 1
+
+    def peak(n: int, ckpt: bool) -> float:  # a packed micro-batch holds at least one whole sequence
+        tokens = max(n, sequence) if packed else n * sequence
+        trained = tokens if packed else n * args.max_new_tokens
+        return trainer_estimate(shape, args, device_type, tokens, trained, ckpt, critic).peak
+
+    ckpt = args.gradient_checkpointing
+    if peak(size, ckpt) <= budget:
+        return []
+    states = trainer_estimate(shape, args, device_type, 0, 0, True, critic)
+    if SLACK * states.states + states.process > budget:  # weights, gradients and optimizer state alone
+        fixes = []
+        if args.trainer_shard != "fsdp" and not args.lora_rank:
+            fixes += ["--trainer-shard fsdp over more --trainer-devices", "--lora-rank 16"]
+        if args.dtype != "bfloat16":
+            fixes.append("--dtype bfloat16")
+        if key != "cpu" and args.trainer_shard == "fsdp" and not args.fsdp_cpu_offload:
+            fixes.append("--fsdp-cpu-offload")
+        if explorers:
+            fixes.append("the explorers on another device")
+        raise ConfigError(f"--model {args.model} does not fit a trainer on {key}: weights, gradients and AdamW "
+                          f"state of {shape.params / 1e9:.2f} B parameters in {args.dtype} need "
+                          f"{gib(SLACK * states.states + states.process)} and {_where(key, free, explorers)}: use "
+                          f"{' or '.join(fixes) or 'a device with more memory'}")
+    notes = []
+    if not ckpt and "gradient_checkpointing" not in given:
+        line = (f"[tandem] memory: trainer on {key}: --gradient-checkpointing on ({gib(peak(size, False))} "
+                f"without it, {_where(key, free, explorers)})")
+        ckpt = args.gradient_checkpointing = True
+        if peak(size, True) <= budget:
+            return [line]
+        notes.append(line)
+    best = _largest_fit(lambda n: peak(n, ckpt) <= budget, size)
+    if best >= smallest and field not in given:
+        setattr(args, field, best)
+        return notes + [f"[tandem] memory: trainer on {key}: {flag} {best} ({gib(peak(best, ckpt))}; {size} "
+                        f"would need {gib(peak(size, ckpt))} and {_where(key, free, explorers)})"]
+    unit = "tokens" if packed else f"sequences of up to {sequence} tokens"
+    hint = (f"{flag} {best} fits" if best >= smallest else
+            f"not even one sequence of {sequence} tokens fits: lower --max-new-tokens, or shard the trainer over "
+            "more --trainer-devices with --trainer-shard fsdp")
+    more = "" if ckpt else "; or add --gradient-checkpointing"
+    raise ConfigError(f"{flag} {size}: a trainer on {key} needs {gib(peak(size, ckpt))} for micro-batches of {size} "
+                      f"{unit} and {_where(key, free, explorers)}: {hint}{more}")
+
+
+def _largest_fit(fits, upper: int) -> int:
+    """The largest n in 1..upper with fits(n) (fits is monotone: memory grows with n), 0 if none."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _explorer_error(args, key: str, need: float, free: float, shape: ModelShape) -> str:
+    if args.engine == "vllm" and key != "cpu":
+        return (f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: vLLM would take {gib(need)} of "
+                f"{key}, whose free memory is {gib(free)}: lower it")
+    if args.engine == "vllm":
+        return (f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb}: the explorers on cpu need {gib(need)} with the weights "
+                f"of --model {args.model} and the machine's available memory is {gib(free)}: lower it")
+    return (f"--tasks-per-step {args.tasks_per_step} x --samples-per-task {args.samples_per_task}: the HF explorers "
+            f"on {key} need {gib(need)} (weights and the KV cache of every sample, --max-new-tokens "
+            f"{args.max_new_tokens}) and {key} has {gib(free)} free: lower them")
