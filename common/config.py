@@ -598,8 +598,19 @@ def parse_args(cls, argv: list[str] | None = None):
     args = cli(cls, argv, defaults)
     if saved:
         check_frozen_on_resume(saved, args)
+    args.given_fields = given_fields(cls, argv, args)
     args.validate()
     return args
+
+
+def given_fields(cls, argv: list[str], args) -> frozenset:
+    """Fields the user set: named on the command line (--x, --no-x), or set by --config or a resumed run to a value
+    other than the field's default. The memory check (common/memory.py) chooses only the others."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    flags = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
+    flags |= {f[3:] for f in flags if f.startswith("no_")}
+    default = cls()
+    return frozenset(n for n in names if n in flags or getattr(args, n) != getattr(default, n))
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

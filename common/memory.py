@@ -248,16 +248,16 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         key = "cpu" if d == "cpu" else d
         need = explorer_bytes(shape, args, "cuda" if key != "cpu" else "cpu", memory[key][1], sequence)
         taken[key] = taken.get(key, 0.0) + need
-    # each trainer device's budget: what is free minus the explorers there (CPU: minus the other CPU trainers)
+    for key, need in taken.items():
+        if need > memory[key][0]:
+            raise ConfigError(_explorer_error(args, shape, key, need, memory[key][0]))
+    # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers)
     cpu_trainers = sum(1 for d in trainers if d == "cpu")
     notes: list[str] = []
     for key in sorted(set(trainers)):
         free, _ = memory[key]
         budget = (free - taken.get(key, 0.0)) / (cpu_trainers if key == "cpu" else 1)
         notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given)
-    for key, need in taken.items():
-        if key not in trainers and need > memory[key][0]:
-            raise ConfigError(_explorer_error(args, key, need, memory[key][0], shape))
     return notes
 
 
@@ -333,7 +333,12 @@ def _largest_fit(fits, upper: int) -> int:
     return lo
 
 
-def _explorer_error(args, key: str, need: float, free: float, shape: ModelShape) -> str:
+def _explorer_error(args, shape: ModelShape, key: str, need: float, free: float) -> str:
+    weights = shape.params * (2 if args.dtype == "bfloat16" else 4)
+    if weights > free and not (args.engine == "vllm" and key != "cpu"):
+        return (f"--model {args.model} does not fit an explorer on {key}: its weights in {args.dtype} need "
+                f"{gib(weights)} and {_where(key, free, 0)}" + ("" if args.dtype == "bfloat16" else
+                                                                 ": use --dtype bfloat16 or a smaller model"))
     if args.engine == "vllm" and key != "cpu":
         return (f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: vLLM would take {gib(need)} of "
                 f"{key}, whose free memory is {gib(free)}: lower it")

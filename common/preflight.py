@@ -1,6 +1,7 @@
 """The checks of a run that need the model or the tasks, in one place: `check_tasks` runs once the tasksets are
 built and before any worker starts or any model loads (common/run.py prepare_run). Each failure is one line naming
-the task (file:line) or the flag. Field ranges and cross-field rules that need neither are the config's
+the task (file:line) or the flag; the memory check (common/memory.py) may instead choose what the user left open.
+Field ranges and cross-field rules that need neither are the config's
 (common/config.py)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from common.explorer.multi_turn import cannot_start
 from common.explorer.rollouts import WORKFLOWS, Context, workflow_name
 from common.knobs import ConfigError
+from common.memory import plan_memory
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model
 from common.tasks.named import taskset_has_envs
 from common.tasks.validate import WHERE
@@ -23,6 +25,7 @@ def check_tasks(args, model_path: str, tasks: list[dict]) -> None:
     check_episode_prompts(args, tasks)
     check_prompt_lengths(args, tasks)
     check_reward_models(args, tasks)
+    check_memory(args, tasks)
 
 
 def check_reward_models(args, tasks: list[dict]) -> None:
@@ -112,3 +115,20 @@ def check_prompt_lengths(args, tasks: list[dict]) -> None:
         if n + args.max_new_tokens > context:
             raise ConfigError(f"{task.get(WHERE, task['id'])}: prompt is {n} tokens; with --max-new-tokens "
                               f"{args.max_new_tokens} it does not fit the model's context of {context} tokens")
+
+
+PROMPTS_MEASURED = 2000
+"""check_memory measures the longest of this many prompts (the first ones), not of a whole large dataset."""
+
+
+def check_memory(args, tasks: list[dict]) -> None:
+    """Every trainer and explorer must fit its device's memory (common/memory.py): the run as configured, or with
+    --gradient-checkpointing and a smaller micro-batch where the user left them open (one line says so), or one
+    line naming the flag to change, before any model loads."""
+    single = [t for t in tasks if "env" not in t][:PROMPTS_MEASURED]
+    tokenizer = load_tokenizer(args.model, args.chat_template) if single else None
+    sequence = max([len(chat_prompt_ids(tokenizer, t)) for t in single] or [0]) + args.max_new_tokens
+    if taskset_has_envs(args.taskset) or any("env" in t for t in tasks):
+        sequence = max(sequence, args.episode_token_budget)
+    for line in plan_memory(args, sequence, getattr(args, "given_fields", frozenset())):
+        print(line, flush=True)

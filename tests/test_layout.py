@@ -20,7 +20,7 @@ LAYERS = [
     ("common.envs",),
     ("common.tasks",),
     ("common.explorer", "common.trainer"),
-    ("common.cli", "common.config", "common.preflight", "common.run"),
+    ("common.cli", "common.config", "common.memory", "common.preflight", "common.run"),
     ("train_sync", "train_offpolicy", "train_async"),
 ]
 # The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).

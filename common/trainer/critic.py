@@ -12,6 +12,7 @@ from common.experience import Batch
 from common.trainer.losses import clipped_value_loss, masked_mean
 from common.trainer.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
 from common.model import hidden_states, load_model
+from common.trainer.lr_schedule import build_optimizer
 from common.trainer.packing import batch_micro_batches, micro_batches
 from common.trainer.parallel import DataParallel
 from common.weight_sync import full_tensor
@@ -48,7 +49,7 @@ class Critic:
         if self.model.vocab_size != policy_vocab_size:
             raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
                              f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+        self.optimizer = build_optimizer(self.model, args.critic_lr, args.weight_decay)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

@@ -28,7 +28,7 @@ from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
 from common.trainer.packing import batch_micro_batches, micro_batches
 from common.trainer.filters import build_processors, drop_stale, process
-from common.trainer.lr_schedule import build_lr_scheduler
+from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
 from common.trainer.samples import SamplesLog, sample_rows, samples_due
@@ -59,7 +59,7 @@ class Trainer:
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
         self.loss_kwargs = config_kwargs(self.algo.loss, args, skip=1)
         self.advantage_kwargs = config_kwargs(self.algo.advantages, args, skip=2, critic=self.critic)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
         self.version = 0     # version of the weights in self.model (one per optimizer-updating step)

@@ -1,0 +1,130 @@
+"""Memory decided before any model loads (common/memory.py): a run that cannot fit stops in one line naming the flag;
+what the user left open is chosen to fit; a packed micro-batch's activations grow linearly with its tokens."""
+
+import pytest
+import torch
+
+from common.config import parse_args
+from common.knobs import ConfigError
+from common.memory import GIB, ModelShape, model_config, plan_memory, trainer_estimate
+from conftest import TINY, run_script
+from train_sync import Args
+
+
+def _config_folder(tmp_path, name: str, **shape) -> str:
+    """A model folder with a config (Qwen2 architecture of this shape) and a tokenizer, and no weights at all: a
+    check that loaded the model would fail on it."""
+    from transformers import Qwen2Config
+
+    from common.model import build_tiny_tokenizer
+
+    folder = tmp_path / name
+    Qwen2Config(**shape).save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN_72B = dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
+
+
+def test_a_model_that_cannot_fit_stops_in_one_line_before_any_model_loads(tmp_path):
+    """72 B parameters in fp32 need 290 GB for the explorer's weights alone, and the trainer's AdamW over 1 TB: no
+    machine's CPU memory holds them. The folder has no weights, so the line must come before anything tries to load
+    them."""
+    folder = _config_folder(tmp_path, "big", **QWEN_72B)
+    proc = run_script("train_sync.py", *TINY, "--model", folder, "--out-dir", str(tmp_path / "run"), timeout=180)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: --model") and "does not fit" in lines[0] and "GiB" in lines[0], lines[0]
+    assert "--dtype bfloat16" in lines[0], lines[0]
+    assert not (tmp_path / "run" / "timeline").exists()  # no worker started
+
+
+def _args(folder, *extra, trainers="cuda:0", explorers="cuda:1"):
+    """Parsed on this machine (CPU devices), then placed on GPUs: plan_memory gets their memory as a table."""
+    argv = ["--model", folder, "--taskset", "parity", "--tasks-per-step", "8", "--samples-per-task", "2",
+            "--max-new-tokens", "512", "--engine", "hf", "--dtype", "bfloat16", *extra]
+    args = parse_args(Args, argv)
+    args.trainer_devices, args.explorer_devices = trainers, explorers
+    return args
+
+
+def test_what_was_left_open_is_chosen_to_fit_and_a_given_flag_is_named(tmp_path):
+    folder = _config_folder(tmp_path, "qwen", **QWEN_1_5B)
+    shape = ModelShape.from_config(model_config(folder))
+    assert 1.5e9 < shape.params < 1.6e9 and 1.3e9 < shape.body_params < 1.32e9  # Qwen2.5-1.5B's published sizes
+    seq = 64 + 512
+
+    def peak(args, ckpt, rows):
+        return trainer_estimate(shape, args, "cuda", rows * seq, rows * 512, ckpt).peak
+
+    def plan(args, budget):  # the trainer's GPU to itself
+        return plan_memory(args, seq, args.given_fields, {"cuda:0": (budget, 80 * GIB), "cuda:1": (80 * GIB, 80 * GIB)})
+
+    base = _args(folder)
+    assert base.micro_batch_size == 8 and not base.gradient_checkpointing
+    full, ckpt8, ckpt2, ckpt3 = (peak(base, False, 8), peak(base, True, 8), peak(base, True, 2), peak(base, True, 3))
+    assert ckpt2 < ckpt3 < ckpt8 < full
+    # enough memory: nothing changes, nothing said
+    args = _args(folder)
+    assert plan(args, full * 1.01) == [] and not args.gradient_checkpointing and args.micro_batch_size == 8
+    # between: checkpointing turns on, the micro-batch stays
+    args = _args(folder)
+    notes = plan(args, (full + ckpt8) / 2)
+    assert args.gradient_checkpointing and args.micro_batch_size == 8 and "--gradient-checkpointing on" in notes[0]
+    # less: checkpointing and a smaller micro-batch
+    args = _args(folder)
+    notes = plan(args, (ckpt2 + ckpt3) / 2)
+    assert args.gradient_checkpointing and args.micro_batch_size == 2, notes
+    assert "--micro-batch-size 2" in notes[-1]
+    # the same memory with --micro-batch-size given: one line naming it and what fits
+    args = _args(folder, "--micro-batch-size", "8", "--gradient-checkpointing")
+    with pytest.raises(ConfigError, match=r"--micro-batch-size 8: .* needs .* GiB .*: --micro-batch-size 2 fits"):
+        plan(args, (ckpt2 + ckpt3) / 2)
+    # --no-gradient-checkpointing given: never turned on
+    args = _args(folder, "--no-gradient-checkpointing", "--micro-batch-size", "8")
+    with pytest.raises(ConfigError, match="add --gradient-checkpointing"):
+        plan(args, (full + ckpt8) / 2)
+    # less than the weights, gradients and AdamW state: the flags that shard or shrink them
+    args = _args(folder)
+    with pytest.raises(ConfigError, match="does not fit a trainer on cuda:0: .*--trainer-shard fsdp"):
+        plan(args, shape.params * 2 * 4 * 0.9)
+    # a colocated vLLM explorer takes its share of the GPU first; asking more than is free is its flag
+    args = _args(folder, explorers="cuda:0")
+    args.engine = "vllm"
+    with pytest.raises(ConfigError, match="--vllm-gpu-memory-utilization 0.5: vLLM would take 40.0 GiB"):
+        plan_memory(args, seq, frozenset(), {"cuda:0": (20 * GIB, 80 * GIB)})
+
+
+def _saved_bytes(model, rows: int, length: int) -> int:
+    """Bytes autograd keeps for the backward of one packed forward of `rows` sequences of `length` tokens."""
+    from common.model import sequence_logprobs
+
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (rows, length))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sequence_logprobs(model, ids, torch.ones_like(ids), packed=True)
+    return total
+
+
+def test_packed_activations_grow_linearly_with_tokens():
+    """Twice the sequences of a packed micro-batch keep twice the bytes for the backward (attention runs per
+    sequence: nothing of size tokens x tokens), measured on what autograd saves."""
+    from common.model import load_model
+
+    model = load_model("tiny")
+    model.config.use_cache = False
+    sizes = {rows: _saved_bytes(model, rows, 128) for rows in (4, 8, 16)}
+    assert sizes[16] - sizes[8] == pytest.approx(2 * (sizes[8] - sizes[4]), rel=0.02), sizes
+    assert sizes[16] / sizes[4] < 4.2, sizes
