@@ -120,13 +120,30 @@ def _peak_memory_reset(device: torch.device) -> None:
 
 
 def _peak_memory_gib(device: torch.device) -> float:
+    """The step's peak: what torch's CUDA allocator reserved, or the process's peak resident memory (VmHWM)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return torch.cuda.max_memory_reserved(device) / 2**30
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 2**20
     return float("nan")
+
+
+def _estimate_gib(args, config, device: torch.device, batch) -> float:
+    """common/memory.py's peak for this trainer (its largest micro-batch), comparable with `_peak_memory_gib`: on
+    a GPU without the CUDA context, which torch's allocator does not count."""
+    from common.memory import CUDA_CONTEXT_BYTES, ModelShape, trainer_estimate
+    from common.trainer.packing import micro_batches
+
+    lengths = torch.tensor([len(e.prompt_ids) + len(e.response_ids) for e in batch])
+    trained = torch.tensor([len(e.response_ids) for e in batch])
+    parts = micro_batches(torch.arange(len(batch)), lengths, args.micro_batch_size, args.max_tokens_per_micro_batch)
+    tokens = max(int(lengths[p].sum()) if args.max_tokens_per_micro_batch else len(p) * int(lengths.max())
+                 for p in parts)
+    est = trainer_estimate(ModelShape.from_config(config), args, device.type, tokens,
+                           max(int(trained[p].sum()) for p in parts), args.gradient_checkpointing)
+    return (est.peak - (CUDA_CONTEXT_BYTES if device.type == "cuda" else 0)) / 2**30
 
 
 def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, tokens: int = 2048,
@@ -175,6 +192,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     peak_gib = _peak_memory_gib(device)
+    estimate_gib = _estimate_gib(args, model_config, device, batch)
     del trainer
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
@@ -190,21 +208,35 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
             "gradient_checkpointing": gradient_checkpointing, "step_s": step_s, "step_times": times,
             "tokens_per_s": all_tokens / step_s, "trained_tokens_per_s": trained / step_s,
             "model_tflops": flops / step_s / 1e12, "matmul_tflops": peak / 1e12, "mfu": flops / step_s / peak,
-            "peak_memory_gib": peak_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu}
+            "peak_memory_gib": peak_gib, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu}
+
+
+SHAPES = {  # public configs, for machines without the hub: shape:<name>
+    "qwen2.5-1.5b": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                         max_position_embeddings=32768, tie_word_embeddings=True)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                         max_position_embeddings=32768, tie_word_embeddings=True)),
+}
 
 
 def resolve_config(name: str):
-    """'cfg:<hub id or folder>' -> that model's config (random weights); anything else is a --model name."""
-    if not name.startswith("cfg:"):
-        return name
-    from transformers import AutoConfig
+    """'shape:<SHAPES key>' or 'cfg:<hub id or folder>' -> that config (random weights); else a --model name."""
+    import transformers
 
-    return AutoConfig.from_pretrained(name[4:])
+    if name.startswith("shape:"):
+        cls, fields = SHAPES[name[6:]]
+        return getattr(transformers, cls)(**fields)
+    if name.startswith("cfg:"):
+        return transformers.AutoConfig.from_pretrained(name[4:])
+    return name
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="--model name, or cfg:<hub id|folder> for random weights")
+    parser.add_argument("--model", default="default", help="--model name, or shape:<name> (SHAPES) or cfg:<hub id|folder> "
+                        "for random weights of that shape")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch")
@@ -231,7 +263,8 @@ def main():
           f"{r['trained_tokens']} trained, {'packed' if r['packed'] else 'padded'} micro-batches of {r['micro_batch_tokens']}"
           f"{', checkpointing' if r['gradient_checkpointing'] else ''}): step {r['step_s']:.3f} s, "
           f"{r['tokens_per_s']:.0f} tokens/s, {r['model_tflops']:.3f} model TFLOP/s against a measured matmul rate of "
-          f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB")
+          f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB "
+          f"(common/memory.py's estimate {r['estimate_gib']:.2f} GiB)")
     if "mfu_cpu_time" in r:
         print(f"  per CPU-second of this process: step {r['step_cpu_s']:.2f} CPU-s, matmul "
               f"{r['matmul_tflops_per_cpu_s']:.3f} TFLOP per CPU-s: MFU {100 * r['mfu_cpu_time']:.1f} %")
