@@ -238,6 +238,25 @@ def sync_methods() -> list[str]:
         return list(choices(Args)["sync_method"])
 
 
+def train_step_rows(folder: str, logs: str, deadline: float) -> list[tuple[str, str, str]]:
+    rows: list[tuple[str, str, str]] = []
+    if time.time() > deadline:
+        rows.append(("train step", "skipped", "out of the --budget-s time"))
+        return rows
+    r, err = _sub([os.path.abspath(__file__), "--_train-step", folder], 300, os.path.join(logs, "size_train.log"))
+    if r is None:
+        rows.append(("train step", "FAILED", err))
+    elif "skip" in r:
+        rows.append(("train step", "skipped", r["skip"]))
+    else:
+        rows += [("train tokens/s", f"{r['tokens_per_s']:,.0f}", f"bench/train_step.py: {r['tokens']} tokens per "
+                  f"step, packed micro-batches of {r['micro_batch_tokens']}, gradient checkpointing"),
+                 ("MFU", f"{100 * r['mfu']:.1f} %", f"6·N·tokens / step time / {r['matmul_tflops']:.0f} TFLOP/s "
+                  "(bf16 matmul measured on this card)"),
+                 ("peak GPU memory, train step alone", f"{r['peak_memory_gib']:.1f} GiB", "bench/train_step.py")]
+    return rows
+
+
 def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, str]]:
     """(what, figure, how) rows."""
     rows: list[tuple[str, str, str]] = []
@@ -259,8 +278,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
         size = ["--tasks-per-step", "16", "--max-new-tokens", "256", "--steps", "3"] if main else \
             ["--tasks-per-step", "2", "--max-new-tokens", "16", "--steps", "3"]
         out_dir = os.path.join(work, f"size-{method}")
-        argv = ["train_sync.py", *run_flags, *size, "--minibatch-size", "64", "--sync-method", method,
-                "--out-dir", out_dir]
+        argv = ["train_sync.py", *run_flags, *size, "--sync-method", method, "--out-dir", out_dir]
         log = os.path.join(logs, f"size_{method}.log")
         try:
             proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
@@ -279,7 +297,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
         rows.append((f"weight sync, --sync-method {method}, colocated", f"{gb / sync_s:.2f} GB/s",
                      f"{gb:.2f} GB / time/sync {sync_s:.2f} s (train_sync.py, median of steps 2-3)"))
         if main:
-            tps = statistics.median(r["rollout/tokens_per_s"] for r in metrics)
+            tps = statistics.median(r.get("rollout/tokens_per_s", float("nan")) for r in metrics)
             with open(os.path.join(out_dir, "config.json")) as f:
                 engine = json.load(f)["engine"]
             rows.insert(1, (f"rollout tokens/s ({engine} engine, 64 x 256 new tokens)", f"{tps:,.0f}",
@@ -287,20 +305,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             for k in sorted({k for r in metrics for k in r if k.startswith("memory/")}):
                 rows.append((f"peak GPU memory, {k[7:].replace('_peak_gib', '')} process",
                              f"{max(r.get(k, 0) for r in metrics):.1f} GiB", "torch max_memory_allocated"))
-    if time.time() > deadline:
-        rows.append(("train step", "skipped", "out of the --budget-s time"))
-        return rows
-    r, err = _sub([os.path.abspath(__file__), "--_train-step", folder], 300, os.path.join(logs, "size_train.log"))
-    if r is None:
-        rows.append(("train step", "FAILED", err))
-    elif "skip" in r:
-        rows.append(("train step", "skipped", r["skip"]))
-    else:
-        rows += [("train tokens/s", f"{r['tokens_per_s']:,.0f}", f"bench/train_step.py: {r['tokens']} tokens per "
-                  f"step, packed micro-batches of {r['micro_batch_tokens']}, gradient checkpointing"),
-                 ("MFU", f"{100 * r['mfu']:.1f} %", f"6·N·tokens / step time / {r['matmul_tflops']:.0f} TFLOP/s "
-                  "(bf16 matmul measured on this card)"),
-                 ("peak GPU memory, train step alone", f"{r['peak_memory_gib']:.1f} GiB", "bench/train_step.py")]
+            rows += train_step_rows(folder, logs, deadline)  # before the other sync methods: it matters more
     return rows
 
 
@@ -338,7 +343,7 @@ def main():
     parser.add_argument("--jobs", type=int, default=0, help="checks at once (default: 6 on a GPU, 1 on a CPU)")
     parser.add_argument("--only", nargs="*", default=None, help="run only checks whose name contains one of these")
     parser.add_argument("--skip-size", action="store_true", help="the matrix alone")
-    parser.add_argument("--budget-s", type=float, default=360, help="start no new check after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=300, help="start no new check after this many seconds")
     parser.add_argument("--grace-s", type=float, default=90, help="and stop any still running this much later")
     parser.add_argument("--_make-model", dest="make_model", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_train-step", dest="train_step", default="", help=argparse.SUPPRESS)

@@ -17,13 +17,15 @@ from torch.utils._pytree import tree_flatten
 
 FAKE = torch.device("cpu", 7)
 _MARK = "_tandem_on_fake_device"
-_MOVES = {"to", "cuda", "cpu", "copy_", "tolist", "item", "numpy", "__repr__", "__format__", "__str__", "data_ptr",
+_MOVES = {"to", "type_as", "cuda", "cpu", "copy_", "tolist", "item", "numpy", "__repr__", "__format__", "__str__", "data_ptr",
           "untyped_storage", "pin_memory", "__reduce_ex__", "__array__", "__bool__", "__int__", "__float__",
           "__index__", "__len__", "__deepcopy__"}
 
 _NEUTRAL = {"_has_compatible_shallow_copy_type", "is_floating_point", "is_complex", "size", "dim", "numel", "stride",
             "is_contiguous", "element_size", "storage_offset", "_is_view", "get_device", "requires_grad_",
             "register_hook", "retain_grad", "_set_grad_enabled"}  # no computation: nothing to check or mark
+
+_SHAPE_OF_OTHER = {"view_as", "reshape_as", "expand_as"}  # the other tensor gives only its shape
 
 
 def on_device(t) -> bool:
@@ -52,7 +54,46 @@ def _describe(tensors) -> str:
     return ", ".join(f"{'device' if on_device(t) else 'cpu'}{tuple(t.shape)}" for t in tensors)
 
 
+_COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send",
+                "recv")
+
+
 class FakeDevice(TorchFunctionMode):
+    """`collectives`: where torch.distributed's collectives must find their tensors while active: "cpu" (gloo, as
+    colocated workers sync), "device" (nccl) or None (not checked)."""
+
+    def __init__(self, collectives: str | None = None):
+        super().__init__()
+        self.collectives, self._saved = collectives, {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in _COLLECTIVES if self.collectives else ():
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._checked(name, self._saved[name]))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+        return super().__exit__(*exc)
+
+    def _checked(self, name, fn):
+        want_device = self.collectives == "device"
+
+        def collective(*args, **kwargs):
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            wrong = [t for t in tensors if on_device(t) != want_device]
+            if wrong:
+                raise RuntimeError(f"fake device: dist.{name} over a {'nccl' if want_device else 'gloo'} group got "
+                                   f"{_describe(wrong)}")
+            return fn(*args, **kwargs)
+        return collective
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -69,10 +110,12 @@ class FakeDevice(TorchFunctionMode):
             return None
         if name in _NEUTRAL:
             return func(*args, **kwargs)
+        if name in _SHAPE_OF_OTHER:
+            return _mark(func(*args, **kwargs), on_device(args[0]))
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if name in _MOVES:
             out = func(*args, **kwargs)
-            target = _target(args[1:], kwargs) if name == "to" else {"cuda": True, "cpu": False}.get(name)
+            target = _target(args[1:], kwargs) if name in ("to", "type_as") else {"cuda": True, "cpu": False}.get(name)
             if name in ("tolist", "item", "numpy", "data_ptr") or not isinstance(out, torch.Tensor):
                 return out
             if target is None:

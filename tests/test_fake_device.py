@@ -2,11 +2,14 @@
 they run on the CPU under tests/fake_device.py, which marks what a GPU run would hold on the GPU and raises where
 CUDA would (a CPU index tensor into a GPU tensor is fine, a GPU index into a CPU tensor is not, ...)."""
 
+import json
+import os
+
 import pytest
 import torch
 
 from common.config import parse_args
-from conftest import TINY
+from conftest import ROOT, TINY
 from fake_device import FAKE, FakeDevice, on_device
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,3 +53,39 @@ def test_generation_on_a_device():
         engine = HFEngine(load_model("tiny", FAKE), tokenizer)
         out = engine.generate([[5, 6, 7], [8, 9]], SamplingConfig(temperature=1.0, max_new_tokens=6, n=2))
     assert [len(g) for g in out] == [2, 2] and all(len(s.logprobs) == len(s.response_ids) > 0 for g in out for s in g)
+
+
+def sync_ranks(ctx, comm: str, out: str):
+    """Trainer 0 broadcasts its weights (on the device) to an explorer's HF engine (on the device) through buffers
+    on `comm` (the CPU: gloo, colocated; the device: nccl), as common/weight_sync/broadcast.py does; the explorer
+    then generates with them."""
+    from common.explorer.engine import HFEngine, SamplingConfig
+    from common.model import build_tiny_tokenizer, load_model
+    from common.weight_sync import weights_hash
+    from common.weight_sync.broadcast import broadcast_weights
+
+    device = FAKE if comm == "device" else torch.device("cpu")
+    with FakeDevice(collectives=comm):
+        model = load_model("tiny", FAKE, seed=ctx.rank)  # different weights on each side until the sync
+        if ctx.role == "trainer":
+            named = list(model.named_parameters())
+            broadcast_weights(named, 3, ctx.sync_src, ctx.sync_group, device)
+        else:
+            engine = HFEngine(model, build_tiny_tokenizer())
+            named = engine.weight_buffers()
+            version, _ = broadcast_weights(named, 0, ctx.sync_src, ctx.sync_group, device)
+            engine.commit_weights(named, version)
+            engine.generate([[5, 6, 7]], SamplingConfig(max_new_tokens=4))
+        placed = all(on_device(t) for _, t in model.named_parameters())
+    with open(os.path.join(out, f"{ctx.name}.json"), "w") as f:
+        json.dump({"hash": weights_hash(list(model.named_parameters())), "on_device": placed}, f)
+
+
+@pytest.mark.parametrize("comm", ["cpu", "device"])
+def test_weight_sync_on_a_device(tmp_path, comm):
+    from common.runtime.launcher import run_function
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # the ranks import this file
+    run_function("test_fake_device:sync_ranks", 1, 1, comm, str(tmp_path))
+    trainer, explorer = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("trainer0", "explorer0"))
+    assert trainer["hash"] == explorer["hash"] and trainer["on_device"] and explorer["on_device"]

@@ -148,7 +148,7 @@ def problems(references, table) -> list[str]:
     out = []
     for where, name, keywords in references:
         owner, _, attr = name.rpartition(".")
-        if attr.startswith("__"):  # the language's (__version__, __dataclass_fields__, __init__)
+        if any(part.startswith("__") for part in name.split(".")):  # the language's (__version__, __init__, ...)
             continue
         scope = table["modules"].get(owner, table["classes"].get(owner))
         if scope is None:
