@@ -11,8 +11,8 @@
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (config written below, random weights, no hub)
    - rollout tokens/s and weight-sync GB/s of each --sync-method: `train_sync.py` runs with both sides on one GPU
      (metrics.jsonl's rollout/tokens_per_s and time/sync, median after a warm-up step);
-   - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): bench/train_step.py
-     `measure` (TRAIN_STEP_HOOK);
+   - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): the train-step
+     benchmark's `measure` beside this file (TRAIN_STEP_HOOK; its row says so where that module is absent);
    - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator).
    A new sync method registered in --sync-method gets its row without a change here.
 
@@ -43,7 +43,9 @@ QWEN25_1_5B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidde
                    num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
                    tie_word_embeddings=True)
-TRAIN_STEP_HOOK = ("train_step", "measure")  # bench/train_step.py: measure(model, device, dtype, tokens, ...) -> dict
+# The train-step benchmark (module, function) in this folder: measure(model, device, dtype, tokens, ...) -> dict
+TRAIN_STEP_HOOK = ("train_step", "measure")
+HOOK_NAME = f"bench/{TRAIN_STEP_HOOK[0]}.py {TRAIN_STEP_HOOK[1]}()"
 STEPS = 2
 HARD_END = [float("inf")]  # no subprocess runs past this (set from --budget-s): the whole check ends in time
 
@@ -197,7 +199,7 @@ def _train_step(folder: str) -> None:
     try:
         measure = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as e:
-        print(json.dumps({"skip": f"bench/{module}.py {function}() is not on this checkout ({e})"}))
+        print(json.dumps({"skip": f"{HOOK_NAME} is not on this checkout ({e})"}))
         return
     r = measure(folder, "cuda", torch.bfloat16, 8192, steps=3, micro_batches=2, gradient_checkpointing=True)
     print(json.dumps(r))
@@ -249,11 +251,11 @@ def train_step_rows(folder: str, logs: str, deadline: float) -> list[tuple[str, 
     elif "skip" in r:
         rows.append(("train step", "skipped", r["skip"]))
     else:
-        rows += [("train tokens/s", f"{r['tokens_per_s']:,.0f}", f"bench/train_step.py: {r['tokens']} tokens per "
+        rows += [("train tokens/s", f"{r['tokens_per_s']:,.0f}", f"{HOOK_NAME}: {r['tokens']} tokens per "
                   f"step, packed micro-batches of {r['micro_batch_tokens']}, gradient checkpointing"),
                  ("MFU", f"{100 * r['mfu']:.1f} %", f"6·N·tokens / step time / {r['matmul_tflops']:.0f} TFLOP/s "
                   "(bf16 matmul measured on this card)"),
-                 ("peak GPU memory, train step alone", f"{r['peak_memory_gib']:.1f} GiB", "bench/train_step.py")]
+                 ("peak GPU memory, train step alone", f"{r['peak_memory_gib']:.1f} GiB", HOOK_NAME)]
     return rows
 
 
