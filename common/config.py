@@ -144,6 +144,10 @@ class CommonArgs:
     max_tool_calls_per_turn: int = 8
     """Tool calls of one turn that run; each one beyond gets an error observation ('too_many_calls', counted as
     rollout/tool_error/too_many_calls) and starts nothing."""
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_coder"] = "auto"
+    """How the model writes tool calls (common/envs/tool_formats.py): hermes (Hermes, Qwen 2.5 / 3 <tool_call>
+    JSON), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), qwen3_coder (XML parameters); auto: the one the chat
+    template teaches, else hermes."""
     sandbox_procs: int = 4
     """Sandboxed programs (a tool's model-written code, rewards/sandbox.py) that run at once in one explorer; a
     call waits for a slot within its --tool-timeout-s."""

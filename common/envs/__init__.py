@@ -55,6 +55,8 @@ class EnvSettings:
     """seconds a tool call may take (from the start of the turn's calls, which run in parallel)"""
     max_tool_calls_per_turn: int = 8
     """tool calls of one turn that are run; the rest get an error observation ('too_many_calls'), counted"""
+    tool_call_format: str = "hermes"
+    """how the model writes a tool call (common/envs/tool_formats.py: FORMATS; --tool-call-format)"""
     max_tool_output_chars: int = 4000
     """a tool's output beyond this keeps its head and tail"""
 

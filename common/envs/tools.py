@@ -1,10 +1,13 @@
-"""Tools: an environment's public methods exposed to the model, with JSON schemas and the Hermes/Qwen call format.
+"""Tools: an environment's public methods exposed to the model, with JSON schemas, in the model's call format.
 
-The model calls a tool by writing (Hermes / Qwen 2.5+ format, what their chat templates teach):
+The model calls a tool the way its chat template teaches (common/envs/tool_formats.py: the tool_call_format
+setting, --tool-call-format), e.g. Hermes / Qwen 2.5+:
 
     <tool_call>{"name": "calculate", "arguments": {"expression": "3 * (4 + 5)"}}</tool_call>
 
-`parse_tool_calls` finds those blocks; each result goes back as a `{"role": "tool", "content": ...}` message. A
+The format finds the calls; the turn's message gets OpenAI-shaped `tool_calls` ({"id", "type": "function",
+"function": {"name", "arguments"}}, in the step's info["calls"]) and each result goes back as a
+`{"role": "tool", "content": ..., "tool_call_id": ..., "name": ...}` message. A
 malformed call, an unknown tool, bad arguments, a tool that raises or one that hangs past its timeout gives an
 error observation ("error: <reason>: ...") and the episode goes on; the reason is counted in the step's metrics
 (rollout/tool_error/<reason>). A turn without any tool call is the model's answer: `ToolEnv.answer` decides.
@@ -22,52 +25,16 @@ from __future__ import annotations
 
 import inspect
 import json
-import re
 import threading
 import time
 
 from common.envs import ABANDONED, Env, StepResult
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-OPEN_TAG = "<tool_call>"
-
-
-class ToolError(Exception):
-    """A tool call that cannot be served; `reason` is a short metric-friendly name."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
+from common.envs.tool_formats import ToolError, split_hermes, tool_format
 
 def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
-    """The tool calls in `text`: None when there is none (the turn is an answer); otherwise one entry per
-    `<tool_call>` block, either {"name", "arguments"} or a ToolError("malformed", ...)."""
-    if OPEN_TAG not in text:
-        return None
-    calls: list[dict | ToolError] = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            calls.append(ToolError("malformed", f"tool call is not valid JSON ({e.msg})"))
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(ToolError("malformed", 'tool call needs {"name": ..., "arguments": {...}}'))
-            continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):  # some models emit the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(args, dict):
-            calls.append(ToolError("malformed", "tool call arguments must be a JSON object"))
-            continue
-        calls.append({"name": call["name"], "arguments": args})
-    if not calls or text.count(OPEN_TAG) > len(calls):  # an opened block that never closed
-        calls.append(ToolError("malformed", "<tool_call> without a closing </tool_call>"))
-    return calls
+    """The Hermes/Qwen tool calls in `text`: None when there is none (the turn is an answer); otherwise one entry
+    per `<tool_call>` block, either {"name", "arguments"} or a ToolError("malformed", ...)."""
+    return split_hermes(text)[1]
 
 
 class ToolThread:
@@ -142,7 +109,7 @@ class ToolEnv(Env):
 
     tools: tuple[str, ...] | None = None
     API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "max_tool_output_chars",
-           "API", "settings", "Settings", "make_task", "task_list", "required_fields", "worst_reward"}
+           "API", "settings", "Settings", "make_task", "task_list", "required_fields", "worst_reward", "calls_made"}
 
     @property
     def tool_timeout_s(self) -> float:
@@ -168,25 +135,34 @@ class ToolEnv(Env):
 
     def step(self, action: str) -> StepResult:
         """The calls of one turn run in parallel (each bounded by tool_timeout_s from the same start; at most
-        max_tool_calls_per_turn of them); their results come back in the order of the calls."""
-        calls = parse_tool_calls(action)
+        max_tool_calls_per_turn of them); their results come back in the order of the calls, each a tool message
+        paired by id with the call in info["calls"] (the assistant message's OpenAI-shaped tool_calls)."""
+        name = self.settings.tool_call_format
+        types = [s.get("function", s) for s in self.tool_schemas()] if name == "qwen3_coder" else None  # typed values
+        content, calls = tool_format(name).split(action, types)
         if calls is None:
             return self.answer(action)
         limit = self.settings.max_tool_calls_per_turn
         started = [self._start(c) for c in calls[:limit]] + [
             ToolError("too_many_calls", f"more than {limit} tool calls in one turn (--max-tool-calls-per-turn): "
                                         f"this one was not run") for _ in calls[limit:]]
-        messages, errors = [], []
-        for call in started:
+        messages, errors, shaped = [], [], []
+        for call, running in zip(calls, started):
+            self.calls_made = getattr(self, "calls_made", 0) + 1
+            call_id = f"call{self.calls_made:05d}"  # 9 characters: what Mistral's templates require
+            name = call["name"] if isinstance(call, dict) else "invalid_call"
+            shaped.append({"id": call_id, "type": "function", "function": {
+                "name": name, "arguments": call["arguments"] if isinstance(call, dict) else {}}})
             try:
-                if isinstance(call, ToolError):
-                    raise call
-                content = self._clip(str(call.result()))
+                if isinstance(running, ToolError):
+                    raise running
+                result = self._clip(str(running.result()))
             except ToolError as e:
                 errors.append(e.reason)
-                content = f"error: {e.reason}: {e}"
-            messages.append({"role": "tool", "content": content})
-        return StepResult(messages, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors})
+                result = f"error: {e.reason}: {e}"
+            messages.append({"role": "tool", "content": result, "tool_call_id": call_id, "name": name})
+        return StepResult(messages, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors, "calls": shaped,
+                                                 "content": content})
 
     def _clip(self, text: str) -> str:
         """Tool output beyond max_tool_output_chars keeps its head and tail (a tool may print megabytes)."""

@@ -67,11 +67,14 @@ def merge_system(messages: list[dict]) -> list[dict]:
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, keep_tokens: tuple[str, ...] = ()):
         if not tokenizer.chat_template:
             raise ValueError("multi-turn episodes need a tokenizer with a chat template (or --chat-template FILE)")
         self.tokenizer = tokenizer
         self.lock = threading.Lock()  # episodes step in worker threads; a fast tokenizer is not re-entrant
+        # special tokens a tool-call format needs to see (Mistral's [TOOL_CALLS]), kept where decoding skips specials
+        vocab = tokenizer.get_vocab()
+        self.keep = {vocab[t]: t for t in keep_tokens if t in vocab}
         probe = self._renders(PROBE)
         if probe is None:
             raise ValueError("the chat template raises on a user + assistant conversation")
@@ -101,8 +104,18 @@ class ChatRenderer:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
+        """The text of sampled ids, special tokens skipped except those the tool-call format needs."""
         with self.lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            if not self.keep or not any(i in self.keep for i in ids):
+                return self.tokenizer.decode(ids, skip_special_tokens=True)
+            parts, start = [], 0
+            for k, i in enumerate(ids + [None]):
+                if i is None or i in self.keep:
+                    parts.append(self.tokenizer.decode(ids[start:k], skip_special_tokens=True))
+                    if i is not None:
+                        parts.append(self.keep[i])
+                    start = k + 1
+            return "".join(parts)
 
     def with_tools(self, messages: list[dict], schemas: list[dict]) -> tuple[list[dict], list[dict] | None]:
         """(messages, tools= argument): the schemas go to the template when it renders them, else into the system

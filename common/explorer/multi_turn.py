@@ -35,7 +35,6 @@ from common.explorer.chat import TemplateMismatch, strip_reasoning
 from common.explorer.workflow import Group, Sample, Workflow
 from rewards import Reward
 
-TOOL_CLOSE = "</tool_call>"
 CUT = ("truncated", "budget")              # ended by a token limit: finish reason "length"
 FAILED = ("error", "timeout", "template")  # ended by a failure: scores worst_reward, dropped by --drop-failed-rewards
 
@@ -173,7 +172,7 @@ class Episode(Sample):
             self.format_ok = False
 
 
-def tool_call_end(ids: list[int], decode, visible=lambda text: text, close: str = TOOL_CLOSE) -> int | None:
+def tool_call_end(ids: list[int], decode, visible=lambda text: text, close: str = "</tool_call>") -> int | None:
     """The number of leading ids whose text first holds a complete tool call that `visible` keeps (one written
     inside unclosed reasoning is not a call), or None."""
     for k in range(1, decode(ids).count(close) + 1):
@@ -254,8 +253,9 @@ class MultiTurn(Workflow):
         ids, logprobs = generation.response_ids[:cap], generation.logprobs[:cap]
         stopped = generation.finish_reason == "stop" and len(generation.response_ids) <= cap
         decode = self.ctx.renderer.decode
-        if self.ctx.in_turn_tools and e.env is not None and e.env.tool_schemas():
-            cut = tool_call_end(ids, decode, self._visible)
+        close = self.ctx.tool_format.close
+        if self.ctx.in_turn_tools and close and e.env is not None and e.env.tool_schemas():
+            cut = tool_call_end(ids, decode, self._visible, close)
             if cut is not None:
                 return self._in_turn_call(e, ids[:cut], logprobs[:cut], version, generation.versions)
         e._append(ids, logprobs, 1, version, generation.versions)
@@ -276,6 +276,9 @@ class MultiTurn(Workflow):
         if result is None:
             return len(ids)
         e.turn_rewards.append(float(result.reward))
+        if result.info.get("calls"):  # OpenAI-shaped: the text beside the calls, and the calls themselves
+            e.messages[-1] = {"role": "assistant", "content": result.info.get("content", ""),
+                              "tool_calls": result.info["calls"]}
         calls = int(result.info.get("tool_calls", 0))
         e.tool_calls += calls
         e.tool_errors += list(result.info.get("tool_errors", []))
@@ -311,7 +314,8 @@ class MultiTurn(Workflow):
         if not e.in_turn:
             e.turns += 1
         action = self._visible(self.ctx.renderer.decode(ids))  # tool_call_end found the call in this part
-        result = self._step(e, action[:action.rindex(TOOL_CLOSE) + len(TOOL_CLOSE)])
+        close = self.ctx.tool_format.close
+        result = self._step(e, action[:action.rindex(close) + len(close)])
         if result is None:
             e.turn_ends.append(len(e.response_ids))
             return len(ids)

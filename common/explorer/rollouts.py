@@ -69,6 +69,7 @@ class Context:
     in_turn_tools: bool = False
     truncated_turns: str = "end"        # --truncated-turns: a turn cut at max_new_tokens ends its episode, or goes on
     max_tool_calls_per_turn: int = 8
+    tool_call_format: str = "auto"      # --tool-call-format; auto: from the chat template (tool_formats.detect)
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     _renderer: object = None
 
@@ -77,14 +78,28 @@ class Context:
         if self._renderer is None:
             from common.explorer.chat import ChatRenderer
 
-            self._renderer = ChatRenderer(self.tokenizer)
+            self._renderer = ChatRenderer(self.tokenizer, keep_tokens=self.tool_format.keep_tokens)
         return self._renderer
+
+    @property
+    def tool_format_name(self) -> str:
+        from common.envs.tool_formats import detect
+
+        if self.tool_call_format != "auto":
+            return self.tool_call_format
+        return detect(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def tool_format(self):
+        from common.envs.tool_formats import tool_format
+
+        return tool_format(self.tool_format_name)
 
     @property
     def env_settings(self) -> dict:
         """make_env's overrides: the shared tool limits, then every --env-setting."""
         return {"tool_timeout_s": self.tool_timeout_s, "max_tool_calls_per_turn": self.max_tool_calls_per_turn,
-                **parse_env_settings(self.env_setting)}
+                "tool_call_format": self.tool_format_name, **parse_env_settings(self.env_setting)}
 
     @classmethod
     def from_args(cls, tokenizer, args, processor=None) -> "Context":
@@ -94,7 +109,7 @@ class Context:
         return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
                    args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
                    args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools,
-                   args.truncated_turns, args.max_tool_calls_per_turn, processor)
+                   args.truncated_turns, args.max_tool_calls_per_turn, args.tool_call_format, processor)
 
 
 class Rollouts:
