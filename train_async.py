@@ -1,14 +1,17 @@
 """Fully asynchronous RL fine-tuning, schedules (c) and (d) of DESIGN.md: explorers and trainer never wait for
-each other.
+each other, and an explorer never waits for its slowest group.
 
-    E0: rollout ─ rollout ─ rollout ─ sync ─ rollout ─ rollout …    (N explorers with --num-explorers N)
-    B:  bounded queue of rollout batches (a full queue blocks explorers: backpressure, not memory growth)
+    E0: groups stream: --inflight-groups generate at once, a new one starts the moment one ends … (N with --num-explorers N)
+    B:  bounded queue of batches of --tasks-per-step scored groups (a full queue blocks explorers: backpressure)
     T:  train ─ train ─ train ─▶ weights in flight ─ train ─ train …
 
-Explorers generate continuously into the queue; the trainer trains whenever a batch is ready; every
---sync-interval trainer steps the weights go out (one broadcast reaches every explorer, or a checkpoint they poll)
-and each explorer takes them between generation batches. Samples more than --max-staleness versions behind the
-trainer are dropped and counted; --off-policy-correction weights the rest.
+Each explorer keeps --inflight-groups groups generating (vLLM: one running batch that new groups and episodes'
+next turns join; HF: one generate call over every request ready, call after call). A group that ends is scored in
+the reward pool at once; the first --tasks-per-step groups scored go to the queue as one batch, so a long answer or
+a slow tool delays its own group only. Every --sync-interval trainer steps the weights go out (one broadcast
+reaches every explorer, or a checkpoint they poll) and each explorer takes them between two engine steps: requests
+running then go on with the new weights, each token keeps the version that sampled it. Samples more than
+--max-staleness versions behind the trainer are dropped and counted; --off-policy-correction weights the rest.
 
 Launch (one rank per worker: trainers first, then explorers; `python` starts them through torch elastic):
     python train_async.py
@@ -21,6 +24,7 @@ Launch (one rank per worker: trainers first, then explorers; `python` starts the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +35,7 @@ from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
 from common.runtime.launcher import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
+from common.tasks.stream import mark_trained
 from common.run import launch
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import make_weight_sync
@@ -43,14 +48,15 @@ class Args(CommonArgs):
     sync_interval: int = 1
     """Send the weights every N trainer steps."""
     queue_size: int = 0
-    """Rollout batches the queue holds before explorers block (0: one per explorer; more adds staleness)."""
+    """Batches the queue holds before explorers block (0: one per explorer; more adds staleness)."""
+    inflight_groups: int = 0
+    """Groups each explorer keeps generating at once (0: 2 x --tasks-per-step: while the slowest groups of one
+    batch finish, the next batch's groups already fill the engine; raise it when episodes wait on slow tools, so
+    enough others decode meanwhile; each group beyond one batch adds staleness)."""
     mid_generation_updates: bool = True
-    """--engine vllm: take new weights between decode steps of a running generation round (the round's running
-    requests then continue with the new weights, their KV cache recomputed; each token keeps the version that
-    sampled it, in Experience.segment_versions) instead of only between rounds. With hf: between rounds only."""
-    score_behind: bool = False
-    """Score each generation round in the reward pool while the next round generates (the batch reaches the queue
-    one round later; its samples keep the version that generated them). Pays when verifiers are slow (code)."""
+    """Take new weights between any two engine steps (vLLM: running requests then continue with the new weights,
+    their KV cache recomputed; each token keeps the version that sampled it, in Experience.segment_versions)
+    instead of only when a batch has been put in the queue."""
 
     RANGES: ClassVar[dict[str, tuple]] = {"num_explorers": (1, True, None, False, ""),  # with CommonArgs.RANGES
                                           "sync_interval": (1, True, None, False, "")}
@@ -63,6 +69,7 @@ class Args(CommonArgs):
             raise ConfigError(f"--explorer-devices lists {len(self.explorer_device_list)} devices for "
                               f"--num-explorers {self.num_explorers}")
         self.queue_size = self.queue_size or self.num_explorers
+        self.inflight_groups = self.inflight_groups or 2 * self.tasks_per_step
 
 
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
@@ -70,52 +77,67 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
     weights = make_weight_sync(args, ctx, timeline, explorer.engine)
     explorer.version = weights.pull(step=0)
-    explorer.skip_to(explorer.version)
+    explorer.resume_stream(trained_ledger(ctx), explorer.version)  # groups in flight at the checkpoint: again
     evaluates = ctx.index == 0  # one explorer measures held-out accuracy for the run
-    next_eval = explorer.version
-    batch = 0
-    if args.mid_generation_updates and args.engine == "vllm":  # vLLM steps call this between decode steps
-        explorer.between_steps = lambda: weights.poll(batch)
+    undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
+    sent = 0  # batches put in the queue
     while not stop.is_set():
-        if weights.poll(batch):  # newer weights between rounds (and mid-round, see above)
+        if evaluates and any(explorer.eval_due(s) for s in range(undecided, explorer.version + 2)):
+            control.send("eval", explorer.evaluate(sent), ctx.index)
+        undecided = explorer.version + 2
+        explorer.start_groups()  # up to --inflight-groups generating
+        explorer.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
+        if args.mid_generation_updates and weights.poll(sent):  # between two engine steps
             explorer.version = weights.version
-        if evaluates and args.eval_every and explorer.version >= next_eval:
-            control.send("eval", explorer.evaluate(batch), ctx.index)
-            next_eval = (explorer.version // args.eval_every + 1) * args.eval_every
-        batch += 1
-        experiences, metrics = explorer.rollout(batch)
-        with timeline.phase("wait", put=f"{ctx.index}-{batch}"):  # blocks only while the queue is full
-            item = RolloutBatch(batch, experiences, metrics, ctx.index)
-            _put_unless_stopped(queue, item, stop, args.timeout_s, lambda b=batch: weights.poll(b))
+        batch = explorer.take_batch()  # --tasks-per-step groups, once that many are scored
+        if batch is None:
+            continue
+        sent += 1
+        with timeline.phase("wait", put=f"{ctx.index}-{sent}"):  # blocks only while the queue is full
+            put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, weights,
+                               args)
+        weights.poll(sent)
         explorer.version = weights.version
-    explorer.version = weights.take_final(batch)  # every send still owed, up to the trainer's final weights
+    explorer.stop_stream()  # groups still in flight are given up (a resumed run starts them again)
+    explorer.version = weights.take_final(sent)  # every send still owed, up to the trainer's final weights
     if evaluates:
-        control.send("final", explorer.final_evaluation(batch + 1), ctx.index)
+        control.send("final", explorer.final_evaluation(sent + 1), ctx.index)
     explorer.close()
 
 
-def _put_unless_stopped(queue: ExperienceQueue, item, stop, timeout_s: float, take_weights):
+def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, weights, args: Args):
     """Put with backpressure; give the batch up once the trainer has finished (it will never be trained).
 
     While the queue is full the trainer may be waiting for this explorer to join a weight broadcast (it is one
-    collective for all explorers), so a pending one is taken here; the batch keeps the version it was made with.
+    collective for all explorers), so a pending one is taken here; the batch keeps the versions it was made with.
     """
-    for _ in range(int(timeout_s / 0.5)):
+    for _ in range(int(args.timeout_s / 0.5)):
         if stop.is_set():
             return
         try:
             return queue.put(item, timeout=0.5)
         except TimeoutError:
-            take_weights()
-    raise TimeoutError(f"explorer: experience queue stayed full for {timeout_s:.0f}s (trainer stalled?)")
+            weights.poll(item.step)
+    raise TimeoutError(f"explorer: experience queue stayed full for {args.timeout_s:.0f}s (trainer stalled?)")
+
+
+def trained_ledger(ctx: WorkerContext):
+    """This explorer's ledger of trained task positions (common/tasks/stream.py mark_trained), as the trainer
+    published it before its first weights; None when the run starts fresh."""
+    ledgers = json.loads(ctx.store.get("trained_tasks"))
+    return ledgers.get(str(ctx.index))
 
 
 def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
     with TrainerRun(ctx, args, control) as run:
         weights = make_weight_sync(args, ctx, run.timeline)
+        ledgers = run.summary["trained_tasks"]  # saved with every checkpoint: a resumed explorer skips these
+        ctx.store.set("trained_tasks", json.dumps(ledgers))  # before the first weights, which explorers wait for
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
         while run.step < args.steps:
             batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
+            key = str(batch.explorer)
+            ledgers[key] = mark_trained(ledgers.get(key), batch.positions)  # trained or dropped: used once
             if not batch.experiences:
                 continue
             run.log(batch, run.train(batch, run.step + 1))

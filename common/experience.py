@@ -114,6 +114,7 @@ class RolloutBatch:
     experiences: list[Experience]
     metrics: dict
     explorer: int = 0
+    positions: list[int] = field(default_factory=list)  # task stream positions used (train_async.py's resume)
 
 
 class ExperienceQueue:

@@ -26,7 +26,7 @@ def check_episodes(out, steps=2):
 
 
 @pytest.mark.timeout(600)  # three processes on a shared 2-core machine
-# train_async.py: test_mixed_taskset_with_ppo_data_parallel_and_score_behind below.
+# train_async.py: test_mixed_taskset_streams_with_ppo_data_parallel below.
 @pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py"])
 def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
     out = tmp_path / "run"
@@ -56,11 +56,12 @@ def test_jsonl_rows_pick_their_env(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_mixed_taskset_with_ppo_data_parallel_and_score_behind(tmp_path):
-    """PPO (GAE over the sampled tokens only), two data-parallel trainers and --score-behind with episodes."""
+def test_mixed_taskset_streams_with_ppo_data_parallel(tmp_path):
+    """PPO (GAE over the sampled tokens only), two data-parallel trainers and the streaming explorer with
+    episodes."""
     out = tmp_path / "run"
     proc = run_script("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
-                      "--score-behind", "--steps", "2", "--out-dir", str(out), timeout=500)
+                      "--steps", "2", "--out-dir", str(out), timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_episodes(out)
     assert all("value_loss" in r for r in read_metrics(str(out)))

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ class Generation:
 
 class RolloutEngine(ABC):
     """What an explorer needs from an inference engine."""
+
+    busy_s = 0.0  # seconds spent generating so far (rollout/engine_busy_frac)
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
@@ -125,8 +128,10 @@ class HFEngine(RolloutEngine):
         pictures = stack_images([im for im in images for _ in range(sampling.n)]) if images else {}
         if pictures:  # a VLM: its 3-D rope positions need to know which ids are image placeholders
             pictures["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
+        start = time.time()
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                   generation_config=config, **{k: v.to(device) for k, v in pictures.items()})
+        self.busy_s += time.time() - start
         new_tokens = out.sequences[:, width:].cpu()
         # Raw logits (before temperature/top-p processors) -> the sampling distribution at `temperature`.
         logits = torch.stack(out.logits, dim=1).float().cpu() / (1.0 if greedy else sampling.temperature)

@@ -147,7 +147,8 @@ class VLLMEngine(RolloutEngine):
         self.last_update_s = 0.0        # seconds of the last commit / checkpoint load, as seen here
         self.last_reload_s = 0.0        # of which the worker's load (copy / re-pack, or reload_weights)
         self.fast_sync = True           # False: commit through vLLM's reload_weights (the reference path)
-        self._generating = False        # a stepwise generate is running (weights then change between steps)
+        self._live: dict[str, tuple] = {}  # vLLM request id -> (owner, key, prompt, top-p corrected, stepwise)
+        self._done: dict[int, list] = {}  # id(owner) -> finished (key, Generation) not yet taken
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -162,54 +163,71 @@ class VLLMEngine(RolloutEngine):
                             between_steps)
         return results
 
-    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None, poll=None) -> None:
-        """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). This process drives
-        vLLM's step loop; the moment a request finishes, `on_finish(key, Generation)` runs and the requests it
-        returns (an episode's next turn) join the running batch, so no episode waits for the slowest of its turn.
-        `poll(block)`, if given, returns more requests whose work went on elsewhere (environment steps in a
-        pool): after every engine step without blocking, and blocking while the engine has nothing to run; None
-        once nothing is pending. `between_steps()`, if given, runs after every engine step (new weights may land
-        there; each token's version is then in `Generation.versions`)."""
-        from vllm.inputs import TokensPrompt
-
-        engine, truncated = self.llm.llm_engine, self._truncated(sampling)
-        live: dict[str, tuple] = {}  # vLLM request id -> (key, prompt ids)
-
-        def add(key, prompt, max_new_tokens):
-            request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
-                               self._params(sampling, max_new_tokens, request_id if truncated else None))
-            live[request_id] = (key, list(prompt))
-
-        for request in requests:
-            add(*request)
-        self._generating = between_steps is not None
+    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None) -> None:
+        """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). The moment a request
+        finishes, `on_finish(key, Generation)` runs and the requests it returns (an episode's next turn) join the
+        running batch, so no episode waits for the slowest of its turn. `between_steps()`, if given, runs after
+        every engine step (new weights may land there; each token's version is then in `Generation.versions`).
+        Requests that others added (`add`) step alongside and stay theirs."""
+        owner = object()
         try:
-            while True:
-                if not engine.has_unfinished_requests():
-                    more = poll(True) if poll is not None else None
-                    if more is None:
-                        break
-                    for request in more:
-                        add(*request)
-                    continue
-                done = [out for out in engine.step() if out.finished]
-                logz = self.llm.collective_rpc("tandem_pop_logz", args=([o.request_id for o in done],))[0] \
-                    if truncated and done else {}
-                for out in done:
-                    key, prompt = live.pop(out.request_id)
-                    generation = self._generation(prompt, out.outputs[0], logz.get(out.request_id),
-                                                  between_steps is not None)
+            for request in requests:
+                self.add(owner, *request, sampling, stepwise=between_steps is not None)
+            while self.running(owner):
+                for key, generation in self.step(owner):
                     for request in on_finish(key, generation):
-                        add(*request)
-                for request in (poll(False) or []) if poll is not None else []:
-                    add(*request)
+                        self.add(owner, *request, sampling, stepwise=between_steps is not None)
                 if between_steps is not None:
                     between_steps()
         finally:
-            self._generating = False
-            if live:  # an error mid-way: leave nothing running in the engine
-                engine.abort_request(list(live))
+            self.abort(owner)  # after an error: leave nothing of this call running in the engine
+
+    # The stepping interface (common/explorer/rollouts.py streams through it): requests of several owners share
+    # one running batch; each engine step's finished requests go to their owner.
+    def add(self, owner, key, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
+            stepwise: bool = True) -> None:
+        """Queue one request; it joins the running batch at the next engine step. `stepwise`: its Generation
+        carries per-token weight versions (weights may change while it runs)."""
+        from vllm.inputs import TokensPrompt
+
+        request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
+        truncated = self._truncated(sampling)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
+                                        self._params(sampling, max_new_tokens, request_id if truncated else None))
+        self._live[request_id] = (owner, key, list(prompt), truncated, stepwise)
+
+    def running(self, owner) -> int:
+        """Requests of `owner` still generating, or finished and not yet taken by `step`."""
+        return sum(o is owner for o, *_ in self._live.values()) + len(self._done.get(id(owner), []))
+
+    def step(self, owner) -> list[tuple[object, Generation]]:
+        """One engine step (unless `owner` already has finished requests waiting); (key, Generation) of `owner`'s
+        requests finished by now. Time spent stepping counts in `busy_s`."""
+        if not self._done.get(id(owner)) and self._live:
+            start = time.time()
+            try:
+                done = [out for out in self.llm.llm_engine.step() if out.finished]
+                corrected = [o.request_id for o in done if self._live[o.request_id][3]]
+                logz = self.llm.collective_rpc("tandem_pop_logz", args=(corrected,))[0] if corrected else {}
+            except BaseException:  # an error mid-way: leave nothing running in the engine
+                self.llm.llm_engine.abort_request(list(self._live))
+                self._live.clear()
+                raise
+            self.busy_s += time.time() - start
+            for out in done:
+                who, key, prompt, _, stepwise = self._live.pop(out.request_id)
+                self._done.setdefault(id(who), []).append(
+                    (key, self._generation(prompt, out.outputs[0], logz.get(out.request_id), stepwise)))
+        return self._done.pop(id(owner), [])
+
+    def abort(self, owner) -> None:
+        """Drop every request of `owner` (a stream that stops)."""
+        mine = [rid for rid, (o, *_) in self._live.items() if o is owner]
+        if mine:
+            self.llm.llm_engine.abort_request(mine)
+        for rid in mine:
+            del self._live[rid]
+        self._done.pop(id(owner), None)
 
     @staticmethod
     def _truncated(sampling: SamplingConfig) -> bool:
@@ -268,23 +286,24 @@ class VLLMEngine(RolloutEngine):
     def _update(self, version: int | None, method: str, *args) -> None:
         """Run the worker's load `method`, empty the prefix cache, label later tokens `version`.
 
-        Mid-generation (a stepwise generate is running) the scheduler is paused first ("keep": running requests
+        Mid-generation (requests are running) the scheduler is paused first ("keep": running requests
         stay, the step in progress finishes and its tokens reach this process labelled with the old version), so
         load, cache reset and new label all fall between the same two decode steps. Running requests are then
         preempted by the reset and resume with their KV cache recomputed under the new weights (vLLM re-prefills
         prompt + tokens so far); the tokens they already have keep the old label and behaviour log-probs."""
         start = time.time()
         core = self.llm.llm_engine.engine_core
-        if self._generating:
+        generating = bool(self._live)
+        if generating:
             core.call_utility("pause_scheduler", "keep", False)
         try:
             self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
-            if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=self._generating):
+            if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=generating):
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
             if version is not None:
                 self.llm.llm_engine.set_weight_version(str(version))
         finally:
-            if self._generating:
+            if generating:
                 core.call_utility("resume_scheduler")
         self.last_update_s = time.time() - start
 

@@ -9,8 +9,6 @@ name an environment), all advanced together by `Rollouts`. Single-turn responses
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
 
 from common.explorer.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
@@ -22,7 +20,7 @@ from common.tasks import build_tasksets
 from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
 from common.tasks.processors import apply_task_processors
 from common.vlm import is_vlm, load_processor
-from rewards import RewardFuture, RewardPool, UserReward, score
+from rewards import RewardPool, UserReward, score
 from rewards.shaping import shape_batch
 
 
@@ -59,17 +57,6 @@ def build_processor(args, tokenizer):
     return load_processor(args.model, path, tokenizer) if is_vlm(args.model, path) else None
 
 
-@dataclass
-class _Round:
-    """One generation round whose rewards are being scored in the RewardPool."""
-    step: int
-    groups: list
-    flat: list                 # (group, response) per sample, in the order submitted for scoring
-    future: RewardFuture
-    generated: dict            # Rollouts.generate's counts (+ the task processors')
-    generated_s: float         # seconds of generation
-
-
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
         self.args, self.timeline, self.index, self.device = args, timeline, index, device
@@ -90,8 +77,20 @@ class Explorer:
         self.version = 0
         self.next_group = 0
         self.first_step = 1
-        self.scoring: _Round | None = None  # --score-behind: the round whose rewards are being computed
         self.between_steps = None  # train_async.py with vLLM: takes new weights between decode steps
+        # streaming (train_async.py): tasks drawn and not started, groups being scored and scored, the stream
+        # position and start time of every group in flight, what happened since the last batch
+        self.drawn: list[tuple[int, dict]] = []
+        self.trained_before: set[int] = set()
+        self.scoring: list = []
+        self.scored: list = []
+        self.position_of: dict[int, tuple[int, float]] = {}
+        self.used: list[int] = []
+        self.task_counts: dict = {}
+        self.groups_seen: list[int] = []
+        self.busy_span: tuple[float, float] | None = None
+        self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
+        self.batch_tokens, self.batch_busy = 0, 0.0
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
@@ -101,18 +100,7 @@ class Explorer:
     def rollout(self, step: int) -> tuple[list[Experience], dict]:
         """One generation round with the current weights over tasks_per_step new tasks x samples_per_task responses
         and every response still unfinished from earlier steps; returns the experiences of the groups that ended
-        (every group, when partial rollouts are off; possibly none while long responses are still in flight).
-
-        With `--score-behind` (train_async.py) the round's scoring runs in the RewardPool while the *next* round
-        generates, and this returns the previous round's experiences (none on the first call)."""
-        round_ = self._generate_and_submit(step)
-        if getattr(self.args, "score_behind", False):
-            round_, self.scoring = self.scoring, round_
-            if round_ is None:
-                return [], {"time/rollout": self.scoring.generated_s}
-        return self._finish(round_)
-
-    def _generate_and_submit(self, step: int) -> "_Round":
+        (every group, when partial rollouts are off; possibly none while long responses are still in flight)."""
         args = self.args
         tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
         tasks, task_counts = apply_task_processors(tasks, args.task_processors, args)
@@ -122,20 +110,31 @@ class Explorer:
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
             generated = self.in_flight.generate(self.engine, self.sampling, self.version, self.between_steps)
+        generated_s = time.time() - t0
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
         # verifiers run in the pool's worker processes; episodes add their environment's reward
         future = ScoreFuture(self.rewards, flat, self.tokenizer, args.env_reward, bool(args.reward_fn))
-        generated["tasks"] = task_counts
-        return _Round(step, groups, flat, future, generated, time.time() - t0)
-
-    def _finish(self, round_: "_Round") -> tuple[list[Experience], dict]:
-        args, groups, flat = self.args, round_.groups, round_.flat
         t1 = time.time()
-        with self.timeline.phase("reward", step=round_.step):
-            scores = round_.future.result(timeout=args.timeout_s)
+        with self.timeline.phase("reward", step=step):
+            scores = future.result(timeout=args.timeout_s)
         t2 = time.time()
-        self.timeline.record("reward-in-flight", round_.future.submitted_at, round_.future.done_at, step=round_.step)
+        self.timeline.record("reward-in-flight", future.submitted_at, future.done_at, step=step)
+        generated["tasks"] = task_counts
+        experiences, metrics = self._package(groups, scores, generated, generated_s, t2 - t1)
+        if args.rollout_token_budget:
+            metrics.update({
+                "rollout/partial_continued": generated["continued"],  # responses given another segment now
+                "rollout/partial_saved": len(self.in_flight.unfinished()),  # still unfinished: continued later
+                "rollout/partial_finished": sum(r.segments > 1 for _, r in flat),  # ended after 2+ segments
+                "rollout/groups_finished": len(groups), "rollout/groups_in_flight": len(self.in_flight.groups),
+            })
+        return experiences, metrics
+
+    def _package(self, groups: list, scores: list, generated: dict, generated_s: float, reward_s: float):
+        """Experiences and metrics of scored groups (scores: one Reward per sample, group by group)."""
+        args = self.args
+        flat = [(g, r) for g in groups for r in g.responses]
         # ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward); reward_info keeps the parts
         shaped = shape_batch(scores, [r.sampled_tokens for _, r in flat], args.samples_per_task,
                              args.length_penalty, args.format_reward)  # episodes: sampled tokens only
@@ -143,17 +142,16 @@ class Explorer:
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
             group_id=g.group_id, task_id=str(g.task["id"]), policy_version=max(r.versions, default=self.version),
-            finish_reason=r.finish_reason, timings={"rollout": round_.generated_s, "reward": t2 - t1},
+            finish_reason=r.finish_reason, timings={"rollout": generated_s, "reward": reward_s},
             segment_versions=r.versions, turn_ends=r.turn_ends,
             turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=r.images,
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         n = args.samples_per_task
         for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
             self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[k * n:(k + 1) * n]])
-        generated = round_.generated
         metrics = {
-            "time/rollout": round_.generated_s, "time/reward": t2 - t1,
-            "rollout/tokens_per_s": generated["tokens"] / max(round_.generated_s, 1e-9),
+            "time/rollout": generated_s, "time/reward": reward_s,
+            "rollout/tokens_per_s": generated["tokens"] / max(generated_s, 1e-9),
             "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
             "rollout/sampled_tokens_mean": sum(r.sampled_tokens for _, r in flat) / max(len(flat), 1),
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
@@ -163,18 +161,100 @@ class Explorer:
         modes = sorted({r.info["sandbox"] for r in scores if r.info.get("sandbox")})  # code rewards: isolation in force
         if modes:
             metrics["reward/sandbox_mode"] = " | ".join(modes)
-        if args.rollout_token_budget:
-            metrics.update({
-                "rollout/partial_continued": generated["continued"],  # responses given another segment now
-                "rollout/partial_saved": len(self.in_flight.unfinished()),  # still unfinished: continued later
-                "rollout/partial_finished": sum(r.segments > 1 for _, r in flat),  # ended after 2+ segments
-                "rollout/groups_finished": len(groups), "rollout/groups_in_flight": len(self.in_flight.groups),
-            })
         if args.curriculum:
             metrics["tasks/max_difficulty"] = self.train_tasks.open_levels(self.version / args.steps)[-1]
         for name in (shaped[0][1] if shaped else {}):  # raw, and each shaping term that is switched on
             metrics[f"reward/{name}_mean"] = sum(parts[name] for _, parts in shaped) / len(shaped)
         return experiences, metrics
+
+    # ------------------------------------------------------------------------------------- streaming (train_async.py)
+    def start_groups(self) -> None:
+        """Start new groups until --inflight-groups are generating. Tasks are drawn from the stream
+        --tasks-per-step at a time (the draws a round would make) and started one by one; stream positions already
+        trained before a resume (`resume_stream`) are skipped; a task a processor drops counts as used."""
+        args = self.args
+        if self.batch_started is None:
+            self.batch_started, self.batch_tokens, self.batch_busy = time.time(), self.in_flight.tokens, self.engine.busy_s
+        while len(self.in_flight.workflows) < args.inflight_groups:
+            if not self.drawn:
+                start = self.train_tasks.position
+                tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
+                self.drawn = [(start + i, t) for i, t in enumerate(tasks) if start + i not in self.trained_before]
+                continue
+            position, task = self.drawn.pop(0)
+            kept, counts = apply_task_processors([task], args.task_processors, args)
+            for name, dropped in counts.items():
+                self.task_counts[name] = self.task_counts.get(name, 0) + dropped
+            if not kept:
+                self.used.append(position)
+                continue
+            self.in_flight.start(kept[0], self.next_group, args.samples_per_task)
+            self.position_of[self.next_group] = (position, time.time())
+            self.next_group += 1
+
+    def step(self) -> None:
+        """One engine step over every group in flight (Rollouts.step: waits only while no request is ready,
+        at most a second, for an environment); the groups that ended go to the reward pool at once, and groups
+        whose scoring is done join `scored`."""
+        busy = self.engine.busy_s
+        t0 = time.time()
+        self.in_flight.step(self.engine, self.sampling, self.version)
+        if self.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
+            self.busy_span = (self.busy_span[0], time.time()) if self.busy_span and t0 - self.busy_span[1] < 0.05 \
+                else self._flush_busy_span() or (t0, time.time())
+        self.groups_seen.append(len(self.in_flight.workflows))
+        for group in self.in_flight.pop_finished():  # verifiers in the pool's processes; episodes add the env's
+            flat = [(group, r) for r in group.responses]
+            self.scoring.append((group, ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward,
+                                                    bool(self.args.reward_fn))))
+        for group, future in [gf for gf in self.scoring if gf[1].done()]:
+            self.scoring.remove((group, future))
+            self.scored.append((group, future.result(timeout=self.args.timeout_s), future))
+            position, started = self.position_of[group.group_id]
+            self.timeline.record("group", started, time.time(), group=group.group_id, task=position)
+
+    def _flush_busy_span(self) -> None:
+        if self.busy_span:
+            self.timeline.record("generate", *self.busy_span)
+        self.busy_span = None
+
+    def take_batch(self) -> tuple[list[Experience], dict, list[int]] | None:
+        """The first --tasks-per-step scored groups (in the order their scoring finished) as experiences, their
+        metrics since the last batch, and the stream positions they used (tasks dropped by a processor included);
+        None while fewer are scored."""
+        n = self.args.tasks_per_step
+        if len(self.scored) < n:
+            return None
+        self._flush_busy_span()
+        taken, self.scored = self.scored[:n], self.scored[n:]
+        groups = [g for g, _, _ in taken]
+        now, seconds = time.time(), time.time() - self.batch_started
+        reward_s = sum(f.done_at - f.submitted_at for _, _, f in taken) / n
+        generated = {"tokens": self.in_flight.tokens - self.batch_tokens, "tasks": self.task_counts}
+        experiences, metrics = self._package(groups, [r for _, scores, _ in taken for r in scores], generated,
+                                             seconds, reward_s)
+        metrics["rollout/groups_in_flight"] = sum(self.groups_seen) / max(len(self.groups_seen), 1)
+        metrics["rollout/engine_busy_frac"] = (self.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
+        positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.used
+        self.used, self.task_counts, self.groups_seen = [], {}, []
+        self.batch_started, self.batch_tokens, self.batch_busy = now, self.in_flight.tokens, self.engine.busy_s
+        return experiences, metrics, positions
+
+    def stop_stream(self) -> None:
+        """Give up the groups in flight (their requests leave the engine)."""
+        if hasattr(self.engine, "abort"):
+            self.engine.abort(self.in_flight)
+
+    def resume_stream(self, trained: tuple[int, list[int]] | None, step: int) -> None:
+        """On resume: start where the trainer's ledger says (every position below trained[0] and those in
+        trained[1] were trained); without a ledger, where the trainer's step count says."""
+        if trained is None:
+            return self.skip_to(step)
+        below, beyond = trained
+        n = self.args.tasks_per_step
+        self.train_tasks.position = below // n * n  # draws start at multiples of --tasks-per-step, as they did
+        self.trained_before = set(range(self.train_tasks.position, below)) | set(beyond)
+        self.first_step = step + 1
 
     def eval_due(self, step: int) -> bool:
         """Before the first step of a run and every --eval-every steps (the last one comes after training); never

@@ -11,7 +11,7 @@ single_turn; a taskset may mix them. Adding a workflow is one file plus one line
 
 `Rollouts` runs the workflows of the tasks in flight on one explorer: every engine call takes the next turn of
 *every* live sample of every task (single-turn responses and episodes alike), so multi-turn episodes are batched
-turn by turn instead of run one after another. With vLLM (`generate_turns`) there is one engine loop for all
+turn by turn instead of run one after another. With vLLM (`add` / `step`) there is one engine loop for all
 turns: an episode's next turn joins the running batch as soon as its environment has answered, so no episode waits
 for the slowest of its turn. Environment steps (tool calls, rendering) run in a thread pool beside the engine loop,
 never inside it (`--env-workers`).
@@ -116,12 +116,23 @@ class Rollouts:
     """The workflows (one per task) in flight on one explorer. Environment steps, tool calls and observation
     rendering (`workflow.receive`) run in a thread pool, never inside the engine's decode loop: with vLLM a
     finished turn is handed to the pool and the engine keeps stepping the other requests; the episode's next turn
-    joins the running batch when its step is done, so a slow tool delays its own episode only."""
+    joins the running batch when its step is done, so a slow tool delays its own episode only.
+
+    Two ways to drive it: `generate` runs the workflows started so far to their end (a round: train_sync.py,
+    train_offpolicy.py, evaluation); `step` advances every live sample by one engine step and returns, so the
+    caller can start new workflows, take new weights and collect finished groups in between (the streaming
+    explorer of train_async.py)."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.workflows: list = []
+        self.tokens = 0                 # sampled tokens kept so far
         self._pool: ThreadPoolExecutor | None = None
+        self._new: list = []            # workflows started since the last step: their first requests are due
+        self._ready: list = []          # (workflow, sample, prompt ids, max new tokens) waiting for the engine
+        self._decoding: dict = {}       # id(sample) -> (workflow, sample) of requests in the engine
+        self._stepping: dict = {}       # id(sample) -> (workflow, sample, submitted at) in the environment pool
+        self._answered: queue.Queue = queue.Queue()
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -139,38 +150,113 @@ class Rollouts:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
         self.workflows.append(workflow_class(name)(task, group_id, n, self.ctx))
+        self._new.append(self.workflows[-1])
 
     def unfinished(self) -> list:
         return [s for w in self.workflows for s in w.group.responses if s.finish_reason is None]
 
     def generate(self, engine: RolloutEngine, sampling: SamplingConfig, version: int, between_steps=None) -> dict:
         """Engine calls until every workflow has finished (with --rollout-token-budget: one call, one segment per
-        unfinished response). Each call carries the next turn of every live sample; an engine with `generate_turns`
-        (vLLM) runs all turns in one loop instead. An engine given `between_steps` (vLLM, --mid-generation-updates)
-        may take newer weights between decode steps and reports each token's version."""
+        unfinished response). Each call carries the next turn of every live sample; an engine that steps (vLLM:
+        `add` / `step`) runs all turns in one loop instead, each turn joining the running batch when it is ready.
+        `between_steps`, where the engine steps (vLLM, --mid-generation-updates), runs after every engine step:
+        newer weights may land there and each token's version is reported."""
         continued = sum(s.segments > 0 for s in self.unfinished())
-        if hasattr(engine, "generate_turns") and not self.ctx.token_budget:
-            return {"continued": continued, "engine_calls": 1,
-                    "tokens": self._generate_continuously(engine, sampling, version, between_steps)}
+        tokens = self.tokens
+        if hasattr(engine, "step") and not self.ctx.token_budget:
+            while any(not w.finished() for w in self.workflows):
+                self.step(engine, sampling, version, stepwise=between_steps is not None)
+                if between_steps is not None:
+                    between_steps()
+            return {"continued": continued, "engine_calls": 1, "tokens": self.tokens - tokens}
+        self._new = []
         hook = {"between_steps": between_steps} if between_steps is not None else {}
-        tokens = calls = 0
+        calls = 0
         while True:
             todo = [(w, *req) for w in self.workflows for req in w.requests()]
             if not todo:
                 break
-            turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
-            images = [s.images for _, s, _, _ in todo]
-            pictures = {"images": images} if any(im is not None for im in images) else {}
-            generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook, **pictures)
+            generations = self._generate(engine, todo, sampling, **hook)
             calls += 1
             if not self.ctx.env_workers:
-                tokens += sum(w.receive(s, g, version) for (w, s, _, _), (g,) in zip(todo, generations))
+                self.tokens += sum(w.receive(s, g, version) for w, s, g in generations)
             else:  # the turn's environment steps run in parallel
-                steps = [(s, self.pool.submit(w.receive, s, g, version)) for (w, s, _, _), (g,) in zip(todo, generations)]
-                tokens += sum(self._wait(s, f) for s, f in steps)
+                steps = [(s, self.pool.submit(w.receive, s, g, version)) for w, s, g in generations]
+                self.tokens += sum(self._wait(s, f) for s, f in steps)
             if self.ctx.token_budget:
                 break
-        return {"continued": continued, "tokens": tokens, "engine_calls": calls}
+        return {"continued": continued, "tokens": self.tokens - tokens, "engine_calls": calls}
+
+    @staticmethod
+    def _generate(engine, todo: list, sampling: SamplingConfig, **hook) -> list:
+        """One batched engine call over `todo` (workflow, sample, prompt ids, cap): (workflow, sample, Generation)."""
+        turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(cap for *_, cap in todo))
+        images = [s.images for _, s, _, _ in todo]
+        pictures = {"images": images} if any(im is not None for im in images) else {}
+        generations = engine.generate([ids for _, _, ids, _ in todo], turn, **hook, **pictures)
+        return [(w, s, g) for (w, s, _, _), (g,) in zip(todo, generations)]
+
+    def step(self, engine: RolloutEngine, sampling: SamplingConfig, version: int, wait_s: float = 1.0,
+             stepwise: bool = True) -> None:
+        """One engine step over every live sample of every workflow in flight. The first requests of workflows
+        started since the last step, and the next turns of episodes whose environment has answered, join the
+        running batch; a finished turn goes to the environment pool (stepped inline with --env-workers 0), so an
+        episode waiting on a tool holds no decode slot. With nothing to decode this waits up to `wait_s` for an
+        environment to answer (the only wait here). An engine without `step` (HF generate: no continuous batching)
+        makes one batched call over every request ready now, to its end. `stepwise`: the engine reports each
+        token's weights version (weights may change between steps)."""
+        for workflow in self._new:
+            self._ready += [(workflow, *request) for request in workflow.requests()]
+        self._new = []
+        stepping = hasattr(engine, "step")
+        busy = bool(self._ready) or stepping and engine.running(self) > 0
+        if self._stepping:  # a quick environment step rejoins at once; an idle engine waits for one
+            newest = max(t for *_, t in self._stepping.values())
+            self._collect(max(0.0, newest + STEP_GRACE_S - time.monotonic()) if busy else wait_s)
+        turn = dataclasses.replace(sampling, n=1)
+        if stepping:
+            for workflow, sample, ids, cap in self._ready:
+                self._decoding[id(sample)] = (workflow, sample)
+                engine.add(self, id(sample), ids, cap, turn, stepwise=stepwise)
+            self._ready = []
+            finished = [(*self._decoding.pop(key), g) for key, g in engine.step(self)] if engine.running(self) else []
+        elif self._ready:
+            todo, self._ready = self._ready, []
+            finished = self._generate(engine, todo, turn)
+        else:
+            finished = []
+        for workflow, sample, generation in finished:
+            if not self.ctx.env_workers:  # inline, between engine steps (the reference path)
+                self.tokens += workflow.receive(sample, generation, version)
+                self._ready += [(workflow, *r) for r in workflow.requests() if r[0] is sample]
+            else:
+                self._stepping[id(sample)] = (workflow, sample, time.monotonic())
+                future = self.pool.submit(workflow.receive, sample, generation, version)
+                future.add_done_callback(lambda f, key=id(sample): self._answered.put((key, f)))
+
+    def _collect(self, timeout: float) -> None:
+        """Take the answers of environment steps (waiting up to `timeout` for the first): their episodes' next
+        requests become ready. Fails, naming the group, once a step is older than `step_bound_s`."""
+        deadline = time.monotonic() + timeout
+        while self._stepping:
+            try:
+                remaining = deadline - time.monotonic()
+                key, future = self._answered.get(timeout=remaining) if remaining > 0 else self._answered.get_nowait()
+            except queue.Empty:
+                key, (_, sample, since) = min(self._stepping.items(), key=lambda kv: kv[1][2])
+                if time.monotonic() - since > self.step_bound_s:
+                    raise RuntimeError(f"explorer: waited {self.step_bound_s:g}s (twice --env-step-timeout-s, and "
+                                       f"60 s) for an environment step of group {self._group_of(sample)}") from None
+                return
+            workflow, sample, _ = self._stepping.pop(key)
+            self.tokens += future.result()  # an exception here is a bug of ours (receive catches the env's)
+            self._ready += [(workflow, *r) for r in workflow.requests() if r[0] is sample]
+            deadline = min(deadline, time.monotonic())  # got one: take the others already there, wait no more
+
+    @property
+    def in_engine(self) -> int:
+        """Samples whose request is in the engine or waiting for it (the rest wait on an environment)."""
+        return len(self._decoding) + len(self._ready)
 
     def _wait(self, sample, future) -> int:
         from concurrent.futures import TimeoutError as FutureTimeout
@@ -192,63 +278,6 @@ class Rollouts:
             if any(s is sample for s in w.group.responses):
                 return f"{w.group.group_id} (task {w.group.task.get('id')})"
         return "?"
-
-    def _generate_continuously(self, engine, sampling: SamplingConfig, version: int, between_steps) -> int:
-        """One engine loop for every turn of every sample (vLLM): a finished turn goes to the environment pool
-        and the engine steps on; the episode's next turn is queued the moment its environment has answered."""
-        owner = {}  # id(sample) -> (its workflow, the sample)
-        first = []
-        for workflow in self.workflows:
-            for sample, ids, cap in workflow.requests():
-                owner[id(sample)] = (workflow, sample)
-                first.append((id(sample), ids, cap))
-        tokens = 0
-        answered: queue.Queue = queue.Queue()
-        pending: dict = {}  # key -> when its environment step was submitted
-
-        def on_finish(key, generation):
-            nonlocal tokens
-            workflow, sample = owner[key]
-            if not self.ctx.env_workers:  # inline, inside the decode loop (--env-workers 0: the reference path)
-                tokens += workflow.receive(sample, generation, version)
-                return [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
-            pending[key] = time.monotonic()
-            future = self.pool.submit(workflow.receive, sample, generation, version)
-            future.add_done_callback(lambda f, key=key: answered.put((key, f)))
-            return []
-
-        def poll(block: bool) -> list:
-            """Next requests of the episodes whose environment answered: with `block` (the engine has nothing
-            else to do), waits for one; otherwise waits at most STEP_GRACE_S after the newest submission, so a
-            quick step rejoins the batch at once, as if run inline. None once no environment step is pending."""
-            nonlocal tokens
-            if not pending:
-                return None
-            out = []
-            deadline = time.monotonic() + 1.0 if block else max(pending.values()) + STEP_GRACE_S
-            while pending:
-                remaining = deadline - time.monotonic()
-                try:
-                    key, future = answered.get(timeout=remaining) if remaining > 0 and not (block and out) \
-                        else answered.get_nowait()
-                except queue.Empty:
-                    oldest = min(pending.items(), key=lambda kv: kv[1])
-                    if time.monotonic() - oldest[1] > self.step_bound_s:
-                        raise RuntimeError(f"explorer: waited {self.step_bound_s:g}s (twice --env-step-timeout-s, "
-                                           f"and 60 s) for an environment step of group "
-                                           f"{self._group_of(owner[oldest[0]][1])}") from None
-                    if block and not out:
-                        deadline = time.monotonic() + 1.0
-                        continue
-                    return out
-                del pending[key]
-                tokens += future.result()  # an exception here is a bug of ours (receive catches the env's)
-                workflow, sample = owner[key]
-                out += [(key, ids, cap) for s, ids, cap in workflow.requests() if s is sample]
-            return out
-
-        engine.generate_turns(first, dataclasses.replace(sampling, n=1), on_finish, between_steps, poll=poll)
-        return tokens
 
     def close(self) -> None:
         """Let the environment pool's threads go (a step still running finishes in its thread)."""

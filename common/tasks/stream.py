@@ -78,3 +78,15 @@ class TaskStream:
             out.append(pool[i])
             weights[i] = 0.0
         return out
+
+
+def mark_trained(ledger: list | None, positions: list[int]) -> list:
+    """The ledger [below, beyond] of stream positions a trainer has consumed (every position under `below`, and
+    the sorted list `beyond`) after `positions` were consumed too. Streaming explorers (train_async.py) finish
+    groups out of order, so a resumed explorer skips exactly these instead of restarting at step x batch size."""
+    below, beyond = ledger or [0, []]
+    seen = set(beyond) | set(positions)
+    while below in seen:
+        seen.discard(below)
+        below += 1
+    return [below, sorted(p for p in seen if p > below)]

@@ -241,7 +241,8 @@ class TrainerRun:
         self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
         state = ckpt.resume(self.trainer, args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0),
-                        "evals": state.get("evals", [])}  # every evaluation's metrics, in the order they came
+                        "evals": state.get("evals", []),  # every evaluation's metrics, in the order they came
+                        "trained_tasks": state.get("trained_tasks", {})}  # train_async.py: explorer -> ledger
         self.start_time = time.time() - state.get("elapsed", 0.0)
         self.logged_step = self.trainer.step
         self.stale_counts: dict = {}  # the staleness processor's counts since the last metrics row

@@ -1,0 +1,100 @@
+"""The streaming explorer of train_async.py: a slow group does not hold back the groups behind it, a resumed
+explorer uses every task position once (groups in flight at the checkpoint are started again, trained ones never),
+and groups that outlive --max-staleness are dropped and counted."""
+
+import json
+import time
+
+import pytest
+
+from common.config import parse_args
+from common.envs import ENVS, Env, StepResult, env_class
+from common.tasks.stream import mark_trained
+
+SLEEP_S = 4.0
+
+
+class Sleepy(Env):
+    """One turn; the two episodes started first (the group of stream position 0) sleep in their step (a slow tool)."""
+    started = 0
+
+    def reset(self, task):
+        Sleepy.started += 1
+        self.sleep = SLEEP_S if Sleepy.started <= 2 else 0.0
+        return [{"role": "user", "content": "Say a word."}]
+
+    def step(self, action):
+        time.sleep(self.sleep)
+        return StepResult([], 1.0, True, {})
+
+
+@pytest.fixture
+def explorer(tmp_path):
+    """A streaming explorer (HF, tiny model) over 12 tasks, the first one started slow; one group per batch."""
+    from common.explorer.explorer import Explorer
+    from common.runtime.metrics import Timeline
+    from train_async import Args
+
+    ENVS["sleepy"] = "tests.test_streaming:Sleepy"
+    env_class("sleepy").started = 0  # the class the registry imports (pytest may import this file twice)
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"id": f"t{i}", "env": "sleepy"}) + "\n" for i in range(12)))
+    args = parse_args(Args, ["--model", "tiny", "--engine", "hf", "--taskset", str(data), "--eval-size", "1",
+                             "--tasks-per-step", "1", "--inflight-groups", "3", "--samples-per-task", "2",
+                             "--max-new-tokens", "4", "--max-turns", "1", "--minibatch-size", "2",
+                             "--micro-batch-size", "2", "--num-threads", "1", "--out-dir", str(tmp_path)])
+    built = []
+
+    def make():
+        built.append(Explorer(args, "cpu", Timeline(str(tmp_path), "explorer0")))
+        return built[-1]
+
+    yield make
+    for e in built:
+        e.close()
+    del ENVS["sleepy"]
+
+
+def stream(explorer, batches: int, timeout_s: float = 120):
+    """The loop of train_async.py's explorer, without weights: (experiences, metrics, positions, seconds) per batch."""
+    out, start = [], time.time()
+    while len(out) < batches:
+        assert time.time() - start < timeout_s, f"{len(out)} batches in {timeout_s}s"
+        explorer.start_groups()
+        explorer.step()
+        batch = explorer.take_batch()
+        if batch is not None:
+            out.append((*batch, time.time() - start))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_group_does_not_hold_back_the_groups_behind_it(explorer):
+    e = explorer()
+    batches = stream(e, 4)
+    positions = [b[2] for b in batches]
+    assert [0] not in positions[:2], positions  # the groups started after it reached the buffer first
+    assert batches[1][3] < SLEEP_S, [b[3] for b in batches]  # ... while its environment still slept
+    assert all(len(b[0]) == 2 and b[1]["rollout/groups_in_flight"] >= 1 for b in batches)
+    assert all(0 <= b[1]["rollout/engine_busy_frac"] <= 1 for b in batches)
+
+
+@pytest.mark.timeout(300)
+def test_resume_uses_every_task_position_once(explorer):
+    first = explorer()
+    trained = [p for b in stream(first, 3) for p in b[2]]  # three steps trained; more groups still in flight
+    assert 0 not in trained and first.position_of  # the slow group was in flight when the "checkpoint" was taken
+    ledger = mark_trained(None, trained)
+    first.stop_stream()
+    resumed = explorer()
+    resumed.resume_stream(ledger, step=3)
+    again = [p for b in stream(resumed, 5) for p in b[2]]
+    assert not set(again) & set(trained), (trained, again)  # nothing trained twice
+    in_flight = {p for p, _ in resumed.position_of.values()}
+    lost = set(range(max(trained))) - set(trained) - set(again) - in_flight
+    assert not lost, (trained, again, in_flight)  # the groups in flight at the checkpoint were started again
+
+def test_ledger_of_trained_positions():
+    assert mark_trained(None, [0, 2, 5]) == [1, [2, 5]]
+    assert mark_trained([1, [2, 5]], [1, 3]) == [4, [5]]
+    assert mark_trained([4, [5]], [4]) == [6, []]
