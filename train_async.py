@@ -50,9 +50,9 @@ class Args(CommonArgs):
     queue_size: int = 0
     """Batches the queue holds before explorers block (0: one per explorer; more adds staleness)."""
     inflight_groups: int = 0
-    """Groups each explorer keeps generating at once (0: 2 x --tasks-per-step: while the slowest groups of one
-    batch finish, the next batch's groups already fill the engine; raise it when episodes wait on slow tools, so
-    enough others decode meanwhile; each group beyond one batch adds staleness)."""
+    """Groups each explorer holds at once, generating or scored and not yet in the queue (0: 2 x --tasks-per-step:
+    while the slowest groups of one batch finish, the next batch's groups already fill the engine; raise it when
+    episodes wait on slow tools, so enough others decode meanwhile; each group beyond one batch adds staleness)."""
     mid_generation_updates: bool = True
     """Take new weights between any two engine steps (vLLM: running requests then continue with the new weights,
     their KV cache recomputed; each token keeps the version that sampled it, in Experience.segment_versions)

@@ -77,7 +77,6 @@ class Explorer:
         self.version = 0
         self.next_group = 0
         self.first_step = 1
-        self.between_steps = None  # train_async.py with vLLM: takes new weights between decode steps
         # streaming (train_async.py): tasks drawn and not started, groups being scored and scored, the stream
         # position and start time of every group in flight, what happened since the last batch
         self.drawn: list[tuple[int, dict]] = []
@@ -109,7 +108,7 @@ class Explorer:
             self.next_group += 1
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
-            generated = self.in_flight.generate(self.engine, self.sampling, self.version, self.between_steps)
+            generated = self.in_flight.generate(self.engine, self.sampling, self.version)
         generated_s = time.time() - t0
         groups = self.in_flight.pop_finished()
         flat = [(g, r) for g in groups for r in g.responses]
@@ -169,13 +168,15 @@ class Explorer:
 
     # ------------------------------------------------------------------------------------- streaming (train_async.py)
     def start_groups(self) -> None:
-        """Start new groups until --inflight-groups are generating. Tasks are drawn from the stream
+        """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
         --tasks-per-step at a time (the draws a round would make) and started one by one; stream positions already
         trained before a resume (`resume_stream`) are skipped; a task a processor drops counts as used."""
         args = self.args
         if self.batch_started is None:
             self.batch_started, self.batch_tokens, self.batch_busy = time.time(), self.in_flight.tokens, self.engine.busy_s
-        while len(self.in_flight.workflows) < args.inflight_groups:
+        # Scored groups not yet in the queue count too: while the queue is full the explorer does not run ahead,
+        # it would only make what it holds older.
+        while len(self.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups:
             if not self.drawn:
                 start = self.train_tasks.position
                 tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)

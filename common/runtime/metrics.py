@@ -18,7 +18,7 @@ from common.runtime.trace import write_chrome_trace
 PHASE_COLORS = {
     "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",
     "sync-checkpoint": "#E377C2", "sync-in-flight": "#F2A0A0", "wait": "#D0D0D0", "checkpoint": "#937860", "buffer": "#CCB974",
-    "reward-in-flight": "#F5C29A",
+    "reward-in-flight": "#F5C29A", "generate": "#4C72B0", "group": "#1B9E77",
 }
 
 
@@ -115,10 +115,13 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
             height, base = share, lane - 0.4 + share * int(str(e["batch"]).split("-")[0])
         elif e["phase"] in ("sync-in-flight", "reward-in-flight"):  # in the background: a strip under the lane
             height, base = 0.2, lane - 0.45
+        elif e["phase"] == "group":  # a group in flight (train_async.py): a faint strip over the lane, darker
+            height, base = 0.15, lane + 0.3  # where more groups overlap (Perfetto shows one row per group)
         label = e["phase"] if e["phase"] not in seen else None
         seen.add(e["phase"])
         ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (base, height),
-                       facecolors=PHASE_COLORS.get(e["phase"], "#999999"), edgecolor="white", linewidth=0.3, label=label)
+                       facecolors=PHASE_COLORS.get(e["phase"], "#999999"), edgecolor="white" if e["phase"] != "group"
+                       else "none", linewidth=0.3, label=label, alpha=0.15 if e["phase"] == "group" else 1.0)
     ax.set_yticks(list(y.values()), [n.replace("explorer", "Explorer ").replace("trainer", "Trainer ").title() for n in y])
     ax.set_xlabel("seconds")
     ax.set_title(title)

@@ -4,8 +4,9 @@ chrome://tracing to zoom into every phase of every process.
 Format: the JSON object form of the Trace Event Format, {"traceEvents": [...], "displayTimeUnit": "ms"}. Each
 process of the timeline (explorers, the buffer, trainers, top to bottom as in timeline.png) is a trace process;
 each phase a complete event ("ph": "X", microseconds since the run's first event) whose args keep the event's
-fields (step, version, hashes ...). Phases that run in the background (sync-in-flight, reward-in-flight) and
-batches waiting in the buffer get threads of their own, as many as overlap, so no thread holds overlapping events.
+fields (step, version, hashes ...). Phases that run in the background (sync-in-flight, reward-in-flight), batches
+waiting in the buffer and groups in flight (train_async.py's streaming explorer) get threads of their own, as many
+as overlap, so no thread holds overlapping events: the rows of "group in flight" count the groups in flight.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 
 BACKGROUND = ("sync-in-flight", "reward-in-flight")
+GROUPS = "group"  # train_async.py: one event per group from its start to its scores, one row per group in flight
 
 
 def lane_order(events: list[dict]) -> list[str]:
@@ -33,6 +35,8 @@ def _thread_group(event: dict) -> tuple[int, str]:
         return 200, "queued batch"
     if event["phase"] in BACKGROUND:
         return 100, "in flight"
+    if event["phase"] == GROUPS:
+        return 300, "group in flight"
     return 0, "phases"
 
 
