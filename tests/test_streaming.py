@@ -51,6 +51,7 @@ def explorer(tmp_path):
 
     def make():
         built.append(Explorer(args, "cpu", Timeline(str(tmp_path), "explorer0")))
+        built[-1].engine.stop_ids = list(range(259))  # every token stops: each turn reaches its environment step
         return built[-1]
 
     yield make
