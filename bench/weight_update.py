@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import queue
 import sys
 import tempfile
 import time
@@ -157,6 +158,8 @@ def handoff_gbps(model="default", device: str = "cpu", dtype: str = "float32",
     import torch
     import torch.multiprocessing as mp
 
+    if device == "cuda":
+        device = "cuda:0"  # both processes on one explicit GPU
     torch_dtype = getattr(torch, dtype)
     shapes = model_shapes(model)
     size = sum(math.prod(s) for _, s in shapes) * torch_dtype.itemsize
@@ -171,7 +174,15 @@ def handoff_gbps(model="default", device: str = "cpu", dtype: str = "float32",
         for p in procs:
             p.start()
         try:
-            times = results.get(timeout=timeout_s * (len(methods) + 1))
+            deadline, times = time.time() + timeout_s * (len(methods) + 1), None
+            while times is None:
+                try:
+                    times = results.get(timeout=1)
+                except queue.Empty:
+                    failed = [p.exitcode for p in procs if p.exitcode]
+                    if failed or time.time() > deadline:
+                        raise RuntimeError(f"hand-off benchmark: a rank failed (exit codes {failed}) or ran past "
+                                           f"{timeout_s * (len(methods) + 1):.0f}s") from None
         finally:
             for p in procs:
                 p.join(timeout=60)
