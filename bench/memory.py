@@ -12,7 +12,9 @@ optimizer state: no activations) and the time of its last step. Settings: replic
 checkpointing), fsdp+ckpt+packing (--max-tokens-per-micro-batch), replica+lora (rank 16). CPU figures: the
 accounting is the same on a GPU, the absolute numbers and step times are not (see README "Big models").
 
-Then prints `estimate_table()`: per-GPU memory of a trainer on 8 x 80 GB from the same accounting.
+Then prints `estimate_table()`: per-GPU memory of a trainer on 80 GB GPUs by common/memory.py's accounting (what
+the pre-flight check of every run uses). `--estimate-check 1024,2048,4096` instead compares that accounting with
+measured CPU peaks (bench/train_step.py at each packed micro-batch size).
 """
 
 from __future__ import annotations
@@ -123,43 +125,61 @@ def measure(setting, flags, opts, result_dir):
 
 
 # ----------------------------------------------------------------------------- estimates for big models
-MODELS = {  # params, hidden, layers, vocab, intermediate (public configs)
-    "Qwen2.5-1.5B": (1.54e9, 1536, 28, 151936, 8960),
-    "Qwen2.5-7B": (7.62e9, 3584, 28, 152064, 18944),
-    "Llama-3.1-8B": (8.03e9, 4096, 32, 128256, 14336),
+MODELS = {  # public configs (transformers config class, fields)
+    "Qwen2.5-1.5B": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                         tie_word_embeddings=True)),
+    "Qwen2.5-7B": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                       tie_word_embeddings=False)),
+    "Llama-3.1-8B": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                         tie_word_embeddings=False)),
 }
 
 
-def trainer_gib(params, hidden, layers, vocab, inter, trainers, shard, ckpt, tokens, state_bytes=16,
-                chunk=1024) -> float:
-    """Per-GPU bytes of one trainer (GiB) with fp32 parameters, gradients and AdamW moments (16 B/param, what
-    FSDP recipes keep as master state) and bf16 compute.
+def estimate_table(tokens: int = 16384, gpu_gib: float = 80) -> str:
+    """Per-GPU memory of one bf16 trainer by common/memory.py's accounting (what the run's pre-flight check uses),
+    one packed micro-batch of `tokens` tokens, for a few placements."""
+    import transformers
 
-    states: params x 16 B, divided by `trainers` when sharded, plus two gathered bf16 layers (current + prefetch).
-    activations per micro-batch of `tokens` tokens (bf16): with checkpointing one hidden state per layer plus one
-    layer's working set recomputed in the backward; without, every layer's working set (~ (10 hidden + 3
-    intermediate) values per token, flash attention: no T x T scores). Log-probs: one chunk of fp32 logits
-    (x3: logits, softmax, gradient), never [tokens, vocab]. Plus ~2 GiB CUDA context and allocator slack.
-    """
-    layer_params = (params - 2 * vocab * hidden) / layers
-    states = params * state_bytes / (trainers if shard else 1)
-    gathered = 2 * layer_params * 2 if shard else 0
-    layer_working = tokens * (10 * hidden + 3 * inter) * 2
-    acts = tokens * hidden * 2 * layers + layer_working if ckpt else layer_working * layers
-    logits = 3 * chunk * vocab * 4
-    return (states + gathered + acts + logits) / 2**30 + 2
+    from common.config import parse_args
+    from common.memory import GIB, ModelShape, trainer_estimate
+    from train_sync import Args
 
-
-def estimate_table(tokens: int = 16384) -> str:
-    cols = [("replica+ckpt", 1, False, True), ("fsdp x8", 8, True, False), ("fsdp x4+ckpt", 4, True, True),
-            ("fsdp x6+ckpt", 6, True, True), ("fsdp x8+ckpt", 8, True, True)]
-    rows = [f"Per-GPU memory of one trainer (GiB; estimate: fp32 states 16 B/param, bf16 compute, AdamW, {tokens} tokens per packed micro-batch), "
-            "80 GB GPUs:", f"{'model':14s} " + " ".join(f"{c[0]:>13s}" for c in cols)]
-    for name, (p, h, l, v, i) in MODELS.items():
-        cells = [trainer_gib(p, h, l, v, i, n, shard, ckpt, tokens) for _, n, shard, ckpt in cols]
-        rows.append(f"{name:14s} " + " ".join(f"{c:12.0f}{'!' if c > 80 else ' '}" for c in cells))
-    rows.append("! = does not fit in 80 GB. An explorer GPU (vLLM) holds the bf16 weights (2 B/param) + KV cache.")
+    cols = [("replica", 1, "none", False), ("replica+ckpt", 1, "none", True), ("fsdp x4+ckpt", 4, "fsdp", True),
+            ("fsdp x8+ckpt", 8, "fsdp", True)]
+    rows = [f"Per-GPU peak of one trainer (GiB; common/memory.py: bf16 parameters, gradients and AdamW moments, "
+            f"{tokens} tokens per packed micro-batch), {gpu_gib:.0f} GB GPUs:",
+            f"{'model':14s} " + " ".join(f"{c[0]:>13s}" for c in cols)]
+    for name, (cls, fields) in MODELS.items():
+        shape = ModelShape.from_config(getattr(transformers, cls)(**fields))
+        cells = []
+        for _, n, shard, ckpt in cols:
+            args = parse_args(Args, ["--model", "tiny", "--dtype", "bfloat16", "--trainer-shard", shard,
+                                     "--trainer-devices", ",".join(["cpu"] * n)])
+            cells.append(trainer_estimate(shape, args, "cuda", tokens, tokens, ckpt).peak / GIB)
+        rows.append(f"{name:14s} " + " ".join(f"{c:12.0f}{'!' if c > gpu_gib else ' '}" for c in cells))
+    rows.append(f"! = over {gpu_gib:.0f} GB. An explorer GPU (vLLM) holds the bf16 weights (2 B/param) + KV cache.")
     return "\n".join(rows)
+
+
+def estimate_check(token_counts: list[int], steps: int) -> list[dict]:
+    """The estimate against what a CPU trainer measures: bench/train_step.py (default model, fp32, packed) at each
+    micro-batch size in a fresh process, its peak resident memory next to common/memory.py's figure."""
+    import subprocess
+
+    out = []
+    for tokens in token_counts:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_step.py"), "--tokens", str(tokens),
+                            "--steps", str(steps), "--json", f.name], check=True, timeout=3600,
+                           stdout=subprocess.DEVNULL)
+            r = json.load(open(f.name))
+        out.append(r)
+        print(f"{tokens:6d} tokens/micro-batch: measured peak {r['peak_memory_gib']:.2f} GiB, estimate "
+              f"{r['estimate_gib']:.2f} GiB ({r['estimate_gib'] / r['peak_memory_gib']:.2f}x)", flush=True)
+    return out
 
 
 def packing_throughput(model_name: str, repeats: int = 3, micro_batch_size: int = 4, pack_tokens: int = 512,
@@ -203,12 +223,17 @@ def main():
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--json", default=None)
     parser.add_argument("--estimates-only", action="store_true")
+    parser.add_argument("--estimate-check", default=None, metavar="TOKENS,...",
+                        help="only the estimate against measured CPU peaks at these packed micro-batch sizes")
     parser.add_argument("--packing-only", action="store_true", help="only the padded vs packed tokens/s figure")
     opts = parser.parse_args()
     # Tensors above 128 KB get their own mmap and go back to the OS when freed, so a trainer's resident memory
     # follows what it allocates (glibc otherwise keeps freed blocks of up to 32 MB in its heap, and the peak RSS
     # would count fragmentation). Inherited by the spawned trainers.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if opts.estimate_check:
+        estimate_check([int(t) for t in opts.estimate_check.split(",")], opts.steps)
+        return
     if opts.packing_only:
         padded, packed = packing_throughput(opts.model, micro_batch_size=opts.micro_batch_size,
                                             pack_tokens=opts.pack_tokens, prompt_len=opts.prompt_len,
