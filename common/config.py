@@ -148,6 +148,9 @@ class CommonArgs:
     """How the model writes tool calls (common/envs/tool_formats.py): hermes (Hermes, Qwen 2.5 / 3 <tool_call>
     JSON), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), qwen3_coder (XML parameters); auto: the one the chat
     template teaches, else hermes."""
+    env_server: str = ""
+    """An environment server's URL (python -m common.envs.http_env): every environment task is played there, over
+    HTTP, instead of in the explorer (--env-setting http.request_timeout_s / http.retries bound each request)."""
     sandbox_procs: int = 4
     """Sandboxed programs (a tool's model-written code, rewards/sandbox.py) that run at once in one explorer; a
     call waits for a slot within its --tool-timeout-s."""

@@ -37,6 +37,7 @@ ENVS = {
     "textarena": "common.envs.textarena_env:TextArena",
     "reasoning_gym": "common.envs.reasoning_gym_env:ReasoningGym",
     "gem": "common.envs.gem_env:Gem",
+    "http": "common.envs.http_env:HttpEnv",  # an environment server's (--env-server, or a task's "remote_env")
 }
 
 
@@ -154,6 +155,14 @@ def settings_for(name: str, cls, overrides: dict | None) -> EnvSettings:
 
 
 def make_env(name: str, overrides: dict | None = None) -> Env:
+    """Environment `name` with its settings from `overrides`; with overrides["env_server"] (--env-server URL) the
+    same environment played on that server (common/envs/http_env.py)."""
+    overrides = dict(overrides or {})
+    server = overrides.pop("env_server", "")
+    if server and name != "http":
+        cls = env_class("http")
+        remote = {k: v for k, v in overrides.items() if not k.startswith("http.")}
+        return cls(settings_for("http", cls, {**overrides, "http.url": server}), remote=name, remote_settings=remote)
     cls = env_class(name)
     return cls(settings_for(name, cls, overrides))
 

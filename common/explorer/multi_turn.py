@@ -208,6 +208,7 @@ class MultiTurn(Workflow):
             if any(inspect.iscoroutinefunction(getattr(e.env, m)) for m in ("reset", "step", "close")):
                 e.loop = asyncio.new_event_loop()
             first = call_bounded(e.env.reset, task, timeout_s=e.timeout_s, loop=e.loop)
+            e.worst_reward = float(e.env.worst_reward)  # a remote environment's arrives with its reset
             messages, tools = renderer.with_tools(first, e.env.tool_schemas())
         except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
             e.error = f"reset: {type(exc).__name__}: {exc}"

@@ -70,6 +70,7 @@ class Context:
     truncated_turns: str = "end"        # --truncated-turns: a turn cut at max_new_tokens ends its episode, or goes on
     max_tool_calls_per_turn: int = 8
     tool_call_format: str = "auto"      # --tool-call-format; auto: from the chat template (tool_formats.detect)
+    env_server: str = ""                # --env-server: every environment played on that server (http_env.py)
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     _renderer: object = None
 
@@ -99,7 +100,8 @@ class Context:
     def env_settings(self) -> dict:
         """make_env's overrides: the shared tool limits, then every --env-setting."""
         return {"tool_timeout_s": self.tool_timeout_s, "max_tool_calls_per_turn": self.max_tool_calls_per_turn,
-                "tool_call_format": self.tool_format_name, **parse_env_settings(self.env_setting)}
+                "tool_call_format": self.tool_format_name, **parse_env_settings(self.env_setting),
+                **({"env_server": self.env_server} if self.env_server else {})}
 
     @classmethod
     def from_args(cls, tokenizer, args, processor=None) -> "Context":
@@ -109,7 +111,8 @@ class Context:
         return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
                    args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
                    args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools,
-                   args.truncated_turns, args.max_tool_calls_per_turn, args.tool_call_format, processor)
+                   args.truncated_turns, args.max_tool_calls_per_turn, args.tool_call_format, args.env_server,
+                   processor)
 
 
 class Rollouts:
