@@ -352,6 +352,8 @@ class Hung(Env):
 
     def reset(self, task):
         self.hang, self.released = task.get("hang"), __import__("threading").Event()
+        if self.hang == "reset":
+            self.released.wait(3600)
         return [{"role": "user", "content": "Go."}]
 
     def step(self, action):
@@ -387,16 +389,18 @@ def test_a_hung_step_ends_its_episode_and_the_run_goes_on(monkeypatch, env_worke
     ctx = Context(tok, max_new_tokens=20, max_turns=2, episode_token_budget=2000, env_step_timeout_s=1.0,
                   env_workers=env_workers)
     tasks = [{"id": "sync", "env": "hung", "hang": "sync"}, {"id": "async", "env": "async_hung", "hang": True},
-             {"id": "ok", "env": "hung"}, {"id": "ok_async", "env": "async_hung"}]
+             {"id": "ok", "env": "hung"}, {"id": "ok_async", "env": "async_hung"},
+             {"id": "reset", "env": "hung", "hang": "reset"}]
     t0 = time.monotonic()
     groups, _ = run_episodes(Scripted(tok, ["1"]), ctx, tasks, SamplingConfig(n=2))
     assert time.monotonic() - t0 < 30
     ends = {g.task["id"]: [e.end_reason for e in g.responses] for g in groups}
-    assert ends == {"sync": ["timeout"] * 2, "async": ["timeout"] * 2, "ok": ["done"] * 2, "ok_async": ["done"] * 2}
+    assert ends == {"sync": ["timeout"] * 2, "async": ["timeout"] * 2, "ok": ["done"] * 2, "ok_async": ["done"] * 2,
+                    "reset": ["timeout"] * 2}
     flat = [(g, e) for g in groups for e in g.responses]
     assert all(e.failed and "did not return within 1s" in e.error for g, e in flat if g.task.get("hang"))
     metrics = rollout_metrics(flat)
-    assert metrics["rollout/end/timeout"] == 4
+    assert metrics["rollout/end/timeout"] == 6
     # Nothing left behind: close() released the sync step's thread, the async step was cancelled.
     from common.envs import abandoned_threads
 

@@ -71,6 +71,7 @@ class Context:
     max_tool_calls_per_turn: int = 8
     tool_call_format: str = "auto"      # --tool-call-format; auto: from the chat template (tool_formats.detect)
     env_server: str = ""                # --env-server: every environment played on that server (http_env.py)
+    env_pool: object = None             # the explorer's environment thread pool (Rollouts sets it), else None
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     _renderer: object = None
 
@@ -152,7 +153,8 @@ class Rollouts:
         if name != "single_turn" and self.ctx.token_budget:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
-        self.workflows.append(workflow_class(name)(task, group_id, n, self.ctx))
+        ctx = dataclasses.replace(self.ctx, env_pool=self.pool) if self.ctx.env_workers else self.ctx
+        self.workflows.append(workflow_class(name)(task, group_id, n, ctx))  # multi_turn: resets in the pool
         self._new.append(self.workflows[-1])
 
     def unfinished(self) -> list:
