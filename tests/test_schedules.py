@@ -1,5 +1,5 @@
-"""Schedules (b), (c), (d) with the tiny model, checked from the recorded timeline; checkpoint sync atomicity;
-a killed explorer stops the run."""
+"""Schedules (b), (c), (d) with the tiny model, checked from the recorded timeline; staleness; checkpoint sync
+atomicity; a killed explorer stops the run; torchrun launches and W&B offline tracking."""
 
 import os
 import signal
@@ -38,9 +38,20 @@ def test_offpolicy_trains_every_batch_one_version_behind(tmp_path):
 
 @pytest.mark.parametrize("explorers,method", [(1, "broadcast"), (1, "checkpoint")])  # 2: test_multinode.py
 def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method):
+    """The checkpoint run is also launched as `torchrun --nproc-per-node 2 train_async.py` (one trainer + one
+    explorer), which works like python, with --track logging to W&B offline when no API key is set."""
     out = tmp_path / "run"
-    proc = run_script("train_async.py", *TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync",
-                      "--num-explorers", str(explorers), "--sync-method", method, "--max-staleness", "1")
+    flags = [*TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync", "--num-explorers", str(explorers),
+             "--sync-method", method, "--max-staleness", "1"]
+    if method == "checkpoint":
+        env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               os.path.join(ROOT, "train_async.py"), *flags, "--track"], cwd=str(tmp_path),
+                              capture_output=True, text=True, timeout=240, env={**env, "PYTHONPATH": ROOT})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert list((out / "wandb").glob("offline-run-*"))
+    else:
+        proc = run_script("train_async.py", *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=6)
     assert len(rows) == 6 and all(r.get("staleness/max", 0) <= 1 for r in rows)
@@ -58,17 +69,39 @@ def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method)
     assert len(got) >= 6
 
 
-def test_async_drops_stale_samples_and_counts_them(tmp_path):
+def test_async_drops_stale_samples_then_a_killed_explorer_stops_the_run(tmp_path):
+    """Two explorers, a staleness bound of 0 and a queue of 2 cannot keep everything: some samples must go, too old
+    and counted. Then explorer1 is killed with SIGKILL: the run stops within seconds, naming it, nothing left."""
     out = tmp_path / "run"
-    # A staleness bound of 0 with two explorers and a queue of 2 cannot keep everything: some samples must go.
-    proc = run_script("train_async.py", *TINY, "--steps", "5", "--out-dir", str(out), "--num-explorers", "2",
-                      "--max-staleness", "0", "--queue-size", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(str(out))
-    assert len(rows) == 5 and all(r.get("staleness/max", 0) == 0 for r in rows)  # what was trained was fresh
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "100000",
+                             "--out-dir", str(out), "--num-explorers", "2", "--max-staleness", "0",
+                             "--queue-size", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    try:
+        deadline = time.time() + 120
+        rows = []
+        while time.time() < deadline and not (len(rows) >= 3 and any(r["filter/stale_dropped"] for r in rows)):
+            time.sleep(0.2)
+            rows = read_metrics(str(out))
+        workers = descendants(proc.pid)
+        killed_at = time.time()
+        os.kill(worker_pid(proc.pid, 2), signal.SIGKILL)  # trainer0, explorer0, explorer1
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert len(rows) >= 3, "the run did not get going"
+    assert all(r.get("staleness/max", 0) == 0 for r in rows)  # what was trained was fresh
     dropped = [r for r in rows if r["filter/stale_dropped"]]
     assert dropped and all(r["staleness/dropped_min"] >= 1 for r in dropped)  # what was dropped was too old
     assert rows[-1]["dropped_stale"] == sum(r["filter/stale_dropped"] for r in rows)  # the run's total
+    assert time.time() - killed_at < 10
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors and "explorer1" in errors[0] and "signal 9" in errors[0], stderr[-2000:]
+    time.sleep(0.5)
+    left = [p for p in workers if alive(p)]
+    assert not left, f"processes left behind: {left}"
 
 
 _WRITER = """
@@ -96,41 +129,3 @@ def test_checkpoint_sync_never_loads_half_written(tmp_path):
     buffers = [("w", torch.zeros(64, 1024, 1024))]
     load_sync_checkpoint(sync_dir, latest_sync_version(sync_dir), buffers)
     assert weights_hash(buffers) == weights_hash(small)
-
-
-def test_killing_an_explorer_stops_the_run(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "100000",
-                             "--out-dir", str(out), "--num-explorers", "2"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
-    deadline = time.time() + 90
-    while time.time() < deadline and len(read_metrics(str(out))) < 3:
-        time.sleep(0.2)
-    assert len(read_metrics(str(out))) >= 3, "the run did not get going"
-    workers = descendants(proc.pid)
-    explorer = worker_pid(proc.pid, 2)  # trainer0, explorer0, explorer1
-    killed_at = time.time()
-    os.kill(explorer, signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=30)
-    assert time.time() - killed_at < 10
-    assert proc.returncode != 0
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert errors and "explorer1" in errors[0] and "signal 9" in errors[0], stderr[-2000:]
-    time.sleep(0.5)
-    left = [p for p in workers if alive(p)]
-    assert not left, f"processes left behind: {left}"
-
-
-def test_torchrun_launch_with_tracking(tmp_path):
-    """`torchrun --nproc-per-node 2 train_async.py` (one trainer + one explorer) works like python, and --track
-    logs to W&B offline when no API key is set."""
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "2", "--out-dir", str(out),
-                           "--track"], cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
-                          env={**env, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_trained(out, steps=2)
-    assert list((out / "wandb").glob("offline-run-*"))
