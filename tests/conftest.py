@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -43,18 +44,98 @@ def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
     raise AssertionError(f"no rank {rank} under {parent}")
 
 
-def descendants(pid: int) -> list[int]:
-    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-    return children + [d for c in children for d in descendants(c)]
+def _stat(pid) -> list[str]:
+    """/proc/<pid>/stat after the command name: [state, ppid, pgrp, session, ..., starttime at 19, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _processes() -> dict[int, list[str]]:
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                table[int(name)] = _stat(name)
+            except OSError:  # ended while we looked
+                continue
+    return table
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def process_tree(root: int) -> dict[int, tuple[str, int, str]]:
+    """Every running descendant of `root`: children, grandchildren (a worker's vLLM engine, reward workers), ...:
+    pid -> (start time, session id, command line)."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, stat in table.items():
+        children.setdefault(int(stat[1]), []).append(pid)
+    tree, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            if table[pid][0] != "Z":
+                tree[pid] = (table[pid][19], int(table[pid][3]), _command(pid))
+            todo.append(pid)
+    return tree
+
+
+def left_of(tree: dict[int, tuple[str, int, str]], timeout: float = 10) -> dict[int, str]:
+    """What still runs, after at most `timeout` seconds, of the processes in `tree` (a process_tree snapshot): those
+    processes (same pid and start time) and every process in a session one of them led (the workers: torch elastic
+    starts each in a session of its own). A process keeps its session when its parent dies, so a worker's orphans,
+    re-parented to init, are found wherever they went."""
+    sessions = {pid for pid, (_, session, _) in tree.items() if session == pid}
+    deadline = time.time() + timeout
+    while True:
+        left = {pid: _command(pid) for pid, stat in _processes().items()
+                if stat[0] != "Z" and (tree.get(pid, ("",))[0] == stat[19] or int(stat[3]) in sessions)}
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def engines(processes: dict) -> list[int]:
+    """The vLLM engine cores among `processes` (process_tree's or left_of's)."""
+    return [pid for pid, value in processes.items()
+            if (value[-1] if isinstance(value, tuple) else value).startswith("VLLM::EngineCore")]
 
 
 def alive(pid: int) -> bool:
     """Running (a zombie has exited)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def wait_running(root: int, out_dir, timeout: float = 240) -> dict[int, tuple[str, int, str]]:
+    """Once the run under `root` has logged a step and runs a vLLM engine core: its process_tree."""
+    from common.runtime.metrics import read_metrics
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        tree = process_tree(root)
+        if engines(tree) and read_metrics(str(out_dir)):
+            return tree
+        time.sleep(0.2)
+    raise AssertionError(f"no step with a vLLM engine within {timeout:.0f}s; running: {process_tree(root)}")
+
+
+def kill_all(processes: dict) -> None:
+    """SIGKILL what a failed test leaves (left_of's answer), so one failure does not load the next tests."""
+    import signal
+
+    for pid in processes:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=(),

@@ -15,7 +15,7 @@ import pytest
 
 from common.trainer.checkpoints import step_checkpoints, verify
 from common.runtime.metrics import read_metrics, wandb_offline_steps
-from conftest import ROOT, TINY, run_script, worker_pid
+from conftest import ROOT, TINY, left_of, process_tree, run_script, worker_pid
 
 
 def _steps(out) -> list[int]:
@@ -44,11 +44,13 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
         deadline = time.time() + 300
         while len(_steps(out)) < 3 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
+        tree = process_tree(proc.pid)  # the workers, the explorer's reward workers, ...
         os.kill(trainer, signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode != 0, err[-2000:]
+    assert not left_of(tree, timeout=5)
     before = _steps(out)
     assert before[:3] == [1, 2, 3]
     last_checkpoint = max(s for s, _ in step_checkpoints(str(out)))

@@ -1,13 +1,18 @@
 """The launcher with real processes (torch elastic, one process per rank): a failing worker stops everything, fast,
-with its traceback, leaving nothing; a world of the wrong size is one line before anything loads."""
+with its traceback, leaving nothing; the launcher killed with SIGKILL leaves nothing either; a world of the wrong
+size is one line before anything loads."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 
-from conftest import ROOT, TINY, alive
+import pytest
+
+from common.explorer.engine_vllm import vllm_available
+from conftest import ROOT, TINY, alive, engines, kill_all, left_of, wait_running
 
 WORKERS = textwrap.dedent("""
     import os, subprocess, sys, time
@@ -53,3 +58,28 @@ def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):
     assert lines and all("the torchrun world has 3 ranks but the configuration needs 2" in line for line in lines), \
         proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not vllm_available()[0], reason=vllm_available()[1])
+@pytest.mark.timeout(400)
+def test_kill9_of_the_launcher_leaves_no_process_of_the_run(tmp_path):
+    """kill -9 of `python train_async.py` itself (the elastic agent runs in it) while it trains with vLLM: within 10 s
+    nothing of the run is left: no worker, no reward worker, and no vLLM engine core (it ignores SIGTERM) or the
+    worker process it started."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--engine", "vllm",
+                             "--vllm-kv-cache-gb", "0.25", "--steps", "100000", "--out-dir", str(out)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"),
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    left = {}
+    try:
+        tree = wait_running(proc.pid, out)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        left = left_of(tree, timeout=10)
+    finally:
+        proc.kill()
+        kill_all(left)
+    grandchildren = [pid for pid, (_, session, _) in tree.items() if session != pid]
+    assert engines(tree) and grandchildren, tree  # the engine core, its worker, the reward workers, ...
+    assert not left, f"left 10 s after kill -9 of the launcher: {left}"

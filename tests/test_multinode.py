@@ -12,7 +12,9 @@ import pytest
 
 from common.runtime.metrics import read_metrics, read_timeline
 from common.trainer.checkpoints import step_checkpoints
-from conftest import ROOT, TINY, alive, assert_trained, descendants, run_script, worker_pid
+from common.explorer.engine_vllm import vllm_available
+from conftest import (ROOT, TINY, assert_trained, engines, kill_all, left_of, process_tree, run_script, wait_running,
+                      worker_pid)
 
 pytestmark = pytest.mark.timeout(300)
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -94,7 +96,7 @@ def test_dead_explorer_without_restarts_ends_both_nodes_in_seconds(tmp_path):
         deadline = time.time() + 120
         while time.time() < deadline and len(read_metrics(str(out))) < 2:
             time.sleep(0.2)
-        workers = descendants(n0.pid) + descendants(n1.pid)
+        tree = {**process_tree(n0.pid), **process_tree(n1.pid)}
         killed_at = time.time()
         os.kill(worker_pid(n1.pid, 1), signal.SIGKILL)
         err0, _ = finish(n0, n1, timeout=60)
@@ -104,8 +106,7 @@ def test_dead_explorer_without_restarts_ends_both_nodes_in_seconds(tmp_path):
     assert n0.returncode != 0 and n1.returncode != 0
     errors = [line for line in err0.splitlines() if "error:" in line and "explorer0" in line]
     assert errors, err0[-3000:]
-    time.sleep(0.5)
-    assert not [p for p in workers if alive(p)]
+    assert not left_of(tree, timeout=5)
 
 
 @pytest.mark.timeout(420)
@@ -134,6 +135,40 @@ def test_kill9_under_max_restarts_resumes_with_every_step_once(tmp_path):
     assert err.count("resuming from") == 2, err[-3000:]  # once per restart, each from its newest checkpoint
 
 
+@pytest.mark.skipif(not vllm_available()[0], reason=vllm_available()[1])
+@pytest.mark.timeout(500)
+def test_vllm_explorer_kill9_under_max_restarts_then_agent_kill9_leave_nothing(tmp_path):
+    """torchrun --max-restarts 1 with the vLLM engine. kill -9 of the explorer: within 10 s nothing of the first
+    attempt is left (its engine core ignores SIGTERM and would hold the explorer's GPU memory share); once the agent
+    has restarted the group, the run has exactly one engine. Then kill -9 of the torchrun agent: within 10 s nothing
+    of the run is left."""
+    out = tmp_path / "run"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-port", str(_port()), "--max-restarts", "1", os.path.join(ROOT, "train_async.py"), *TINY, "--engine", "vllm",
+                              "--vllm-kv-cache-gb", "0.25", "--steps", "100000", "--out-dir", str(out)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"), env=ENV)
+    first, after_restart, left, restarted = {}, {}, {}, {}
+    try:
+        first = wait_running(agent.pid, out)
+        os.kill(worker_pid(agent.pid, 1), signal.SIGKILL)
+        left = left_of(first, timeout=10)
+        deadline = time.time() + 240
+        while time.time() < deadline and not engines(restarted):  # the second attempt's engine has started
+            restarted = {pid: p for pid, p in process_tree(agent.pid).items() if pid not in first}
+            time.sleep(0.2)
+        running_engines = engines(restarted) + engines(left_of(first, timeout=0))
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=30)
+        after_restart = left_of({**first, **restarted}, timeout=10)
+    finally:
+        agent.kill()
+        kill_all({**left, **after_restart})
+    assert engines(first), first
+    got = (left, len(running_engines), after_restart)
+    assert got == ({}, 1, {}), "left of the first attempt 10 s after kill -9 of its explorer, engines after the " \
+                               f"restart, left of the run 10 s after kill -9 of the agent: {got}"
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     """SIGTERM (what Slurm and Kubernetes send before preempting) to `python train_sync.py`: the trainer saves a
     checkpoint of the last finished step, everything exits within the grace period, no traceback; --resume goes
@@ -146,7 +181,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         deadline = time.time() + 120
         while time.time() < deadline and len(read_metrics(str(out))) < 2:
             time.sleep(0.1)
-        workers = descendants(proc.pid)
+        tree = process_tree(proc.pid)
         sent = time.time()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -157,8 +192,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "stopped by SIGTERM" in err.strip().splitlines()[-1]
     steps = [r["step"] for r in read_metrics(str(out))]
     assert [s for s, _ in step_checkpoints(str(out))] == [steps[-1]]  # the last finished step, saved
-    time.sleep(0.5)
-    assert not [p for p in workers if alive(p)]
+    assert not left_of(tree, timeout=5)
 
 
 def test_node_that_never_joins_is_one_line_within_the_rendezvous_timeout(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from common.runtime.metrics import read_metrics, read_timeline
 from common.weight_sync import weights_hash
 from common.weight_sync.checkpoint import latest_sync_version, load_sync_checkpoint, write_sync_checkpoint
-from tests.conftest import ROOT, TINY, alive, assert_trained, descendants, run_script, worker_pid
+from tests.conftest import ROOT, TINY, assert_trained, left_of, process_tree, run_script, worker_pid
 
 
 def _syncs(events, process, phases=("sync",)):
@@ -84,7 +84,7 @@ def test_async_drops_stale_samples_then_a_killed_explorer_stops_the_run(tmp_path
         while time.time() < deadline and not (len(rows) >= 3 and any(r["filter/stale_dropped"] for r in rows)):
             time.sleep(0.2)
             rows = read_metrics(str(out))
-        workers = descendants(proc.pid)
+        tree = process_tree(proc.pid)  # the workers, their reward workers, ...
         killed_at = time.time()
         os.kill(worker_pid(proc.pid, 2), signal.SIGKILL)  # trainer0, explorer0, explorer1
         _, stderr = proc.communicate(timeout=30)
@@ -99,8 +99,7 @@ def test_async_drops_stale_samples_then_a_killed_explorer_stops_the_run(tmp_path
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors and "explorer1" in errors[0] and "signal 9" in errors[0], stderr[-2000:]
-    time.sleep(0.5)
-    left = [p for p in workers if alive(p)]
+    left = left_of(tree, timeout=5)
     assert not left, f"processes left behind: {left}"
 
 

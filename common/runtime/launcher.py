@@ -15,7 +15,8 @@ device), because NCCL cannot connect two ranks on one GPU (colocated explorer + 
 The run's small shared state (stop flag, announced weight versions, liveness) lives in the c10d store that the
 elastic agent already hosts. Every rank beats there once a second and watches the others: a peer silent for
 --peer-timeout-s (killed, or its node lost) is a one-line error in seconds on every node, not a 30-minute hang.
-Failures end the whole group (the agent kills every worker's process group: reward pools and sandboxes go too);
+Failures end the whole group (the agent kills every worker's process group: reward pools and sandboxes go too),
+and whatever a worker started ends with it however it ends, kill -9 included (common/runtime/procs.py guard_group);
 with `torchrun --max-restarts K` the agent restarts it and the workers resume from the newest checkpoint.
 SIGTERM (preemption) and Ctrl-C make trainers save a checkpoint at the next step boundary, then exit.
 """
@@ -38,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from common.runtime.procs import guard_group
 
 # Set by SIGTERM / SIGINT in a worker. A trainer stops at once when it is between steps (waiting for experiences
 # or weights), else at the end of the step it is in (`in_step`), and checkpoints on its way out.
@@ -93,6 +96,7 @@ class WorkerContext:
     store: Any = None              # the run's keys in the agent's c10d store (this restart attempt only)
     restart: int = 0               # TORCHELASTIC_RESTART_COUNT: > 0 when torchrun restarted the group
     _watchdog: Any = None
+    _guard: Any = None             # the process that ends this rank's process group when the rank ends
 
     @property
     def sync_src(self) -> int:
@@ -147,6 +151,7 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float, num_
                          f"to {len(plan)}")
     me = plan[rank]
     os.environ["TANDEM_WORKER"] = me.name
+    guard = guard_group()  # before this rank starts any process: none outlives it (vLLM's engine included)
     _install_signal_handlers(me.role)
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -171,7 +176,7 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float, num_
         backend=backend, trainer_ranks=trainer_ranks, explorer_ranks=explorer_ranks, names=[w.name for w in plan],
         trainer_group=dist.new_group(trainer_ranks), sync_group=dist.new_group(trainer_ranks[:1] + explorer_ranks),
         buffer_group=dist.new_group(backend="gloo"),
-        store=store, restart=restart)
+        store=store, restart=restart, _guard=guard)
     ctx._watchdog = Watchdog(ctx, peer_timeout_s)
     return ctx
 
@@ -195,15 +200,28 @@ class Watchdog:
     `timeout_s` and that has not said it is done is dead (SIGKILL, crash in native code, node lost). The first
     rank to notice ends its process with one line naming the peer; torch elastic then stops (or restarts) all."""
 
+    running: Watchdog | None = None  # this process's, while it watches
+
     def __init__(self, ctx: WorkerContext, timeout_s: float):
         self.ctx, self.timeout_s = ctx, timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-watchdog", daemon=True)
         self._thread.start()
+        Watchdog.running = self
 
     def stop(self):
         self._stop.set()
         self._thread.join(timeout=5)
+        Watchdog.running = None
+
+    @classmethod
+    def name_the_dead(cls, error: BaseException) -> None:
+        """A collective failed because a peer's connection closed (gloo: the peer was killed mid-broadcast): give
+        the watch its timeout to end this process with the line naming that peer, instead of a traceback that
+        names none. Returns if no peer goes silent."""
+        text = str(error)
+        if cls.running is not None and ("closed by peer" in text or "reset by peer" in text):
+            cls.running._thread.join(timeout=cls.running.timeout_s + 3)
 
     def _run(self):
         ctx, peers = self.ctx, [r for r in range(self.ctx.world_size) if r != self.ctx.rank]
@@ -283,6 +301,7 @@ def run_worker(fn, *args) -> None:
         _exit(1, line)
     except BaseException as e:
         tb = traceback.format_exc()
+        Watchdog.name_the_dead(e)
         report_error(f"{type(e).__name__}: {e}", tb)
         _exit(1, tb.rstrip())
 
