@@ -144,7 +144,8 @@ def test_vllm_explorer_kill9_under_max_restarts_then_agent_kill9_leave_nothing(t
     of the run is left."""
     out = tmp_path / "run"
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                              "--master-port", str(_port()), "--max-restarts", "1", os.path.join(ROOT, "train_async.py"), *TINY, "--engine", "vllm",
+                              "--master-port", str(_port()), "--max-restarts", "1",
+                              os.path.join(ROOT, "train_async.py"), *TINY, "--engine", "vllm",
                               "--vllm-kv-cache-gb", "0.25", "--steps", "100000", "--out-dir", str(out)],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"), env=ENV)
     first, after_restart, left, restarted = {}, {}, {}, {}
