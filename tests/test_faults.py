@@ -32,7 +32,8 @@ def _leftovers(out) -> list[str]:
 
 def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path):
     """kill -9 of the trainer after step 3 (last checkpoint: step 2); `--out-dir X --resume` alone continues with
-    the saved config; metrics.jsonl and W&B then hold steps 1..5 once each, the redone ones marked resumed."""
+    the saved config; metrics.jsonl and W&B then hold steps 1..5 once each, the redone ones marked resumed. Then the
+    newest checkpoint is truncated: the next --resume falls back to the previous one with a one-line warning."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env["PYTHONPATH"] = ROOT
@@ -75,24 +76,18 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
     steps1, steps2 = map(wandb_offline_steps, map(str, runs))
     assert sorted(steps1 + steps2) == [1, 2, 3, 4, 5], (steps1, steps2)
 
-
-def test_truncated_newest_checkpoint_falls_back_with_one_warning(tmp_path):
-    out = tmp_path / "run"
-    first = run_script("train_sync.py", *TINY, "--steps", "3", "--checkpoint-every", "1", "--keep-checkpoints", "3",
-                       "--out-dir", str(out), timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert _checkpoints(out) == ["step_1", "step_2", "step_3"]
-    weights = out / "checkpoints" / "step_3" / "model.safetensors"
+    # The same run, its newest checkpoint truncated: --resume falls back to the one before, with one warning.
+    weights = out / "checkpoints" / "step_4" / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
-    second = run_script("train_sync.py", "--out-dir", str(out), "--resume", "--steps", "4", timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    warnings = [line for line in second.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and str(weights) in warnings[0] and "truncated" in warnings[0], second.stderr[-2000:]
+    again = run_script("train_sync.py", "--out-dir", str(out), "--resume", "--steps", "6", timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    warnings = [line for line in again.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(weights) in warnings[0] and "truncated" in warnings[0], again.stderr[-2000:]
     rows = read_metrics(str(out))
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [bool(r.get("resumed")) for r in rows] == [False, False, True, True]
-    assert _checkpoints(out) == ["step_2", "step_3", "step_4"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [bool(r.get("resumed")) for r in rows] == [False, False, True, True, True, True]
+    assert _checkpoints(out) == ["step_4", "step_6"]
     assert all(verify(p) is None for _, p in step_checkpoints(str(out)))
 
 
