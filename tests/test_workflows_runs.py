@@ -20,8 +20,11 @@ MIXED = ["--taskset", "parity+guess_number+calculator", "--max-turns", "3", "--e
 
 def check_episodes(out, steps=2):
     rows = assert_trained(out, steps=steps)
+    # Some step has episodes of several turns (a streamed batch may hold only the groups that finished first: the
+    # calculator's one-turn answers).
+    assert max(r["rollout/turns_mean"] for r in rows) > 1.0
     for r in rows:
-        assert r["rollout/episodes"] > 0 and r["rollout/turns_mean"] > 1.0
+        assert r["rollout/episodes"] > 0
         assert sum(v for k, v in r.items() if k.startswith("rollout/end/")) == r["rollout/episodes"]
 
 

@@ -108,6 +108,7 @@ class ToolEnv(Env):
     of the Env API) are the model's tools. Subclasses write `reset`, the tool methods and `answer`."""
 
     tools: tuple[str, ...] | None = None
+    calls_made = 0  # this episode's calls so far: their ids
     API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "max_tool_output_chars",
            "API", "settings", "Settings", "make_task", "task_list", "required_fields", "worst_reward", "calls_made"}
 
@@ -148,7 +149,7 @@ class ToolEnv(Env):
                                         f"this one was not run") for _ in calls[limit:]]
         messages, errors, shaped = [], [], []
         for call, running in zip(calls, started):
-            self.calls_made = getattr(self, "calls_made", 0) + 1
+            self.calls_made += 1
             call_id = f"call{self.calls_made:05d}"  # 9 characters: what Mistral's templates require
             name = call["name"] if isinstance(call, dict) else "invalid_call"
             shaped.append({"id": call_id, "type": "function", "function": {
