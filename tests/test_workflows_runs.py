@@ -29,7 +29,7 @@ def check_episodes(out, steps=2):
 
 
 @pytest.mark.timeout(600)  # three processes on a shared 2-core machine
-# train_async.py: test_mixed_taskset_streams_with_ppo_data_parallel below.
+# train_async.py: test_mixed_taskset_streams_with_ppo_data_parallel below (and PPO's async run of test_algos.py).
 @pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py"])
 def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
     out = tmp_path / "run"
@@ -60,11 +60,13 @@ def test_jsonl_rows_pick_their_env(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_mixed_taskset_streams_with_ppo_data_parallel(tmp_path):
-    """PPO (GAE over the sampled tokens only), two data-parallel trainers and the streaming explorer with
-    episodes."""
+    """PPO (GAE over the sampled tokens only) in the asynchronous schedule, two data-parallel trainers and the
+    streaming explorer with episodes; the critic is in each step checkpoint, not in final/."""
     out = tmp_path / "run"
     proc = run_script("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
-                      "--steps", "2", "--out-dir", str(out), timeout=500)
+                      "--checkpoint-every", "1", "--steps", "2", "--out-dir", str(out), timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_episodes(out)
-    assert all("value_loss" in r for r in read_metrics(str(out)))
+    assert all("value_loss" in r and "value/explained_var" in r for r in read_metrics(str(out)))
+    assert (out / "checkpoints" / "step_2" / "critic" / "model.safetensors").exists()
+    assert not (out / "final" / "critic").exists()  # final/: the policy and tokenizer only
