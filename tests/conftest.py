@@ -100,6 +100,27 @@ def left_of(tree: dict[int, tuple[str, int, str]], timeout: float = 10) -> dict[
         time.sleep(0.2)
 
 
+def shm_files(tree: dict) -> set[str]:
+    """The files under /dev/shm that the processes of `tree` map (vLLM's message queues, the weight buffers,
+    semaphores): memory that stays taken while the files exist."""
+    files = set()
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                files |= {line.split(maxsplit=5)[5].rstrip("\n") for line in f if " /dev/shm/" in line}
+        except OSError:
+            continue
+    return {f for f in files if not f.endswith(" (deleted)")}
+
+
+def files_left(files: set[str], timeout: float = 5) -> list[str]:
+    """Those of `files` that still exist after at most `timeout` seconds."""
+    deadline = time.time() + timeout
+    while [f for f in files if os.path.exists(f)] and time.time() < deadline:
+        time.sleep(0.2)
+    return sorted(f for f in files if os.path.exists(f))
+
+
 def engines(processes: dict) -> list[int]:
     """The vLLM engine cores among `processes` (process_tree's or left_of's)."""
     return [pid for pid, value in processes.items()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from common.explorer.engine_vllm import vllm_available
-from conftest import ROOT, TINY, alive, engines, kill_all, left_of, wait_running
+from conftest import ROOT, TINY, alive, engines, files_left, kill_all, left_of, shm_files, wait_running
 
 WORKERS = textwrap.dedent("""
     import os, subprocess, sys, time
@@ -64,8 +64,8 @@ def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):
 @pytest.mark.timeout(400)
 def test_kill9_of_the_launcher_leaves_no_process_of_the_run(tmp_path):
     """kill -9 of `python train_async.py` itself (the elastic agent runs in it) while it trains with vLLM: within 10 s
-    nothing of the run is left: no worker, no reward worker, and no vLLM engine core (it ignores SIGTERM) or the
-    worker process it started."""
+    nothing of the run is left: no worker, no reward worker, no vLLM engine core (it ignores SIGTERM) or the worker
+    process it started, and none of the shared-memory files they mapped (the weight buffers, vLLM's queues)."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--engine", "vllm",
                              "--vllm-kv-cache-gb", "0.25", "--steps", "100000", "--out-dir", str(out)], cwd=ROOT,
@@ -74,6 +74,7 @@ def test_kill9_of_the_launcher_leaves_no_process_of_the_run(tmp_path):
     left = {}
     try:
         tree = wait_running(proc.pid, out)
+        files = shm_files(tree)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         left = left_of(tree, timeout=10)
@@ -81,5 +82,6 @@ def test_kill9_of_the_launcher_leaves_no_process_of_the_run(tmp_path):
         proc.kill()
         kill_all(left)
     grandchildren = [pid for pid, (_, session, _) in tree.items() if session != pid]
-    assert engines(tree) and grandchildren, tree  # the engine core, its worker, the reward workers, ...
+    assert engines(tree) and grandchildren and files, tree  # the engine core, its worker, the reward workers, ...
     assert not left, f"left 10 s after kill -9 of the launcher: {left}"
+    assert not files_left(files), files

@@ -13,8 +13,8 @@ import pytest
 from common.runtime.metrics import read_metrics, read_timeline
 from common.trainer.checkpoints import step_checkpoints
 from common.explorer.engine_vllm import vllm_available
-from conftest import (ROOT, TINY, assert_trained, engines, kill_all, left_of, process_tree, run_script, wait_running,
-                      worker_pid)
+from conftest import (ROOT, TINY, assert_trained, engines, files_left, kill_all, left_of, process_tree, run_script,
+                      shm_files, wait_running, worker_pid)
 
 pytestmark = pytest.mark.timeout(300)
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -141,7 +141,7 @@ def test_vllm_explorer_kill9_under_max_restarts_then_agent_kill9_leave_nothing(t
     """torchrun --max-restarts 1 with the vLLM engine. kill -9 of the explorer: within 10 s nothing of the first
     attempt is left (its engine core ignores SIGTERM and would hold the explorer's GPU memory share); once the agent
     has restarted the group, the run has exactly one engine. Then kill -9 of the torchrun agent: within 10 s nothing
-    of the run is left."""
+    of the run is left, processes or the shared-memory files they mapped."""
     out = tmp_path / "run"
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                               "--master-port", str(_port()), "--max-restarts", "1",
@@ -151,13 +151,16 @@ def test_vllm_explorer_kill9_under_max_restarts_then_agent_kill9_leave_nothing(t
     first, after_restart, left, restarted = {}, {}, {}, {}
     try:
         first = wait_running(agent.pid, out)
+        first_files = shm_files(first)
         os.kill(worker_pid(agent.pid, 1), signal.SIGKILL)
         left = left_of(first, timeout=10)
+        left_files = files_left(first_files)
         deadline = time.time() + 240
         while time.time() < deadline and not engines(restarted):  # the second attempt's engine has started
             restarted = {pid: p for pid, p in process_tree(agent.pid).items() if pid not in first}
             time.sleep(0.2)
         running_engines = engines(restarted) + engines(left_of(first, timeout=0))
+        files = shm_files(restarted)
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(timeout=30)
         after_restart = left_of({**first, **restarted}, timeout=10)
@@ -165,9 +168,11 @@ def test_vllm_explorer_kill9_under_max_restarts_then_agent_kill9_leave_nothing(t
         agent.kill()
         kill_all({**left, **after_restart})
     assert engines(first), first
-    got = (left, len(running_engines), after_restart)
-    assert got == ({}, 1, {}), "left of the first attempt 10 s after kill -9 of its explorer, engines after the " \
-                               f"restart, left of the run 10 s after kill -9 of the agent: {got}"
+    assert first_files, first
+    got = (left, left_files, len(running_engines), after_restart, files_left(files))
+    assert got == ({}, [], 1, {}, []), "left of the first attempt 10 s after kill -9 of its explorer (processes, " \
+        "shared-memory files), engines after the restart, left of the run 10 s after kill -9 of the agent " \
+        f"(processes, files): {got}"
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):

@@ -1,0 +1,96 @@
+"""The guard of a worker's process group: SIGKILLs the group when its leader ends, then removes the shared-memory
+files the group had mapped (common/runtime/procs.py guard_group starts it).
+
+Run as `python -I -S _group_guard.py WORKER AGENT` by the worker, in the worker's process group: standard library
+only, nothing of the project or of site-packages imported (a guard must start fast and small on a loaded node).
+It waits until WORKER has ended (this process's parent changes: kill -9 included) or WORKER has lost its parent
+AGENT (the torch elastic agent, or `python train_X.py`, killed), then:
+- leaves the group, stops every process in it (SIGSTOP: none forks or maps anything more), reads which files under
+  /dev/shm they map or hold open (vLLM's message queues, the weight buffers, multiprocessing semaphores), SIGKILLs
+  the group and removes those files. A killed process cannot remove its own, and the group's resource tracker dies
+  with it, so these would otherwise hold memory until the node reboots. Other processes that mapped such a file
+  keep their mapping; the workers of the run's other groups end with this one's (a dead rank ends the attempt).
+"""
+
+import os
+import signal
+import sys
+import time
+
+SHM = "/dev/shm/"
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def members(group: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) == group:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def shared_files(pid: int) -> set[str]:
+    """The /dev/shm files `pid` maps or holds open (not those already removed)."""
+    found = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                if path.startswith(SHM) and not path.endswith(" (deleted)"):
+                    found.add(path)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if path.startswith(SHM) and not path.endswith(" (deleted)"):
+                found.add(path)
+    except OSError:  # ended, or not ours to read
+        pass
+    return found
+
+
+def signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:  # every member has ended already
+        pass
+
+
+def main(worker: int, agent: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the agent stops the group with SIGTERM: wait for the worker to end
+    group = os.getpgid(0)
+    while os.getppid() == worker and (not agent or parent_of(worker) == agent):
+        time.sleep(0.2)
+    if not os.path.isdir("/proc"):
+        signal_group(group, signal.SIGKILL)
+        return
+    os.setpgid(0, 0)  # out of the group: the kill below must not end this process before it cleans up
+    signal_group(group, signal.SIGSTOP)
+    files = set()
+    for pid in members(group):
+        files |= shared_files(pid)
+    signal_group(group, signal.SIGKILL)
+    for path in files:
+        try:
+            os.unlink(path)
+        except OSError:  # removed meanwhile, or not ours
+            pass
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
