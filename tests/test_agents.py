@@ -514,7 +514,8 @@ def timed_episodes(engine, tok, env_workers: int):
     loop: (seconds until the three fast episodes had all ended, their sampled tokens, the whole run's seconds)."""
     from common.explorer.rollouts import Rollouts
 
-    ctx = Context(tok, max_new_tokens=16, max_turns=3, episode_token_budget=400, env_workers=env_workers)
+    ctx = Context(tok, max_new_tokens=16, max_turns=3, episode_token_budget=400, env_workers=env_workers,
+                  truncated_turns="continue")  # the random model seldom stops: its cut turns go on
     rollouts = Rollouts(ctx)
     tasks = [{"id": "slow", "env": "sleepy", "prompt": "Count.", "sleep_s": 3.0}] + \
         [{"id": f"fast{i}", "env": "sleepy", "prompt": f"Count to {i}."} for i in range(3)]
