@@ -15,7 +15,7 @@ from tests.conftest import TINY, run_script
 
 
 class Slow(ToolEnv):
-    tools = ("add", "hang")
+    tools = ("add", "hang", "nap")
 
     def reset(self, task):
         return [{"role": "user", "content": "add 2 and 3"}]
@@ -32,6 +32,12 @@ class Slow(ToolEnv):
     def hang(self) -> str:
         """Never answers."""
         time.sleep(3600)
+
+    async def nap(self) -> str:
+        """Never answers either, but waits as a coroutine (cancelled at the timeout)."""
+        import asyncio
+
+        await asyncio.sleep(3600)
 
 
 class Scripted(RolloutEngine):
@@ -85,6 +91,16 @@ def test_tool_errors_are_observations_and_the_episode_goes_on(monkeypatch):
         "rollout/tool_error/bad_arguments": 1, "rollout/tool_error/timeout": 1}
     # The schemas reached the model: SmolLM2-style templates ignore tools=, so they are in the system message.
     assert e.messages[0]["role"] == "system" and '"name":"add"' in e.messages[0]["content"]
+
+
+def test_an_async_tool_that_hangs_is_cancelled_and_leaves_no_thread():
+    import threading
+
+    env = Slow(Slow.Settings(tool_timeout_s=0.5))
+    env.reset({})
+    out = env.step('<tool_call>{"name": "nap", "arguments": {}}</tool_call>')
+    assert out.info["tool_errors"] == ["timeout"] and "error: timeout" in out.messages[0]["content"]
+    assert not [t for t in threading.enumerate() if t.name == "tool-nap"]
 
 
 def test_calculator_python_tool_runs_in_the_sandbox_and_a_hang_is_a_timeout():

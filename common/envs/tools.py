@@ -23,6 +23,7 @@ time and memory limits, at most --sandbox-procs of them at once in one explorer)
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import threading
@@ -39,9 +40,10 @@ def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
 
 class ToolThread:
     """fn(**kwargs) in a daemon thread, started at once; `result()` waits for at most `timeout_s` from the start.
-    A tool that hangs past it gives a ToolError("timeout"); its thread cannot be killed and is left behind (daemon:
-    it dies with the process), which is why a tool must bound its own work (the calculator bounds operand sizes)
-    and tools that run model code use the sandbox (a process that is killed) instead."""
+    A tool that hangs past it gives a ToolError("timeout"). An `async def` tool is cancelled there and its thread
+    ends; a plain one's thread cannot be killed and is left behind (daemon, counted in
+    rollout/env_threads_abandoned), which is why a tool must bound its own work (the calculator bounds operand
+    sizes), wait on I/O as `async def`, and tools that run model code use the sandbox (a process that is killed)."""
 
     def __init__(self, fn, kwargs: dict, timeout_s: float):
         self.box: dict = {}
@@ -52,12 +54,17 @@ class ToolThread:
 
     def _target(self, fn, kwargs):
         try:
-            self.box["value"] = fn(**kwargs)
+            if inspect.iscoroutinefunction(fn):
+                self.box["value"] = asyncio.run(asyncio.wait_for(fn(**kwargs), self.timeout_s))
+            else:
+                self.box["value"] = fn(**kwargs)
+        except asyncio.TimeoutError:
+            self.box["error"] = ToolError("timeout", f"tool did not answer within {self.timeout_s:g}s")
         except Exception as e:  # noqa: BLE001  (a tool's failure is the model's observation, not our crash)
             self.box["error"] = e
 
     def result(self):
-        self.thread.join(max(0.0, self.deadline - time.monotonic()))
+        self.thread.join(max(0.0, self.deadline - time.monotonic()) + 0.5)  # + the cancellation of an async one
         if self.thread.is_alive():
             ABANDONED.add(self.thread)
             raise ToolError("timeout", f"tool did not answer within {self.timeout_s:g}s")
