@@ -9,7 +9,6 @@ line, or stops with one line naming the flag to change and the numbers.
 The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --trainer-shard fsdp, else 1):
 - states: parameters P x b / S, gradients and AdamW's two moments 3 x P_trained x b / S (in the parameters'
   dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo);
-- AdamW's step: one temporary the size of the trained parameters (the foreach kernels);
 - activations of one micro-batch, linear in its tokens (packed micro-batches: attention runs per sequence,
   `common.model._segment_sdpa`, so nothing is N x N): what autograd keeps of every decoder layer per token
   (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's working
@@ -101,18 +100,17 @@ def model_config(name: str):
 # ----------------------------------------------------------------------------- the trainer
 def layer_bytes_per_token(shape: ModelShape, b: int) -> float:
     """What autograd keeps of one decoder layer per token (Llama-style: RMSNorm, attention with rotary embeddings,
-    gated MLP): the layer's input and the two norms' fp32 intermediates and outputs, q/k/v, their rotated copies,
-    the attention output (twice: per-sequence pieces and their concatenation) and o_proj's input, the residual
-    sum, and the MLP's gate, up, activation and product."""
+    gated MLP; a multiplication by a constant such as the rotary cos/sin keeps only the constant): each norm's
+    fp32 input, normalised value and output; the rotated q and k and v (sdpa's inputs), sdpa's output and
+    o_proj's input; the MLP's gate, up, activation and product."""
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    norms = 2 * h * (4 + 4 + (b if b != 4 else 0))  # fp32 copy (bf16 only), normalised fp32, output
-    return b * (2 * h + 6 * q + 5 * kv + 4 * i) + norms
+    return 2 * (4 * h + 2 * b * h) + b * (3 * q + 2 * kv) + 4 * b * i
 
 
 def head_bytes(shape: ModelShape, chunk_tokens: int) -> float:
-    """The log-prob chunk: fp32 logits over the vocabulary, scaled, log-softmax, softmax, the entropy's product,
-    and their gradients in the backward (~8 [chunk, vocab] fp32 tensors)."""
-    return 8 * 4 * chunk_tokens * shape.vocab
+    """The log-prob chunk in the backward (the first thing it runs, while every layer's activations are alive):
+    the recomputed fp32 logits over the vocabulary, scaled, and their gradients (~4 [chunk, vocab] fp32 tensors)."""
+    return 4 * 4 * chunk_tokens * shape.vocab
 
 
 def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int, checkpointing: bool) -> float:
@@ -130,13 +128,12 @@ def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int
 @dataclass
 class TrainerEstimate:
     states: float        # weights, gradients, optimizer state, reference, critic (per trainer)
-    optimizer_step: float
-    activations: float   # one micro-batch
+    activations: float   # one micro-batch (AdamW's fused step needs no temporaries: never the peak)
     process: float
 
     @property
     def peak(self) -> float:
-        return SLACK * (self.states + max(self.activations, self.optimizer_step)) + self.process
+        return SLACK * (self.states + self.activations) + self.process
 
 
 def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, trained_tokens: int,
@@ -155,7 +152,7 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
     if args.trainer_shard == "fsdp":  # two gathered layers (the current one and the prefetched next)
         acts += 2 * b * shape.body_params / shape.layers
     process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
-    return TrainerEstimate(states, trained * b / shards, acts, process)
+    return TrainerEstimate(states, acts, process)
 
 
 def lora_params(shape: ModelShape, args) -> int:
