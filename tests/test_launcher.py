@@ -18,8 +18,9 @@ WORKERS = textwrap.dedent("""
     import os, subprocess, sys, time
 
     def main(ctx, pid_dir):
-        if ctx.role == "trainer":  # sleeps, with a grandchild
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        if ctx.role == "trainer":  # sleeps, with a grandchild that ignores SIGTERM (as vLLM's engine core does)
+            child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
             open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(f"{os.getpid()} {child.pid}")
             time.sleep(300)
         open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(str(os.getpid()))
