@@ -33,8 +33,11 @@ def test_vllm_engine_trains_mixed_turns_and_holds_the_trainers_weights(tmp_path,
     before = set(os.listdir("/dev/shm"))  # runs killed elsewhere (timeouts, SIGKILL) may have left files: not ours
     # The default engine (--engine auto) for the synchronous run: it must resolve to vLLM here and say so first.
     engine = "auto" if script == "train_sync.py" else "vllm"
+    # train_async.py streams groups as they end: with as many in flight as a batch holds, each batch is the groups
+    # started for it, guess_number's several-turn episodes included (else the one-turn ones overtake them).
+    streaming = ["--inflight-groups", "4"] if script == "train_async.py" else []
     proc = run_script(script, *TINY, *MIXED, "--engine", engine, "--vllm-kv-cache-gb", "0.25", "--steps", "2",
-                      "--sync-method", method, "--verify-sync", "--out-dir", str(out), timeout=500)
+                      "--sync-method", method, "--verify-sync", "--out-dir", str(out), *streaming, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if engine == "auto":
         assert proc.stdout.splitlines()[0] == f"[tandem] sync: rollout engine vllm (--engine auto: vLLM {why} imports)"
