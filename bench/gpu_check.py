@@ -8,7 +8,7 @@
    checkpointing + packing, a VLM, an agent, vLLM. Each is a real run of an entry script (tiny model, 2 steps, bf16
    on a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
-2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (config written below, random weights, no hub)
+2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
    - rollout tokens/s and weight-sync GB/s of each --sync-method: `train_sync.py` runs with both sides on one GPU
      (metrics.jsonl's rollout/tokens_per_s and time/sync, median after a warm-up step);
    - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): the train-step
@@ -38,11 +38,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Qwen/Qwen2.5-1.5B's config.json (the fields that set its shape): 1.54 B parameters, tied embeddings.
-QWEN25_1_5B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
-                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
-                   tie_word_embeddings=True)
+SIZE_SHAPE = "qwen2.5-1.5b"  # bench/train_step.py SHAPES: a public config's shape, random weights, no hub
 # The train-step benchmark (module, function) in this folder: measure(model, device, dtype, tokens, ...) -> dict
 TRAIN_STEP_HOOK = ("train_step", "measure")
 HOOK_NAME = f"bench/{TRAIN_STEP_HOOK[0]}.py {TRAIN_STEP_HOOK[1]}()"
@@ -95,8 +91,8 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
                "--max-tokens-per-micro-batch", "64"]),
         Check("VLM (tiny-vlm, shapes+parity)", ["train_sync.py", *on, "--model", "tiny-vlm", "--taskset",
                                                 "shapes+parity"]),
-        Check("agent (guess_number, 3 turns)", ["train_sync.py", *on, "--taskset", "guess_number", "--max-turns", "3",
-                                                "--episode-token-budget", "400", "--format-reward", "1"]),
+        Check("agent (guess_number+parity, 3 turns)", ["train_sync.py", *on, "--taskset", "guess_number+parity",
+                                                       "--max-turns", "3", "--episode-token-budget", "400"]),
         Check("vLLM engine", ["train_sync.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15"],
               "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),
     ]
@@ -176,13 +172,14 @@ def _make_model(folder: str) -> None:
     """A Qwen2.5-1.5B-shaped folder, random bf16 weights built on the GPU (seconds, not a CPU init), with the tiny
     byte-level tokenizer (nothing is decoded that matters: the parity verifier scores any text)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
+    from bench.train_step import resolve_config
     from common.model import build_tiny_tokenizer
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_1_5B), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(resolve_config(f"shape:{SIZE_SHAPE}"), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     build_tiny_tokenizer().save_pretrained(folder)
     n = sum(p.numel() for p in model.parameters())
@@ -268,7 +265,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
         return [("model folder", "FAILED", err)]
     gb = made["bytes"] / 1e9
     rows.append(("model", f"{made['params'] / 1e9:.2f} B params, {gb:.2f} GB bf16",
-                 "Qwen2.5-1.5B config (bench/gpu_check.py QWEN25_1_5B), random weights"))
+                 f"shape:{SIZE_SHAPE} (bench/train_step.py SHAPES), random weights"))
     run_flags = ["--model", folder, "--dtype", "bfloat16", "--explorer-devices", "cuda:0", "--trainer-devices",
                  "cuda:0", "--taskset", "parity", "--samples-per-task", "4", "--eval-size", "4", "--eval-every", "0",
                  "--num-threads", "4", "--micro-batch-size", "8", "--gradient-checkpointing", "--overwrite"]

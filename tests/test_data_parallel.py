@@ -35,8 +35,9 @@ def test_two_trainers_stay_identical_and_match_one_trainer(run, tmp_path):
     assert dp.returncode == 0, dp.stderr[-2000:]
     single = run("train_sync.py", *common, "--out-dir", str(tmp_path / "one"), timeout=240)
     assert single.returncode == 0, single.stderr[-2000:]
-    assert_trained(tmp_path / "dp", steps=3)
+    dp_rows = assert_trained(tmp_path / "dp", steps=3)
     assert_trained(tmp_path / "one", steps=3)
+    assert all(r["mismatch/logp_abs_max"] < 1e-4 for r in dp_rows)  # trainer 0's own rows, measured before the step
 
     hashes = _train_hashes(tmp_path / "dp")
     assert sorted(hashes) == [1, 2, 3]

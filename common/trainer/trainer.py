@@ -97,7 +97,7 @@ class Trainer:
                          if correcting and not single_update and update_actor else None)
         # Train-inference mismatch, before any update: over the whole batch where the proximal pass ran, else over
         # the first minibatch (a random share, measured from its own forward passes at no extra cost).
-        fresh = None if prox_logprobs is not None else torch.zeros_like(batch.old_logprobs)
+        fresh = None if prox_logprobs is not None else []
         if prox_logprobs is not None:
             stats.update({k: [v] for k, v in mismatch_stats(prox_logprobs, batch.old_logprobs,
                                                             batch.response_mask).items()})
@@ -111,9 +111,11 @@ class Trainer:
                     self._minibatch_update(batch, adv.advantages, ref_logprobs, correcting, prox_logprobs, idx, stats,
                                            fresh)
                 if fresh is not None and update_actor:  # the first minibatch ran on the weights before the update
-                    rows = self.dp.local_slice(idx)
-                    stats.update({k: [v] for k, v in mismatch_stats(fresh[rows], batch.old_logprobs[rows],
-                                                                    batch.response_mask[rows]).items()})
+                    if fresh:  # (a data-parallel trainer may have had no rows in it)
+                        rows = torch.cat([i for i, _ in fresh])
+                        stats.update({k: [v] for k, v in mismatch_stats(torch.cat([lp for _, lp in fresh]),
+                                                                        batch.old_logprobs[rows],
+                                                                        batch.response_mask[rows]).items()})
                     fresh = None
                 if self.critic is not None:
                     self.critic.update(batch, idx, adv.values, adv.returns, stats)
@@ -153,7 +155,8 @@ class Trainer:
                           fresh=None):
         """One optimizer step on minibatch `idx`: the algorithm's loss per micro-batch (each returns its share of the
         minibatch loss, so the summed gradients are the minibatch's), plus the entropy bonus and the KL term.
-        `fresh` [B, T-1], where given, gets the log-probs computed before the step (train-inference mismatch)."""
+        `fresh`, where given, gets (rows, log-probs) of each micro-batch, computed before the step (train-inference
+        mismatch)."""
         args = self.args
         minibatch_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -174,7 +177,7 @@ class Trainer:
                                                   entropy_grad=args.entropy_coef > 0,
                                                   packed=args.max_tokens_per_micro_batch > 0, images=mb.images)
             if fresh is not None:
-                fresh[mb_idx] = logprobs.detach()
+                fresh.append((mb_idx, logprobs.detach()))
             old, weights = mb.old_logprobs, None
             if correcting:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
