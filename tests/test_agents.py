@@ -482,13 +482,20 @@ def test_grpo_turn_and_in_turn_tools_each_train_two_steps(tmp_path):
     # The random tiny model never solves calculator's problems: --reward-fn scores each episode by the share of
     # ASCII in what it wrote, which differs within a group, so the policy gradient has a signal to train on.
     inturn = run_script("train_sync.py", *common, "--taskset", "calculator", "--in-turn-tools",
-                        "--reward-fn", "tests.test_plugins:ascii_share", "--episode-token-budget", "900",
+                        "--reward-fn", "tests.test_agents:trajectory_ascii_share", "--episode-token-budget", "900",
                         "--out-dir", str(tmp_path / "inturn"))
     assert inturn.returncode == 0, inturn.stderr[-3000:]
     assert_trained(tmp_path / "inturn", steps=2)
     bad = run_script("train_sync.py", *common, "--taskset", "guess_number", "--chat-template", str(tmp_path / "no"),
                      "--out-dir", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "--chat-template" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def trajectory_ascii_share(response: str, task: dict) -> float:
+    """A --reward-fn over the whole trajectory: the share of ASCII characters the policy wrote (the random tiny
+    model's turns are cut, so its final answer is always "": the trajectory is where the signal is)."""
+    text = "".join(m.get("content") or "" for m in task["trajectory"] if m["role"] == "assistant")
+    return sum(ord(c) < 128 for c in text) / len(text) if text else 0.0
 
 
 class Sleepy(Env):

@@ -109,11 +109,13 @@ class Context:
         from common.envs.tools import set_sandbox_slots
 
         set_sandbox_slots(args.sandbox_procs)  # one explorer per process: its tools' sandboxed programs at once
-        return cls(tokenizer, args.max_new_tokens, args.rollout_token_budget, args.max_turns,
-                   args.episode_token_budget, args.tool_timeout_s, args.env_reward, tuple(args.env_setting),
-                   args.env_workers, args.env_step_timeout_s, args.reasoning_parser, args.in_turn_tools,
-                   args.truncated_turns, args.max_tool_calls_per_turn, args.tool_call_format, args.env_server,
-                   processor)
+        return cls(tokenizer, args.max_new_tokens, token_budget=args.rollout_token_budget, max_turns=args.max_turns,
+                   episode_token_budget=args.episode_token_budget, tool_timeout_s=args.tool_timeout_s,
+                   env_reward=args.env_reward, env_setting=tuple(args.env_setting), env_workers=args.env_workers,
+                   env_step_timeout_s=args.env_step_timeout_s, reasoning_parser=args.reasoning_parser,
+                   in_turn_tools=args.in_turn_tools, truncated_turns=args.truncated_turns,
+                   max_tool_calls_per_turn=args.max_tool_calls_per_turn, tool_call_format=args.tool_call_format,
+                   env_server=args.env_server, processor=processor)
 
 
 class Rollouts:
