@@ -221,7 +221,10 @@ class Watchdog:
         names none. Returns if no peer goes silent."""
         text = str(error)
         if cls.running is not None and ("closed by peer" in text or "reset by peer" in text):
-            cls.running._thread.join(timeout=cls.running.timeout_s + 3)
+            try:
+                cls.running._thread.join(timeout=cls.running.timeout_s + 3)
+            except (KeyboardInterrupt, SystemExit):  # the agent stops this worker meanwhile: report the error
+                pass
 
     def _run(self):
         ctx, peers = self.ctx, [r for r in range(self.ctx.world_size) if r != self.ctx.rank]
