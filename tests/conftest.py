@@ -198,9 +198,9 @@ def run():
 
 
 # The files whose tests take longest (each starts vLLM or several training runs), longest first.
-SLOW_FILES = ["test_readme.py", "test_vllm_runs.py", "test_engine_vllm.py", "test_faults.py", "test_data_parallel.py",
-              "test_train_sync.py", "test_schedules.py", "test_workflows_runs.py", "test_algos.py", "test_agents.py",
-              "test_vlm.py"]
+SLOW_FILES = ["test_readme.py", "test_multinode.py", "test_vllm_runs.py", "test_engine_vllm.py", "test_faults.py",
+              "test_launcher.py", "test_data_parallel.py", "test_train_sync.py", "test_schedules.py",
+              "test_workflows_runs.py", "test_algos.py", "test_agents.py", "test_vlm.py"]
 
 
 def pytest_collection_modifyitems(items):
