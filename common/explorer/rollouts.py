@@ -134,6 +134,7 @@ class Rollouts:
         self.workflows: list = []
         self.tokens = 0                 # sampled tokens kept so far
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_ctx: Context | None = None
         self._new: list = []            # workflows started since the last step: their first requests are due
         self._ready: list = []          # (workflow, sample, prompt ids, max new tokens) waiting for the engine
         self._decoding: dict = {}       # id(sample) -> (workflow, sample) of requests in the engine
@@ -155,8 +156,12 @@ class Rollouts:
         if name != "single_turn" and self.ctx.token_budget:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
-        ctx = dataclasses.replace(self.ctx, env_pool=self.pool) if self.ctx.env_workers else self.ctx
-        self.workflows.append(workflow_class(name)(task, group_id, n, ctx))  # multi_turn: resets in the pool
+        ctx = self.ctx
+        if self.ctx.env_workers and name != "single_turn":  # episodes: their resets run in the environment pool
+            if self._pool_ctx is None:  # one copy, sharing the renderer (and its tokenizer lock) with self.ctx
+                self._pool_ctx = dataclasses.replace(self.ctx, env_pool=self.pool, _renderer=self.ctx.renderer)
+            ctx = self._pool_ctx
+        self.workflows.append(workflow_class(name)(task, group_id, n, ctx))
         self._new.append(self.workflows[-1])
 
     def unfinished(self) -> list:
@@ -290,7 +295,7 @@ class Rollouts:
         """Let the environment pool's threads go (a step still running finishes in its thread)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-            self._pool = None
+            self._pool, self._pool_ctx = None, None
 
     def pop_finished(self) -> list:
         """The groups whose samples have all ended (removed from here), oldest first."""
