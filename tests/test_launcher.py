@@ -17,14 +17,17 @@ from conftest import ROOT, TINY, alive, engines, files_left, kill_all, left_of, 
 WORKERS = textwrap.dedent("""
     import os, subprocess, sys, time
 
+    from common.buckets import map_shared_file
+
     def main(ctx, pid_dir):
         if ctx.role == "trainer":  # sleeps, with a grandchild that ignores SIGTERM (as vLLM's engine core does)
             child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                                       "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+            mapped = map_shared_file(f"/dev/shm/tandem-test-{os.getpid()}", 4096, create=True)  # never removed here
             open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(f"{os.getpid()} {child.pid}")
             time.sleep(300)
         open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(str(os.getpid()))
-        time.sleep(2)
+        time.sleep(3)
         open(os.path.join(pid_dir, "failed_at"), "w").write(repr(time.time()))
         raise ValueError("boom from the failing worker")
 """)
@@ -45,6 +48,7 @@ def test_failing_worker_stops_run_with_traceback_and_no_leftovers(tmp_path):
     pids = [int(p) for f in ("trainer0.pid", "explorer0.pid") for p in (tmp_path / f).read_text().split()]
     time.sleep(0.5)
     assert len(pids) == 3 and not [p for p in pids if alive(p)]
+    assert not files_left({f"/dev/shm/tandem-test-{pids[0]}"})  # the trainer mapped it, and was killed: removed
 
 
 def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):

@@ -6,8 +6,8 @@ only, nothing of the project or of site-packages imported (a guard must start fa
 It waits until WORKER has ended (this process's parent changes: kill -9 included) or WORKER has lost its parent
 AGENT (the torch elastic agent, or `python train_X.py`, killed), then:
 - leaves the group, stops every process in it (SIGSTOP: none forks or maps anything more), reads which files under
-  /dev/shm they map or hold open (vLLM's message queues, the weight buffers, multiprocessing semaphores), SIGKILLs
-  the group and removes those files. A killed process cannot remove its own, and the group's resource tracker dies
+  /dev/shm they map or hold open (vLLM's message queues, the weight buffers, multiprocessing semaphores; the
+  worker's own, read every second while it lived), SIGKILLs the group and removes those files. A killed process cannot remove its own, and the group's resource tracker dies
   with it, so these would otherwise hold memory until the node reboots. Other processes that mapped such a file
   keep their mapping; the workers of the run's other groups end with this one's (a dead rank ends the attempt).
 """
@@ -73,15 +73,18 @@ def signal_group(group: int, sig: int) -> None:
 def main(worker: int, agent: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the agent stops the group with SIGTERM: wait for the worker to end
-    group = os.getpgid(0)
+    group, proc = os.getpgid(0), os.path.isdir("/proc")
+    worker_files, checked = set(), 0.0
     while os.getppid() == worker and (not agent or parent_of(worker) == agent):
+        if proc and time.monotonic() - checked > 1.0:  # a dead worker's own mappings can no longer be read
+            worker_files, checked = shared_files(worker), time.monotonic()
         time.sleep(0.2)
-    if not os.path.isdir("/proc"):
+    if not proc:
         signal_group(group, signal.SIGKILL)
         return
     os.setpgid(0, 0)  # out of the group: the kill below must not end this process before it cleans up
     signal_group(group, signal.SIGSTOP)
-    files = set()
+    files = worker_files
     for pid in members(group):
         files |= shared_files(pid)
     signal_group(group, signal.SIGKILL)
