@@ -233,6 +233,26 @@ def test_checkpoint_sync(engine, folder, tmp_path):
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
 
 
+def test_commit_from_another_processs_shared_file(engine, folder, tmp_path):
+    """The colocated weight sync's CPU slot: weights laid out in a shared-memory file (common.buckets.flat_layout)
+    load straight into the vLLM worker, twice from the same file (mapped once), bit-identical each time."""
+    from common.buckets import flat_layout, flat_views, map_shared_file
+    from common.weight_sync import weights_hash
+
+    hf = load_hf(folder)
+    layout, size = flat_layout([(n, tuple(p.shape), p.dtype) for n, p in hf.named_parameters()])
+    path = str(tmp_path / "slot")
+    slot = dict(flat_views(map_shared_file(path, size, create=True), layout))
+    for seed in (4, 5):
+        perturb(hf, seed=seed)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                slot[name].copy_(p)
+        engine.commit_shared_file(path, layout, version=seed)
+        assert engine.weights_checksum() == weights_hash(hf.named_parameters())
+    engine.load_from_checkpoint(folder)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

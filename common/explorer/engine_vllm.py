@@ -279,6 +279,12 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("commit_weights: pass the list returned by weight_buffers() after writing into it")
         self._update(version, "tandem_load_shared", self._shm_path, self._shm_layout, self.fast_sync)
 
+    def commit_shared_file(self, path: str, layout: list, version: int | None = None) -> None:
+        """Load weights another process laid out in a shared-memory file (`common.buckets.flat_layout`, HF names):
+        the vLLM worker maps it and copies from it directly, as from `weight_buffers()` (the colocated weight sync's
+        CPU slot: no copy through this process)."""
+        self._update(version, "tandem_load_shared", path, layout, self.fast_sync)
+
     def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
         """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
         self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)

@@ -203,14 +203,17 @@ class TandemWorkerExtension:
     """
 
     def tandem_load_shared(self, path: str, layout: list, fast: bool = True) -> float:
-        """Load the weights in the shared-memory file: copied straight into the parameters vLLM computes with
-        (fused slices, CPU re-pack; `_worker_copy_plan`), or through vLLM's reload where that plan does not apply
-        (or fast is False: the reference path)."""
-        cached = getattr(self, "_tandem_shared", None)
-        if cached is None or cached[0] != path:
+        """Load the weights in a shared-memory file (the engine's buffers, or a colocated trainer's slot): copied
+        straight into the parameters vLLM computes with (fused slices, CPU re-pack; `_worker_copy_plan`), or through
+        vLLM's reload where that plan does not apply (or fast is False: the reference path). Each file is mapped
+        once and stays mapped (its owner may unlink it)."""
+        mapped = getattr(self, "_tandem_shared", None)
+        if mapped is None:
+            mapped = self._tandem_shared = {}
+        if path not in mapped:
             views = flat_views(map_shared_file(path, layout_bytes(layout)), layout)
-            self._tandem_shared = (path, views, _worker_copy_plan(self.get_model(), views))
-        _, views, plan = self._tandem_shared
+            mapped[path] = (views, _worker_copy_plan(self.get_model(), views))
+        views, plan = mapped[path]
         if not fast or plan is None:
             return self._tandem_reload(iter(views))
         start = time.time()

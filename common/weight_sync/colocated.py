@@ -6,7 +6,10 @@ The buffer (the slot) is one flat byte buffer in trainer 0's memory holding ever
 - CPU: a file in /dev/shm that trainer and explorers map (torch.from_file, shared);
 - CUDA: a tensor on trainer 0's GPU whose CUDA IPC handle (torch.multiprocessing's reduction, the one its
   Queue uses) explorers on that same GPU open; their copy out of it is a device-to-device copy.
-Both take the same code path; only opening the slot differs (`_open_slot`).
+Both take the same code path; only opening the slot differs (`_open_slot`). An engine that can read the slot's
+file itself (vLLM on CPU: `commit_shared_file`, its worker maps the file) loads straight from it; others get the
+weights copied into their `weight_buffers()` and commit. The file's name is removed once every explorer has mapped
+it (the memory lives as long as a mapping does), so a run that is killed later leaves nothing in /dev/shm.
 
 One slot, guarded by a handshake in the run's store (each key written by one side only):
 - `writing` (trainer 0) is set before it writes and cleared after the new version is published;
@@ -84,6 +87,14 @@ def _open_slot(shared: bytes, device: torch.device) -> torch.Tensor:
     return slot
 
 
+def _remove(path: str) -> None:
+    """Remove the slot's file name (processes that mapped it keep their mapping); whichever side comes first."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class ColocatedSync(WeightSync):
     name = "colocated"
 
@@ -96,7 +107,8 @@ class ColocatedSync(WeightSync):
                         for i in range(len(ctx.explorer_ranks))]
         self.slot: torch.Tensor | None = None
         self.views: dict[str, torch.Tensor] = {}
-        self.path: str | None = None  # trainer, CPU: the /dev/shm file until every explorer has mapped it
+        self.path: str | None = None  # CPU: the slot's /dev/shm file, removed once every explorer has mapped it
+        self.layout: list = []
 
     @classmethod
     def check(cls, ctx, args):
@@ -121,8 +133,8 @@ class ColocatedSync(WeightSync):
         self.ctx.store.set("weight_sync/colocated/layout", json.dumps(layout))
 
     def _unlink(self) -> None:
-        if self.path is not None and os.path.exists(self.path):
-            os.unlink(self.path)  # explorers that mapped it keep their mapping
+        if self.path is not None:
+            _remove(self.path)
         self.path = None
 
     @torch.no_grad()
@@ -156,11 +168,11 @@ class ColocatedSync(WeightSync):
     # ------------------------------------------------------------------ an explorer
     def _attach(self) -> None:
         shared = self.ctx.wait_key("weight_sync/colocated/slot", self.args.timeout_s, "trainer0's weight slot")
-        layout = json.loads(self.ctx.wait_key("weight_sync/colocated/layout", self.args.timeout_s,
-                                              "trainer0's weight layout"))
+        self.layout = json.loads(self.ctx.wait_key("weight_sync/colocated/layout", self.args.timeout_s,
+                                                   "trainer0's weight layout"))
         self.slot = _open_slot(shared, self.ctx.device)
-        self.views = dict(flat_views(self.slot, layout))
-        self.ctx.store.add("weight_sync/colocated/opened", 1)  # trainer0 unlinks the /dev/shm file once all have
+        self.views = dict(flat_views(self.slot, self.layout))
+        self.path = pickle.loads(shared).get("path")
 
     @torch.no_grad()
     def _take(self, step: int) -> float | None:
@@ -170,23 +182,33 @@ class ColocatedSync(WeightSync):
             return None
         if self.slot is None:
             self._attach()
+        # An engine that can read the slot's file itself (vLLM: its worker maps it) loads straight from it, within
+        # the reading window; others get the weights copied into their buffers, then commit.
+        direct = getattr(self.engine, "commit_shared_file", None) if self.path else None
         mine = self.reading[self.ctx.index]
         mine.value = 1
         try:
             if self.writing.value:
                 return None
             start, version = time.time(), self.published.value
-            buffers = self.engine.weight_buffers()
-            for name, t in buffers:
-                src = self.views.get(name)
-                if src is None:
-                    raise KeyError(f"colocated weight sync: trainer0 sends no {name}")
-                t.copy_(src)
-            if self.slot.device.type == "cuda":
-                torch.cuda.synchronize(self.slot.device)  # the copy has finished reading the slot
+            if direct is not None:
+                direct(self.path, self.layout, version)
+            else:
+                buffers = self.engine.weight_buffers()
+                for name, t in buffers:
+                    src = self.views.get(name)
+                    if src is None:
+                        raise KeyError(f"colocated weight sync: trainer0 sends no {name}")
+                    t.copy_(src)
+                if self.slot.device.type == "cuda":
+                    torch.cuda.synchronize(self.slot.device)  # the copy has finished reading the slot
         finally:
             mine.value = 0
-        self.engine.commit_weights(buffers, version)
+        if direct is None:
+            self.engine.commit_weights(buffers, version)
+        if self.version < 0 and self.ctx.store.add("weight_sync/colocated/opened", 1) >= len(self.reading) \
+                and self.path is not None:
+            _remove(self.path)  # every explorer (and vLLM worker) has the file mapped: its name can go
         self.version = version
         self.timeline.record("sync", start, time.time(), step=step, version=version, **self._checked())
         return start
