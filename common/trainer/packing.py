@@ -31,4 +31,4 @@ def micro_batches(idx: torch.Tensor, lengths: torch.Tensor, micro_batch_size: in
 
 def batch_micro_batches(batch, micro_batch_size: int, max_tokens: int = 0) -> list[torch.Tensor]:
     """`micro_batches` over a whole rollout batch (reference / proximal log-probs, critic values)."""
-    return micro_batches(torch.arange(len(batch)), batch.attention_mask.sum(-1), micro_batch_size, max_tokens)
+    return micro_batches(torch.arange(len(batch)), batch.attention_mask.sum(-1).cpu(), micro_batch_size, max_tokens)

@@ -50,11 +50,11 @@ class DataParallel:
         dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
         return box[0]
 
-    def sum_scalar(self, value: float) -> float:
-        """`value` summed over the trainers (for metrics such as the minibatch loss)."""
+    def sum_scalar(self, value):
+        """`value` (a float or a 0-d tensor) summed over the trainers (for metrics such as the minibatch loss)."""
         if not self.enabled:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = torch.as_tensor(value, dtype=torch.float64).reshape(1).to(self.device)
         dist.all_reduce(t, group=self.group)
         return t.item()
 

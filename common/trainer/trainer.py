@@ -74,7 +74,7 @@ class Trainer:
             return {**self.skip_step(), **filtered}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
         ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list] = {}  # metric -> a value per micro-batch (floats, or device tensors: `step_means`)
         rewards = batch.rewards  # [B], or [B, T] per token once the KL is subtracted from the reward
         if ref_logprobs is not None and args.kl_mode == "reward":
             kl = kl_estimate(batch.old_logprobs, ref_logprobs, args.kl_estimator) * batch.response_mask
@@ -124,7 +124,7 @@ class Trainer:
             self.ref_model.load_state_dict(self.model.state_dict())  # sharded: shard to shard, same layout
             stats["ref_reset"] = [1.0]
         out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **filtered}  # a step without an update
-        out.update({k: float(np.mean(v)) for k, v in stats.items()})
+        out.update(step_means(stats))
         if self.critic is not None:
             out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
         out["response/tokens_mean"] = batch.response_mask.sum().item() / n
@@ -165,7 +165,7 @@ class Trainer:
         idx = idx[torch.argsort(batch.group_ids[idx].cpu(), stable=True)]
         local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
         total = 0.0
-        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
+        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1).cpu(), args.micro_batch_size,
                                                      args.max_tokens_per_micro_batch)):
             if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
                 (sequence_logprobs(self.model, batch.input_ids[:1], batch.attention_mask[:1],
@@ -183,7 +183,7 @@ class Trainer:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap,
                                             mb.response_mask)
-                stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask).item())
+                stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask))
             loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, advantages[mb_idx], mb.response_mask, weights,
                                                          minibatch_tokens, len(idx)), **self.loss_kwargs)
             token_share = lambda x: (x * mb.response_mask).sum() / minibatch_tokens  # noqa: E731
@@ -191,20 +191,20 @@ class Trainer:
             if ref_logprobs is not None:
                 kl = kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator)
                 loss = loss + args.kl_coef * token_share(kl)
-                stats.setdefault("kl", []).append(masked_mean(kl, mb.response_mask).item())
+                stats.setdefault("kl", []).append(masked_mean(kl, mb.response_mask).detach())
             if loss.requires_grad:  # --freeze language: a micro-batch without images has nothing to train
                 loss.backward()
-            total += loss.item()
-            with torch.no_grad():
+            total = total + loss.detach()
+            with torch.no_grad():  # kept on the device: read once per step (no host sync per micro-batch)
                 for k, v in algo_stats.items():
-                    stats.setdefault(k, []).append(float(v))
-                stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask).item())
+                    stats.setdefault(k, []).append(v.detach() if torch.is_tensor(v) else float(v))
+                stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask))
                 ratio = torch.exp(logprobs - mb.old_logprobs)
-                stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask).item())
+                stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask))
         stats.setdefault("loss", []).append(self.dp.sum_scalar(total))  # the minibatch's loss, all trainers
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("grad_norm", []).append(full_tensor(grad_norm).item())
+        stats.setdefault("grad_norm", []).append(full_tensor(grad_norm).detach())
         self.optimizer.step()
 
     @torch.no_grad()
@@ -221,6 +221,22 @@ class Trainer:
         them), or with LoRA the base weights with the adapters merged in."""
         named = merged_named_weights(self.model) if self.args.lora_rank else self.model.named_parameters()
         return [(n, t) for n, t in named if not is_frozen(n, self.args.freeze)]  # --freeze: the explorers have them
+
+
+def step_means(stats: dict[str, list]) -> dict[str, float]:
+    """Each metric's mean over the step: the device tensors among the values come to the host in one transfer per
+    device, so the hot loop never waits for the GPU to report a number."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for values in stats.values():
+        for v in values:
+            if torch.is_tensor(v):
+                by_device.setdefault(v.device, []).append(v)
+    host = {}
+    for tensors in by_device.values():
+        for t, x in zip(tensors, torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()):
+            host[id(t)] = x
+    return {k: float(np.mean([host[id(v)] if torch.is_tensor(v) else v for v in values]))
+            for k, values in stats.items()}
 
 
 def resolve_algo(args):
