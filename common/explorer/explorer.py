@@ -234,6 +234,12 @@ class Explorer:
         generated = {"tokens": self.in_flight.tokens - self.batch_tokens, "tasks": self.task_counts}
         experiences, metrics = self._package(groups, [r for _, scores, _ in taken for r in scores], generated,
                                              seconds, reward_s)
+        if self.args.rollout_token_budget:  # streamed partial rollouts: a response's segments follow each other
+            responses = [r for g in groups for r in g.responses]
+            metrics.update({"rollout/partial_continued": sum(max(r.segments - 1, 0) for r in responses),
+                            "rollout/partial_saved": len(self.in_flight.unfinished()),
+                            "rollout/partial_finished": sum(r.segments > 1 for r in responses),
+                            "rollout/groups_finished": n})
         metrics["rollout/groups_in_flight"] = sum(self.groups_seen) / max(len(self.groups_seen), 1)
         metrics["rollout/engine_busy_frac"] = (self.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
         positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.used
