@@ -14,14 +14,18 @@ from common.tasks.stream import mark_trained
 
 
 class Sleepy(Env):
-    """One turn; the two episodes started first (the group of stream position 0) wait in their step until the test
-    releases them (a slow tool)."""
+    """One turn; the two episodes started first (the group of stream position 0) wait in their reset and their step
+    until the test releases them (a slow environment)."""
     started = 0
     release = threading.Event()
+    lock = threading.Lock()  # resets run in the environment pool's threads
 
     def reset(self, task):
-        type(self).started += 1
-        self.slow = type(self).started <= 2
+        with type(self).lock:
+            type(self).started += 1
+            self.slow = type(self).started <= 2
+        if self.slow:  # a slow start too: the streaming explorer does not wait for it
+            assert type(self).release.wait(timeout=120), "the test never released the slow reset"
         return [{"role": "user", "content": "Say a word."}]
 
     def step(self, action):

@@ -195,12 +195,18 @@ class MultiTurn(Workflow):
 
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
+        self.group = Group(task, group_id, [])
+        self._resets: list = []
         if ctx.env_pool is None:
-            episodes = [self._start(task) for _ in range(n)]
-        else:  # the n resets at once in the environment pool (each bounded: reset, then close if it fails)
-            started = [ctx.env_pool.submit(self._start, task) for _ in range(n)]
-            episodes = [f.result(timeout=2 * ctx.env_step_timeout_s + 60) for f in started]
-        self.group = Group(task, group_id, episodes)
+            self.group.responses = [self._start(task) for _ in range(n)]
+        else:  # the n resets at once in the environment pool (each bounded: reset, then close if it fails); nobody
+            # waits for them: the group's first turns join the engine once all are done (`starting`)
+            self._resets = [ctx.env_pool.submit(self._start, task) for _ in range(n)]
+
+    def starting(self) -> bool:
+        if self._resets and all(f.done() for f in self._resets):
+            self.group.responses, self._resets = [f.result() for f in self._resets], []
+        return bool(self._resets)
 
     def _start(self, task: dict) -> Episode:
         """A new episode: its environment built and reset (under --env-step-timeout-s), its first prompt rendered;

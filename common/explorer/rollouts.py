@@ -181,6 +181,12 @@ class Rollouts:
                 if between_steps is not None:
                     between_steps()
             return {"continued": continued, "engine_calls": 1, "tokens": self.tokens - tokens}
+        deadline = time.monotonic() + self.step_bound_s
+        while any(w.starting() for w in self._new):  # a round starts with every environment reset
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"explorer: waited {self.step_bound_s:g}s (twice --env-step-timeout-s, and 60 s) "
+                                   "for environment resets")
+            time.sleep(0.005)
         self._new = []
         hook = {"between_steps": between_steps} if between_steps is not None else {}
         calls = 0
@@ -217,14 +223,16 @@ class Rollouts:
         environment to answer (the only wait here). An engine without `step` (HF generate: no continuous batching)
         makes one batched call over every request ready now, to its end. `stepwise`: the engine reports each
         token's weights version (weights may change between steps)."""
-        for workflow in self._new:
+        for workflow in [w for w in self._new if not w.starting()]:  # set up (multi_turn: environments reset)
             self._ready += [(workflow, *request) for request in workflow.requests()]
-        self._new = []
+            self._new.remove(workflow)
         stepping = hasattr(engine, "step")
         busy = bool(self._ready) or stepping and engine.running(self) > 0
         if self._stepping:  # a quick environment step rejoins at once; an idle engine waits for one
             newest = max(t for *_, t in self._stepping.values())
             self._collect(max(0.0, newest + STEP_GRACE_S - time.monotonic()) if busy else wait_s)
+        elif not busy and self._new:  # nothing to decode but resets in the pool: do not spin
+            time.sleep(min(wait_s, 0.005))
         turn = dataclasses.replace(sampling, n=1)
         if stepping:
             for workflow, sample, ids, cap in self._ready:

@@ -68,8 +68,13 @@ class Workflow(ABC):
     def receive(self, sample: Sample, generation, version: int) -> int:
         """Append one generation (common.explorer.engine.Generation) to `sample`; the sampled tokens kept."""
 
+    def starting(self) -> bool:
+        """Whether the group's samples are still being set up elsewhere (multi_turn: environment resets in the
+        pool); its first requests come once this is False, and the runner does not wait for it meanwhile."""
+        return False
+
     def finished(self) -> bool:
-        return all(s.finish_reason for s in self.group.responses)
+        return not self.starting() and all(s.finish_reason for s in self.group.responses)
 
 
 @dataclass
