@@ -208,6 +208,8 @@ class Explorer:
             flat = [(group, r) for r in group.responses]
             self.scoring.append((group, ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward,
                                                     bool(self.args.reward_fn))))
+        if not self.in_flight.workflows and self.scoring and not any(f.done() for _, f in self.scoring):
+            time.sleep(0.005)  # nothing to generate, every group with the verifiers: do not spin
         for group, future in [gf for gf in self.scoring if gf[1].done()]:
             self.scoring.remove((group, future))
             self.scored.append((group, future.result(timeout=self.args.timeout_s), future))
