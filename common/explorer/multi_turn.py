@@ -195,24 +195,28 @@ class MultiTurn(Workflow):
 
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
-        self.group = Group(task, group_id, [])
+        renderer = ctx.renderer
+        self.group = Group(task, group_id, [Episode(prompt_ids=renderer.ids(renderer.glue_text)[:1] or [0],
+                                                    timeout_s=ctx.env_step_timeout_s) for _ in range(n)])
         self._resets: list = []
         if ctx.env_pool is None:
-            self.group.responses = [self._start(task) for _ in range(n)]
+            for e in self.group.responses:
+                self._start(task, e)
         else:  # the n resets at once in the environment pool (each bounded: reset, then close if it fails); nobody
             # waits for them: the group's first turns join the engine once all are done (`starting`)
-            self._resets = [ctx.env_pool.submit(self._start, task) for _ in range(n)]
+            self._resets = [ctx.env_pool.submit(self._start, task, e) for e in self.group.responses]
 
     def starting(self) -> bool:
         if self._resets and all(f.done() for f in self._resets):
-            self.group.responses, self._resets = [f.result() for f in self._resets], []
+            for f in self._resets:
+                f.result()  # an exception here is a bug of ours (_start catches the environment's)
+            self._resets = []
         return bool(self._resets)
 
-    def _start(self, task: dict) -> Episode:
-        """A new episode: its environment built and reset (under --env-step-timeout-s), its first prompt rendered;
-        an episode that cannot start has no tokens to train (an empty response) and its reason counted."""
+    def _start(self, task: dict, e: Episode) -> None:
+        """Start episode `e`: its environment built and reset (under --env-step-timeout-s), its first prompt
+        rendered; an episode that cannot start has no tokens to train (an empty response) and its reason counted."""
         renderer = self.ctx.renderer
-        e = Episode(prompt_ids=renderer.ids(renderer.glue_text)[:1] or [0], timeout_s=self.ctx.env_step_timeout_s)
         try:
             e.env = make_env(task["env"], self.ctx.env_settings)
             e.worst_reward = float(e.env.worst_reward)
@@ -224,18 +228,17 @@ class MultiTurn(Workflow):
         except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
             e.error = f"reset: {type(exc).__name__}: {exc}"
             e._end("timeout" if isinstance(exc, EnvTimeout) else "error")
-            return e
+            return
         try:
             prompt = renderer.prompt_ids(messages, tools)
         except TemplateMismatch as exc:
             e.error = str(exc)
             e._end("template")
-            return e
+            return
         e.prompt_ids, e.messages, e.tools = prompt, list(messages), tools
         if len(prompt) >= self.ctx.episode_token_budget:  # files are checked at load (common/run.py); not built-ins
             e.error = f"first prompt has {len(prompt)} tokens, --episode-token-budget {self.ctx.episode_token_budget}"
             e._end("budget")
-        return e
 
     def _visible(self, text: str) -> str:
         """What the environment and the tool parser see of a turn: its text without the reasoning."""

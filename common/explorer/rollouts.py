@@ -176,7 +176,7 @@ class Rollouts:
         continued = sum(s.segments > 0 for s in self.unfinished())
         tokens = self.tokens
         if hasattr(engine, "step") and not self.ctx.token_budget:
-            while any(not w.finished() for w in self.workflows):
+            while self._stepping or any(not w.finished() for w in self.workflows):
                 self.step(engine, sampling, version, stepwise=between_steps is not None)
                 if between_steps is not None:
                     between_steps()
@@ -306,10 +306,12 @@ class Rollouts:
             self._pool, self._pool_ctx = None, None
 
     def pop_finished(self) -> list:
-        """The groups whose samples have all ended (removed from here), oldest first."""
-        done = [w.group for w in self.workflows if w.finished()]
-        self.workflows = [w for w in self.workflows if not w.finished()]
-        return done
+        """The groups whose samples have all ended and whose last environment call returned (removed from here),
+        oldest first."""
+        stepping = {id(w) for w, *_ in self._stepping.values()}  # a receive still running (closing its env)
+        done = [w for w in self.workflows if w.finished() and id(w) not in stepping]
+        self.workflows = [w for w in self.workflows if w not in done]
+        return [w.group for w in done]
 
 
 # ---------------------------------------------------------------------------------------------- rewards
