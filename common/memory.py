@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from common.knobs import ConfigError
 
 GIB = 2**30
-CPU_PROCESS_BYTES = int(0.8 * GIB)   # a worker's interpreter with torch + transformers imported (measured ~0.7 GiB)
+CPU_PROCESS_BYTES = int(0.5 * GIB)   # a worker's interpreter with torch + transformers imported (measured ~0.45 GiB)
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + cuBLAS workspace of a process on a GPU
-SLACK = 1.10                         # allocator fragmentation and what the accounting leaves out
+SLACK = 1.10                         # on activations: allocator fragmentation and what the accounting leaves out
 
 
 @dataclass
@@ -133,7 +133,7 @@ class TrainerEstimate:
 
     @property
     def peak(self) -> float:
-        return SLACK * (self.states + self.activations) + self.process
+        return self.states + SLACK * self.activations + self.process
 
 
 def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, trained_tokens: int,
@@ -282,7 +282,7 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
     if peak(size, ckpt) <= budget:
         return []
     states = trainer_estimate(shape, args, device_type, 0, 0, True, critic)
-    if SLACK * states.states + states.process > budget:  # weights, gradients and optimizer state alone
+    if states.states + states.process > budget:  # weights, gradients and optimizer state alone
         fixes = []
         if args.trainer_shard != "fsdp" and not args.lora_rank:
             fixes += ["--trainer-shard fsdp over more --trainer-devices", "--lora-rank 16"]
@@ -294,7 +294,7 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
             fixes.append("the explorers on another device")
         raise ConfigError(f"--model {args.model} does not fit a trainer on {key}: weights, gradients and AdamW "
                           f"state of {shape.params / 1e9:.2f} B parameters in {args.dtype} need "
-                          f"{gib(SLACK * states.states + states.process)} and {_where(key, free, explorers)}: use "
+                          f"{gib(states.states + states.process)} and {_where(key, free, explorers)}: use "
                           f"{' or '.join(fixes) or 'a device with more memory'}")
     notes = []
     if not ckpt and "gradient_checkpointing" not in given:
