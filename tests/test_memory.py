@@ -128,3 +128,28 @@ def test_packed_activations_grow_linearly_with_tokens():
     sizes = {rows: _saved_bytes(model, rows, 128) for rows in (4, 8, 16)}
     assert sizes[16] - sizes[8] == pytest.approx(2 * (sizes[8] - sizes[4]), rel=0.02), sizes
     assert sizes[16] / sizes[4] < 4.2, sizes
+
+
+def test_packed_gradients_equal_padded_with_gradient_checkpointing():
+    """The per-sequence attention of a packed micro-batch also holds where checkpointing recomputes each layer in
+    the backward (outside the forward's call): same log-probs and gradients as padded rows."""
+    from common.model import load_model, sequence_logprobs
+
+    model = load_model("tiny")
+    model.config.use_cache = False
+    ids = torch.randint(0, model.config.vocab_size, (3, 40))
+    attention = torch.ones_like(ids)
+    attention[0, 30:] = 0
+    attention[2, 12:] = 0
+
+    def run(packed: bool):
+        model.zero_grad()
+        logprobs = sequence_logprobs(model, ids, attention, packed=packed)
+        logprobs.sum().backward()
+        return logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    padded = run(False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    packed = run(True)
+    assert torch.allclose(packed[0], padded[0], atol=1e-5)
+    assert torch.allclose(packed[1], padded[1], atol=1e-5)
