@@ -208,11 +208,12 @@ def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
 
 
 def worker_devices(args) -> tuple[list[str], list[str]]:
-    """The device of every trainer and explorer, bare `cuda` resolved as the launcher does (the rank's own GPU)."""
-    from common.runtime.launcher import plan_world
+    """The device of every trainer and explorer, bare `cuda` resolved as the launcher does on one node (the rank's
+    own GPU, modulo the GPUs there)."""
+    from common.runtime.launcher import plan_world, rank_device
 
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
-    devices = [w.device if w.device != "cuda" else f"cuda:{rank}" for rank, w in enumerate(plan)]
+    devices = [rank_device(w.device, rank) for rank, w in enumerate(plan)]
     return devices[:len(args.trainer_device_list)], devices[len(args.trainer_device_list):]
 
 
