@@ -59,7 +59,8 @@ def test_experience_processors_by_hand():
     batch = [exp(1.0), exp(float("nan")), exp(float("inf")), exp(0.0, info={"failed": True}), exp(0.0, "length"),
              exp(0.5, group=1), exp(0.5, group=1)]
     kept, counts = process(batch, args(), build_processors())
-    assert counts == {"filter/invalid_dropped": 3, "filter/truncated_masked": 1, "filter/zero_signal_frac": 0.5}
+    assert counts == {"filter/invalid_dropped": 3, "filter/failed_dropped/verifier": 1,
+                      "filter/truncated_masked": 1, "filter/zero_signal_frac": 0.5}
     assert [e.reward for e in kept] == [1.0, 0.0] and [e.loss_mask for e in kept] == [[1, 1], [0, 0]]
     assert batch[4].loss_mask == [1, 1]  # the input is not modified
     kept, counts = process(batch, args(mask_truncated=False, drop_failed_rewards=False,
