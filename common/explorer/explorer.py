@@ -2,8 +2,13 @@
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
 Generation goes through the tasks' workflows (common/explorer/workflow.py: single_turn, or multi_turn for tasks that
-name an environment), all advanced together by `Rollouts`. Single-turn responses are partial rollouts
-(common/explorer/groups.py): with --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are continued in later steps (Kimi k1.5 partial rollouts).
+name an environment), all advanced together by `Rollouts`. Two ways to run them:
+- in rounds (`rollout`: train_sync.py, train_offpolicy.py): --tasks-per-step groups started and generated to their
+  end, then scored together. Single-turn responses are partial rollouts (common/explorer/groups.py): with
+  --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are
+  continued in later steps (Kimi k1.5 partial rollouts).
+- streaming (`start_groups`, `step`, `take_batch`: train_async.py): --inflight-groups held at once, a new group
+  started the moment one ends, each ended group scored at once, the first --tasks-per-step scored sent as a batch.
 """
 
 from __future__ import annotations
