@@ -48,7 +48,8 @@ def explorer(tmp_path):
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"id": f"t{i}", "env": "sleepy"}) + "\n" for i in range(12)))
     args = parse_args(Args, ["--model", "tiny", "--engine", "hf", "--taskset", str(data), "--eval-size", "1",
-                             "--tasks-per-step", "1", "--inflight-groups", "3", "--samples-per-task", "2",
+                             "--tasks-per-step", "1", "--inflight-groups", "3", "--max-staleness", "100",
+                             "--samples-per-task", "2",
                              "--max-new-tokens", "4", "--max-turns", "1", "--minibatch-size", "2",
                              "--micro-batch-size", "2", "--num-threads", "1", "--out-dir", str(tmp_path)])
     built = []

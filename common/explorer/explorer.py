@@ -180,8 +180,11 @@ class Explorer:
         if self.batch_started is None:
             self.batch_started, self.batch_tokens, self.batch_busy = time.time(), self.in_flight.tokens, self.engine.busy_s
         # Scored groups not yet in the queue count too: while the queue is full the explorer does not run ahead,
-        # it would only make what it holds older.
-        while len(self.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups:
+        # it would only make what it holds older. And a group starts only while its stream position is less than
+        # (version + --max-staleness + 1) batches in (AReaL's admission rule): groups are trained roughly in stream
+        # order, so one started now is at most --max-staleness versions old when its batch is trained.
+        while len(self.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
+                and self.next_position() < (self.version + args.max_staleness + 1) * args.tasks_per_step:
             if not self.drawn:
                 start = self.train_tasks.position
                 tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
@@ -197,6 +200,10 @@ class Explorer:
             self.in_flight.start(kept[0], self.next_group, args.samples_per_task)
             self.position_of[self.next_group] = (position, time.time())
             self.next_group += 1
+
+    def next_position(self) -> int:
+        """The task stream position of the next group to start."""
+        return self.drawn[0][0] if self.drawn else self.train_tasks.position
 
     def step(self) -> None:
         """One engine step over every group in flight (Rollouts.step: waits only while no request is ready,
