@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common.runtime.metrics import read_metrics  # noqa: E402
 
 SIZE_SHAPE = "qwen2.5-1.5b"  # bench/train_step.py SHAPES: a public config's shape, random weights, no hub
 # The train-step benchmark (module, function) in this folder: measure(model, device, dtype, tokens, ...) -> dict
@@ -102,14 +103,6 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
     return checks
 
 
-def read_rows(out_dir: str) -> list[dict]:
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def last_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
@@ -133,7 +126,7 @@ def run_check(check: Check, work: str, logs: str) -> dict:
     seconds = time.time() - start
     with open(log, "w") as f:
         f.write(" ".join(argv) + "\n\n" + text)
-    rows = read_rows(out_dir)
+    rows = read_metrics(out_dir)
     trained = any(r.get("loss", 0) != 0 and r.get("grad_norm", 0) > 0 for r in rows)
     if rc is None:
         return {"verdict": "FAILED", "seconds": seconds, "detail": f"timed out after {check.timeout_s:.0f}s (log: {log})"}
@@ -287,7 +280,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             text, rc = (e.stderr or b"").decode(errors="replace"), None
         with open(log, "w") as f:
             f.write(" ".join(argv) + "\n\n" + text)
-        metrics = read_rows(out_dir)[1:]  # the first step warms up
+        metrics = read_metrics(out_dir)[1:]  # the first step warms up
         if rc != 0 or not metrics:
             rows.append((f"train_sync.py --sync-method {method}", "FAILED",
                          "timed out" if rc is None else f"{last_error(text)} (log: {log})"))
