@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common.envs import ENVS, Env, StepResult  # noqa: E402
-from common.runtime.metrics import read_timeline  # noqa: E402
+from common.runtime.metrics import read_metrics, read_timeline  # noqa: E402
 
 TOOL_LATENCY_S = 0.0
 
@@ -155,7 +155,7 @@ def longtail(opts):
 
 
 def summarize(out: str) -> dict:
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = read_metrics(out)
     events = read_timeline(out)
     explorer = [e for e in events if e["process"].startswith("explorer")]
     wall = max(e["end"] for e in explorer) - min(e["start"] for e in explorer)
