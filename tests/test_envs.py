@@ -216,7 +216,9 @@ def test_readme_worked_example_env_runs(tmp_path, monkeypatch):
     from tests.conftest import ROOT
 
     readme = open(os.path.join(ROOT, "docs", "USAGE.md")).read()
-    code = re.search(r"```python\n# common/envs/countdown.py\n(.*?)```", readme, re.DOTALL).group(1)
+    block = re.search(r"```python\n# a new file in common/envs/ \(countdown\.py\)\n(.*?)```", readme, re.DOTALL)
+    assert block, "the example environment's code block is missing from docs/USAGE.md"
+    code = block.group(1)
     line = re.search(r'"countdown": "common\.envs\.countdown:Countdown"', readme)
     assert line, "the registry line of the example is missing from docs/USAGE.md"
     (tmp_path / "countdown_example.py").write_text(code)
