@@ -516,15 +516,16 @@ class Sleepy(Env):
 Sleepy.closed = []  # when each episode ended (close runs the moment it ends, in whichever thread stepped it)
 
 
-def timed_episodes(engine, tok, env_workers: int):
-    """One episode whose every step takes 3 s beside three instant ones, 3 turns each, through the vLLM engine
-    loop: (seconds until the three fast episodes had all ended, their sampled tokens, the whole run's seconds)."""
+def timed_episodes(engine, tok, env_workers: int, slow_s: float = 3.0):
+    """One episode whose every step takes `slow_s` (3 s) beside three instant ones, 3 turns each, through the vLLM
+    engine loop: (seconds until the three fast episodes had all ended, their sampled tokens, the whole run's
+    seconds)."""
     from common.explorer.rollouts import Rollouts
 
     ctx = Context(tok, max_new_tokens=16, max_turns=3, episode_token_budget=400, env_workers=env_workers,
                   truncated_turns="continue")  # the random model seldom stops: its cut turns go on
     rollouts = Rollouts(ctx)
-    tasks = [{"id": "slow", "env": "sleepy", "prompt": "Count.", "sleep_s": 3.0}] + \
+    tasks = [{"id": "slow", "env": "sleepy", "prompt": "Count.", "sleep_s": slow_s}] + \
         [{"id": f"fast{i}", "env": "sleepy", "prompt": f"Count to {i}."} for i in range(3)]
     for i, task in enumerate(tasks):
         rollouts.start(task, i, 1)
@@ -553,7 +554,7 @@ def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(monkeypatch, tmp_
     engine = VLLMEngine(save_servable_tiny(str(tmp_path)), tokenizer=tok, dtype="float32", kv_cache_gb=0.25,
                         max_model_len=512)
     try:
-        timed_episodes(engine, tok, 4)  # warm-up
+        timed_episodes(engine, tok, 4, slow_s=0.0)  # warm-up: the same engine calls, no 3 x 3 s to sit out
         pool_s, pool_tokens, pool_total = timed_episodes(engine, tok, 4)
         inline_s, inline_tokens, inline_total = timed_episodes(engine, tok, 0)
     finally:

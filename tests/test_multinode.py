@@ -216,7 +216,9 @@ def test_checkpoint_sync_needs_a_folder_every_node_sees(tmp_path):
     the trainer's folder, and says so in one line before any model loads."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     port = _port()
-    args = [*TINY, "--steps", "2", "--out-dir", "run", "--sync-method", "checkpoint"]
+    # --peer-timeout-s 3: the trainer's node learns that its peer stopped from the liveness watch; the default 15 s
+    # would only be waited out.
+    args = [*TINY, "--steps", "2", "--out-dir", "run", "--sync-method", "checkpoint", "--peer-timeout-s", "3"]
     _, err1 = finish(node(0, 2, 1, port, "train_sync.py", *args, cwd=tmp_path / "a"),
                      node(1, 2, 1, port, "train_sync.py", *args, cwd=tmp_path / "b"), timeout=120)
     lines = [line for line in err1.splitlines() if line.startswith("error: explorer0 on node")]
