@@ -30,15 +30,17 @@ def _leftovers(out) -> list[str]:
     return [os.path.join(root, d) for root, dirs, _ in os.walk(out) for d in dirs if d.startswith(".tmp-")]
 
 
-def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path):
-    """kill -9 of the trainer after step 3 (last checkpoint: step 2); `--out-dir X --resume` alone continues with
-    the saved config; metrics.jsonl and W&B then hold steps 1..5 once each, the redone ones marked resumed. Then the
-    newest checkpoint is truncated: the next --resume falls back to the previous one with a one-line warning."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """One run, two tests' evidence: 5 steps, checkpoints every 2, W&B offline, the trainer killed with SIGKILL after
+    step 3; with --stall-log-s 0.1 its wait for the explorer's first batch (64 new tokens a response: longer than
+    0.1 s on any machine) is logged. (out_dir, env, exit code, stderr, what was left 5 s after the kill)."""
+    out = tmp_path_factory.mktemp("kill9") / "run"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env["PYTHONPATH"] = ROOT
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_sync.py"), *TINY, "--steps", "5",
-                             "--checkpoint-every", "2", "--out-dir", str(out), "--track"],
+                             "--checkpoint-every", "2", "--out-dir", str(out), "--track", "--stall-log-s", "0.1",
+                             "--max-new-tokens", "64"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         trainer = worker_pid(proc.pid, 0)
@@ -50,8 +52,16 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode != 0, err[-2000:]
-    assert not left_of(tree, timeout=5)
+    return out, env, proc.returncode, err, left_of(tree, timeout=5)
+
+
+def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(killed_run):
+    """kill -9 of the trainer after step 3 (last checkpoint: step 2); `--out-dir X --resume` alone continues with
+    the saved config; metrics.jsonl and W&B then hold steps 1..5 once each, the redone ones marked resumed. Then the
+    newest checkpoint is truncated: the next --resume falls back to the previous one with a one-line warning."""
+    out, env, returncode, err, left = killed_run
+    assert returncode != 0, err[-2000:]
+    assert not left
     before = _steps(out)
     assert before[:3] == [1, 2, 3]
     last_checkpoint = max(s for s, _ in step_checkpoints(str(out)))
@@ -189,13 +199,9 @@ def test_resume_reads_saved_config_and_refuses_frozen_changes(tmp_path):
     assert "another schedule (async" in str(e.value.code)
 
 
-def test_trainer_says_which_explorer_it_waits_for(tmp_path):
-    """End to end: with --stall-log-s 0.1 the trainer's wait for the explorer's first batch (64 new tokens a
-    response: longer than 0.1 s on any machine) is logged."""
-    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.1", "--max-new-tokens", "64",
-                      "--out-dir",
-                      str(tmp_path / "run"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stalls = [line for line in proc.stderr.splitlines() if "no experience for" in line]
-    assert stalls and all("waiting for explorer0" in s and "--timeout-s 900" in s for s in stalls), proc.stderr[-2000:]
+def test_trainer_says_which_explorer_it_waits_for(killed_run):
+    """End to end: with --stall-log-s 0.1 the trainer's wait for the explorer's first batch is logged, naming it."""
+    err = killed_run[3]
+    stalls = [line for line in err.splitlines() if "no experience for" in line]
+    assert stalls and all("waiting for explorer0" in s and "--timeout-s 900" in s for s in stalls), err[-2000:]
     assert "trainer0 at step 0" in stalls[0] and "explorer0: no batch yet" in stalls[0]
