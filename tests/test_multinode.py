@@ -205,7 +205,7 @@ def test_node_that_never_joins_is_one_line_within_the_rendezvous_timeout(tmp_pat
     port = _port()
     start = time.time()
     proc = node(0, 2, 1, port, "train_sync.py", *TINY, "--steps", "1", "--out-dir", str(tmp_path / "run"),
-                torchrun=["--rdzv-conf", "timeout=5"])
+                torchrun=["--rdzv-conf", "timeout=2"])
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and time.time() - start < 60
     assert "1/2 clients joined" in err or "Timed out" in err, err[-2000:]
