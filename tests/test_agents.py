@@ -499,14 +499,17 @@ def trajectory_ascii_share(response: str, task: dict) -> float:
 
 
 class Sleepy(Env):
-    """Every step sleeps the task's "sleep_s" (a slow tool) and answers; never done (runs to --max-turns)."""
+    """Each of its first "slow_steps" steps (default: every step) sleeps the task's "sleep_s" (a slow tool), and
+    answers; never done (runs to --max-turns)."""
 
     def reset(self, task):
-        self.sleep_s = float(task.get("sleep_s", 0))
+        self.sleep_s, self.slow_steps = float(task.get("sleep_s", 0)), task.get("slow_steps", 1 << 30)
         return [{"role": "user", "content": task["prompt"]}]
 
     def step(self, action):
-        time.sleep(self.sleep_s)
+        if self.slow_steps > 0:
+            self.slow_steps -= 1
+            time.sleep(self.sleep_s)
         return StepResult([{"role": "user", "content": "Go on."}], 0.0, False, {})
 
     def close(self):
@@ -516,16 +519,17 @@ class Sleepy(Env):
 Sleepy.closed = []  # when each episode ended (close runs the moment it ends, in whichever thread stepped it)
 
 
-def timed_episodes(engine, tok, env_workers: int, slow_s: float = 3.0):
-    """One episode whose every step takes `slow_s` (3 s) beside three instant ones, 3 turns each, through the vLLM
-    engine loop: (seconds until the three fast episodes had all ended, their sampled tokens, the whole run's
-    seconds)."""
+def timed_episodes(engine, tok, env_workers: int, slow_s: float = 3.0, slow_steps: int = 3):
+    """One episode whose first `slow_steps` steps (all 3) take `slow_s` (3 s) each beside three instant episodes, 3
+    turns each, through the vLLM engine loop: (seconds until the three fast episodes had all ended, their sampled
+    tokens, the whole run's seconds)."""
     from common.explorer.rollouts import Rollouts
 
     ctx = Context(tok, max_new_tokens=16, max_turns=3, episode_token_budget=400, env_workers=env_workers,
                   truncated_turns="continue")  # the random model seldom stops: its cut turns go on
     rollouts = Rollouts(ctx)
-    tasks = [{"id": "slow", "env": "sleepy", "prompt": "Count.", "sleep_s": slow_s}] + \
+    tasks = [{"id": "slow", "env": "sleepy", "prompt": "Count.", "sleep_s": slow_s,
+              "slow_steps": slow_steps}] + \
         [{"id": f"fast{i}", "env": "sleepy", "prompt": f"Count to {i}."} for i in range(3)]
     for i, task in enumerate(tasks):
         rollouts.start(task, i, 1)
@@ -556,7 +560,9 @@ def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(monkeypatch, tmp_
     try:
         timed_episodes(engine, tok, 4, slow_s=0.0)  # warm-up: the same engine calls, no 3 x 3 s to sit out
         pool_s, pool_tokens, pool_total = timed_episodes(engine, tok, 4)
-        inline_s, inline_tokens, inline_total = timed_episodes(engine, tok, 0)
+        # Inline, the slow episode's first step alone holds the fast ones past 3 s: its later steps would only be
+        # sat out.
+        inline_s, inline_tokens, inline_total = timed_episodes(engine, tok, 0, slow_steps=1)
     finally:
         engine.close()
     print(f"fast episodes: pool {pool_tokens / pool_s:.0f} tokens/s (ended after {pool_s:.2f}s of {pool_total:.1f}s), "
