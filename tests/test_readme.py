@@ -176,13 +176,17 @@ def test_every_running_command_works_in_a_fresh_clone(tmp_path):
             same[shlex.join(c)] = shlex.join(commands[twin])
             continue
         jobs.append((i, c))
-    first = [(i, c) for i, c in jobs if "--resume" not in c]
-    then = [(i, c) for i, c in jobs if "--resume" in c]  # after the run they continue
+    # A --resume command runs right after the run it continues, in the same thread; those chains start first. Three
+    # at a time: a tiny run keeps about half a core busy (its processes wait for each other).
+    then = [(i, c) for i, c in jobs if "--resume" in c]
+    chains = [[(i, c), *[(k, e) for k, e in then if small_run(e, k)[1] == small_run(c, i)[1]]]
+              for i, c in jobs if "--resume" not in c]
+    chains += [[job] for job in then if not any(job in chain for chain in chains)]
+    chains.sort(key=len, reverse=True)
     results = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        for batch in (first, then):
-            for (i, c), result in zip(batch, pool.map(lambda job: run(*job), batch)):
-                results[i] = result
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        for chain, chain_results in zip(chains, pool.map(lambda chain: [run(*job) for job in chain], chains)):
+            results.update({i: result for (i, _), result in zip(chain, chain_results)})
     failures, checked = [], set()
     for i, words in reversed(jobs):  # a run continued by --resume is checked once, after its last command
         script, proc, seconds = results[i]
