@@ -8,6 +8,7 @@ episodes' decoding (vLLM); grpo_turn and --in-turn-tools each train 2 tiny steps
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -468,9 +469,17 @@ def test_grpo_turn_and_in_turn_tools_each_train_two_steps(tmp_path):
               "continue"]  # the random model seldom stops: its cut turns go on
     # --format-reward: guess_number says per turn whether the reply held a number (format_ok), so the random tiny
     # model's episodes differ in reward and the turn-level advantages carry a signal (zero-signal groups dropped).
-    turn = run_script("train_sync.py", *common, "--taskset", "guess_number", "--algo", "grpo_turn", "--gamma", "0.9",
-                      "--format-reward", "1", "--chat-template", str(template), "--log-samples-every", "1",
-                      "--out-dir", str(tmp_path / "turn"))
+    # The random tiny model never solves calculator's problems: --reward-fn scores each episode by the share of
+    # ASCII in what it wrote, which differs within a group, so the policy gradient has a signal to train on.
+    # Both runs at once: a tiny run keeps about half a core busy.
+    with ThreadPoolExecutor(2) as pool:
+        turn = pool.submit(run_script, "train_sync.py", *common, "--taskset", "guess_number", "--algo", "grpo_turn",
+                           "--gamma", "0.9", "--format-reward", "1", "--chat-template", str(template),
+                           "--log-samples-every", "1", "--out-dir", str(tmp_path / "turn"))
+        inturn = pool.submit(run_script, "train_sync.py", *common, "--taskset", "calculator", "--in-turn-tools",
+                             "--reward-fn", "tests.test_agents:trajectory_ascii_share", "--episode-token-budget",
+                             "900", "--out-dir", str(tmp_path / "inturn"))
+        turn, inturn = turn.result(), inturn.result()
     assert turn.returncode == 0, turn.stderr[-3000:]
     rows = assert_trained(tmp_path / "turn", steps=2)
     assert all(r["rollout/turns_mean"] > 1 and not r.get("rollout/end/template") for r in rows)
@@ -479,11 +488,6 @@ def test_grpo_turn_and_in_turn_tools_each_train_two_steps(tmp_path):
 
     sample = json.loads(open(tmp_path / "turn" / "samples.jsonl").readline())
     assert {"turns", "loss_mask_spans", "turn_rewards", "end_reason"} <= set(sample)
-    # The random tiny model never solves calculator's problems: --reward-fn scores each episode by the share of
-    # ASCII in what it wrote, which differs within a group, so the policy gradient has a signal to train on.
-    inturn = run_script("train_sync.py", *common, "--taskset", "calculator", "--in-turn-tools",
-                        "--reward-fn", "tests.test_agents:trajectory_ascii_share", "--episode-token-budget", "900",
-                        "--out-dir", str(tmp_path / "inturn"))
     assert inturn.returncode == 0, inturn.stderr[-3000:]
     assert_trained(tmp_path / "inturn", steps=2)
     bad = run_script("train_sync.py", *common, "--taskset", "guess_number", "--chat-template", str(tmp_path / "no"),

@@ -2,6 +2,7 @@
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,9 +32,12 @@ def _final_weights(out_dir):
 
 def test_two_trainers_stay_identical_and_match_one_trainer(run, tmp_path):
     common = [*TINY, "--steps", "3", "--verify-sync", "--checkpoint-every", "0"]
-    dp = run("train_sync.py", *common, "--trainer-devices", "cpu,cpu", "--out-dir", str(tmp_path / "dp"), timeout=240)
+    with ThreadPoolExecutor(2) as pool:  # at once: a tiny run keeps about half a core busy
+        dp = pool.submit(run, "train_sync.py", *common, "--trainer-devices", "cpu,cpu", "--out-dir",
+                         str(tmp_path / "dp"), timeout=240)
+        single = pool.submit(run, "train_sync.py", *common, "--out-dir", str(tmp_path / "one"), timeout=240)
+        dp, single = dp.result(), single.result()
     assert dp.returncode == 0, dp.stderr[-2000:]
-    single = run("train_sync.py", *common, "--out-dir", str(tmp_path / "one"), timeout=240)
     assert single.returncode == 0, single.stderr[-2000:]
     dp_rows = assert_trained(tmp_path / "dp", steps=3)
     assert_trained(tmp_path / "one", steps=3)
