@@ -1,7 +1,8 @@
 """vLLM rollout engine (`--engine vllm`): generation in vLLM, weight sync into the running vLLM model.
 
 Process layout. vLLM's V1 engine core runs in its own child process (vLLM's default,
-VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world.
+VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world; on
+CPU its worker is forked from it (common/explorer/vllm_worker.py, TandemExecutor).
 The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) writes
 into `weight_buffers()`, then `commit_weights` tells the vLLM worker to load them. An in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its parallel groups from
@@ -47,7 +48,8 @@ from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, d
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.model import DTYPES
 
-# The engine core child must not be forked from a process that runs gloo/NCCL threads.
+# The engine core child must not be forked from a process that runs gloo/NCCL threads (its own worker is forked on
+# CPU: common/explorer/vllm_worker.py, TandemExecutor).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 # vLLM's own logging: warnings and errors only (--verbose sets INFO before vLLM is imported; see common/config.py).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -113,6 +115,10 @@ class VLLMEngine(RolloutEngine):
             # kernels want multiples of 32): arith rollouts 1.35x, multi-turn 1.4x the tokens/s (bench/engines.py,
             # bench/multiturn.py --block-size).
             llm_kwargs.setdefault("block_size", 32)
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine
+                from common.explorer.vllm_worker import TandemExecutor  # core (vllm_worker.py: Process start)
+
+                llm_kwargs.setdefault("distributed_executor_backend", TandemExecutor)
         # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
         # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
         saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -327,15 +333,14 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         """Stop the engine core and remove the shared-memory file."""
         llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            try:
+        try:
+            if llm is not None:  # vLLM's own shutdown: an error there is raised, the shared file goes regardless
                 llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-        self._buffers = None
-        if self._shm_path and os.path.exists(self._shm_path):
-            os.unlink(self._shm_path)
-        self._shm_path = None
+        finally:
+            self._buffers = None
+            if self._shm_path and os.path.exists(self._shm_path):
+                os.unlink(self._shm_path)
+            self._shm_path = None
 
     def __del__(self):
         try:

@@ -19,6 +19,13 @@ matrix (exact: every output is one weight times 1 plus zeros).
 
 Arguments and results of the extension's methods are plain data (strings, numbers, lists), so they cross vLLM's
 engine-core process boundary; tensors travel through the shared-memory file or a checkpoint folder.
+
+Process start (CPU). `TandemExecutor` is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
+forked from the engine core, vLLM's own default there: the engine core has imported vLLM already, so the worker does
+not import it again (~4 CPU seconds per engine start), and a forked multiprocessing child ends with os._exit after
+vLLM's explicit shutdown instead of a spawned interpreter's finalization (full cyclic-GC scans of the ~670k objects
+importing vLLM leaves, which outlasted vLLM's 5 s grace on a loaded 2-core machine and made every `close` wait it).
+The engine core itself is still spawned: tandem's own process runs gloo threads and must not be forked.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import time
 
 import torch
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from common.buckets import flat_views, map_shared_file
 from common.explorer.vllm_logits import NormalizerProcessor
@@ -193,6 +201,17 @@ def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
         return False
     kind = type(module).__name__
     return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
+
+
+class TandemExecutor(MultiprocExecutor):
+    """vLLM's multiprocess executor whose worker is forked from the engine core (see the module docstring)."""
+
+    def _init_executor(self) -> None:
+        # The engine core inherited tandem's VLLM_WORKER_MULTIPROC_METHOD=spawn (common/explorer/engine_vllm.py),
+        # meant for the engine core only; this process has no gloo/NCCL threads, and vLLM forces spawn again where
+        # CUDA is initialised.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        super()._init_executor()
 
 
 class TandemWorkerExtension:
