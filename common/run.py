@@ -17,7 +17,8 @@ from common.config import ConfigError
 from common.explorer.engine import resolve_engine
 from common.preflight import check_tasks
 from common.tasks.hub import DatasetOptions
-from common.runtime.launcher import WorkerContext, join_world, launch_local, plan_world, run_worker, under_elastic
+from common.runtime.launcher import (WorkerContext, join_world, launch_local, plan_world, run_worker,
+                                     start_forkserver, under_elastic)
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
@@ -75,6 +76,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
     check_torch()
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
+        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # imports while prepare_run checks
         prepare_run(args, schedule)
         os.environ["TANDEM_ARGS"] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:

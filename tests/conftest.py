@@ -27,8 +27,9 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
 
 
 def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
-    """The pid of the run's rank `rank` (trainers first, then explorers) among `parent`'s children: torch elastic
-    starts each rank with RANK=<rank> in its environment."""
+    """The pid of the run's rank `rank` (trainers first, then explorers) under `parent`: torch elastic starts each
+    rank with RANK=<rank> in its environment; under `python train_X.py` on the CPU the ranks are the children of
+    the launcher's forkserver instead (rank order is start order: torch elastic starts them one after another)."""
     import time
 
     deadline = time.time() + timeout
@@ -40,6 +41,14 @@ def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
                         return int(pid)
             except OSError:
                 continue
+            if "multiprocessing.forkserver" in _command(int(pid)):
+                try:
+                    ranks = sorted(subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True).stdout
+                                   .split(), key=lambda p: (int(_stat(p)[19]), int(p)))
+                except OSError:  # one ended while we looked
+                    continue
+                if rank < len(ranks):
+                    return int(ranks[rank])
         time.sleep(0.1)
     raise AssertionError(f"no rank {rank} under {parent}")
 

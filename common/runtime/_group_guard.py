@@ -1,8 +1,10 @@
 """The guard of a worker's process group: SIGKILLs the group when its leader ends, then removes the shared-memory
 files the group had mapped (common/runtime/procs.py guard_group starts it).
 
-Run as `python -I -S _group_guard.py WORKER AGENT` by the worker, in the worker's process group: standard library
-only, nothing of the project or of site-packages imported (a guard must start fast and small on a loaded node).
+Run as `python -I -S _group_guard.py WORKER AGENT [FILE ...]` by the worker, in the worker's process group: standard
+library only, nothing of the project or of site-packages imported (a guard must start fast and small on a loaded
+node). The FILEs are the /dev/shm files the worker already mapped when it started the guard: not the group's but
+its starter's (a worker forked by the launcher's forkserver maps torch elastic's queues), so they are left alone.
 It waits until WORKER has ended (this process's parent changes: kill -9 included) or WORKER has lost its parent
 AGENT (the torch elastic agent, or `python train_X.py`, killed), then:
 - leaves the group, stops every process in it (SIGSTOP: none forks or maps anything more), reads which files under
@@ -70,7 +72,7 @@ def signal_group(group: int, sig: int) -> None:
         pass
 
 
-def main(worker: int, agent: int) -> None:
+def main(worker: int, agent: int, inherited: set[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # the agent stops the group with SIGTERM: wait for the worker to end
     group, proc = os.getpgid(0), os.path.isdir("/proc")
@@ -88,7 +90,7 @@ def main(worker: int, agent: int) -> None:
     for pid in members(group):
         files |= shared_files(pid)
     signal_group(group, signal.SIGKILL)
-    for path in files:
+    for path in files - inherited:
         try:
             os.unlink(path)
         except OSError:  # removed meanwhile, or not ours
@@ -96,4 +98,4 @@ def main(worker: int, agent: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), set(sys.argv[3:]))

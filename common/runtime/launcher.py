@@ -315,10 +315,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every worker imports (~3 CPU-s each on a fresh interpreter): the forkserver imports it once.
+FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer"]
+_forkserver_env: dict[str, str] | None = None  # this process's environment when the forkserver started
+
+
+def start_forkserver(devices: list[str]) -> bool:
+    """`python train_X.py` with every rank on the CPU of a machine without CUDA: start, now, a multiprocessing
+    forkserver that imports FORKSERVER_PRELOAD while this process runs the pre-flight checks; launch_local then
+    forks the workers from it instead of starting a fresh interpreter per worker (the run's start-up CPU time
+    halves on 2 workers). A placement with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never
+    be initialised before a fork, and importing transformers may call torch.cuda.is_available(), which initialises
+    the driver. Returns whether it started."""
+    global _forkserver_env
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if any(d != "cpu" for d in devices) or torch.cuda.is_available():
+        return False
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    # The workers inherit the server's interpreter: unbuffered, as `python -u` workers are (their streams are the
+    # launcher's). SIGTERM blocked in it (and, until they unblock it, in the workers): a SIGTERM to this process
+    # group (`timeout`, Slurm) must not end the server first, which would end the workers before the trainers
+    # checkpoint. Blocked, not ignored: a SIGTERM to this process meanwhile is delivered once unblocked.
+    unbuffered = os.environ.get("PYTHONUNBUFFERED")
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        forkserver.ensure_running()
+        _forkserver_env = dict(os.environ)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        if unbuffered is None:
+            os.environ.pop("PYTHONUNBUFFERED")
+    return True
+
+
+def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[str]) -> None:
+    """One worker, forked from the forkserver (torch elastic's function entrypoint): the launcher's environment as
+    it is now (torch elastic has set the rank's own variables), then the entry script run as `python -u script`
+    would, so the worker's code path is the same."""
+    import multiprocessing
+    import runpy
+    from multiprocessing import resource_tracker
+
+    os.setsid()  # as torch elastic starts binary workers: a session of their own (Ctrl-C reaches the launcher only)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    # A resource tracker of its own, started on first use in this worker's process group, as a fresh interpreter's
+    # is: the launcher's, inherited through the forkserver, would outlive a killed worker and warn about the
+    # semaphores and shared memory the worker's guard already removed.
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
+    multiprocessing.set_start_method(None, force=True)  # the platform's default, not the launcher's forkserver
+    for name in unset:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
 def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0) -> None:
     """`python train_X.py ...`: run `python command` once per worker in `names` on this node, through torch's
     elastic launcher API (what torchrun runs), so one code path serves one node and many. The first failure stops
-    every rank; it is raised as one line naming the worker (its traceback, if any, is above it on stderr)."""
+    every rank; it is raised as one line naming the worker (its traceback, if any, is above it on stderr). After
+    start_forkserver, a script's workers are forked from the forkserver instead (same script, same world)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -330,7 +392,13 @@ def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0)
                           monitor_interval=0.1, start_method="spawn", **newer)
     os.environ["TANDEM_LOCAL"] = "1"  # workers leave one-line errors to this process
     try:
-        elastic_launch(config, sys.executable)("-u", *command)
+        if _forkserver_env is not None and command[0] != "-m":
+            config.start_method = "forkserver"
+            env = {k: v for k, v in os.environ.items() if _forkserver_env.get(k) != v}
+            unset = [k for k in _forkserver_env if k not in os.environ]
+            elastic_launch(config, _forked_rank)(command[0], command[1:], env, unset)
+        else:
+            elastic_launch(config, sys.executable)("-u", *command)
     except ChildFailedError as e:
         raise SystemExit(_root_cause(e, names)) from None
     finally:

@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 
+from common.runtime._group_guard import shared_files
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -58,5 +60,6 @@ def guard_group() -> subprocess.Popen | None:
         os.setpgid(0, 0)  # a group of our own: the guard's kill must not reach the process that started us
     agent = os.getppid() if os.path.exists(f"/proc/{os.getpid()}/stat") else 0  # the agent watch needs /proc
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_group_guard.py")
-    return subprocess.Popen([sys.executable, "-I", "-S", script, str(os.getpid()), str(agent)],
+    inherited = sorted(shared_files(os.getpid())) if agent else []  # the starter's, not the group's: kept
+    return subprocess.Popen([sys.executable, "-I", "-S", script, str(os.getpid()), str(agent), *inherited],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
