@@ -1,5 +1,6 @@
 """One process per rank, started by torch elastic: `torchrun ... train_X.py` on one or several nodes, or
-`python train_X.py`, which starts the same script once per rank through torch's elastic launcher API on this node.
+`python train_X.py`, which starts the same script once per rank through torch's elastic launcher API on this node
+(forked from a forkserver that imported the heavy modules once when every rank is on the CPU: start_forkserver).
 
 World layout, computed from the configuration the same way on every rank (never from node rank, which c10d
 rendezvous does not fix): ranks 0..T-1 are the data-parallel trainers, then one rank per explorer. So with one
