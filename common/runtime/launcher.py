@@ -356,6 +356,7 @@ def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[
     """One worker, forked from the forkserver (torch elastic's function entrypoint): the launcher's environment as
     it is now (torch elastic has set the rank's own variables), then the entry script run as `python -u script`
     would, so the worker's code path is the same."""
+    import atexit
     import multiprocessing
     import runpy
     from multiprocessing import resource_tracker
@@ -374,7 +375,10 @@ def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[
         os.environ.pop(name, None)
     os.environ.update(env)
     sys.argv = [script, *argv]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # as the script's interpreter would at exit (a multiprocessing child never does)
 
 
 def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0) -> None:
