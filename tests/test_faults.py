@@ -15,7 +15,7 @@ import pytest
 
 from common.trainer.checkpoints import step_checkpoints, verify
 from common.runtime.metrics import read_metrics, wandb_offline_steps
-from conftest import ROOT, TINY, left_of, process_tree, run_script, worker_pid
+from tests.conftest import ROOT, TINY, left_of, process_tree, run_script, worker_pid
 
 
 def _steps(out) -> list[int]:
@@ -32,15 +32,13 @@ def _leftovers(out) -> list[str]:
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
-    """One run, two tests' evidence: 5 steps, checkpoints every 2, W&B offline, the trainer killed with SIGKILL after
-    step 3; with --stall-log-s 0.1 its wait for the explorer's first batch (64 new tokens a response: longer than
-    0.1 s on any machine) is logged. (out_dir, env, exit code, stderr, what was left 5 s after the kill)."""
+    """5 steps, checkpoints every 2, W&B offline, the trainer killed with SIGKILL after step 3: (out_dir, env, exit
+    code, stderr, what was left 5 s after the kill)."""
     out = tmp_path_factory.mktemp("kill9") / "run"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env["PYTHONPATH"] = ROOT
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_sync.py"), *TINY, "--steps", "5",
-                             "--checkpoint-every", "2", "--out-dir", str(out), "--track", "--stall-log-s", "0.1",
-                             "--max-new-tokens", "64"],
+                             "--checkpoint-every", "2", "--out-dir", str(out), "--track"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         trainer = worker_pid(proc.pid, 0)
@@ -199,9 +197,20 @@ def test_resume_reads_saved_config_and_refuses_frozen_changes(tmp_path):
     assert "another schedule (async" in str(e.value.code)
 
 
-def test_trainer_says_which_explorer_it_waits_for(killed_run):
-    """End to end: with --stall-log-s 0.1 the trainer's wait for the explorer's first batch is logged, naming it."""
-    err = killed_run[3]
-    stalls = [line for line in err.splitlines() if "no experience for" in line]
-    assert stalls and all("waiting for explorer0" in s and "--timeout-s 900" in s for s in stalls), err[-2000:]
+def slow_parity(response: str, task: dict) -> float:
+    """The parity reward after 0.1 s per sample: the explorer's first batch (8 samples) is at least 0.8 s away, so a
+    trainer waiting for it stalls past --stall-log-s 0.2 on any machine, however fast its workers start."""
+    from rewards.parity import score
+
+    time.sleep(0.1)
+    return score(response, task).score
+
+
+def test_trainer_says_which_explorer_it_waits_for(tmp_path):
+    """End to end: with --stall-log-s 0.2 the trainer's wait for the explorer's first batch is logged, naming it."""
+    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.2", "--out-dir", str(tmp_path / "run"),
+                      "--reward-fn", "tests.test_faults:slow_parity", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stalls = [line for line in proc.stderr.splitlines() if "no experience for" in line]
+    assert stalls and all("waiting for explorer0" in s and "--timeout-s 900" in s for s in stalls), proc.stderr[-2000:]
     assert "trainer0 at step 0" in stalls[0] and "explorer0: no batch yet" in stalls[0]
