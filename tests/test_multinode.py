@@ -156,7 +156,10 @@ def test_vllm_explorer_kill9_under_max_restarts_then_agent_kill9_leave_nothing(t
         left = left_of(first, timeout=10)
         left_files = files_left(first_files)
         deadline = time.time() + 240
-        while time.time() < deadline and not engines(restarted):  # the second attempt's engine has started
+        # The second attempt's engine core and its worker have started (the worker is forked from the core and
+        # carries the core's name until it renames itself: counted before that, it would be a second engine).
+        while time.time() < deadline and not (engines(restarted) and any(
+                p[-1].startswith("VLLM::Worker") for p in restarted.values())):
             restarted = {pid: p for pid, p in process_tree(agent.pid).items() if pid not in first}
             time.sleep(0.2)
         running_engines = engines(restarted) + engines(left_of(first, timeout=0))

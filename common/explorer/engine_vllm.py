@@ -343,11 +343,12 @@ class VLLMEngine(RolloutEngine):
             self._shm_path = None
 
     def __del__(self):
-        try:
-            if getattr(self, "_shm_path", None) and os.path.exists(self._shm_path):
-                os.unlink(self._shm_path)
-        except Exception:
-            pass
+        path = getattr(self, "_shm_path", None)
+        if path:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # close() or the worker's guard removed it first
+                pass
 
 
 def _token_versions(completion, num_tokens: int) -> list[int] | None:
