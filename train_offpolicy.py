@@ -48,10 +48,13 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         experiences, metrics = explorer.rollout(step)  # overlaps the trainer's step on batch step-1
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
-        if step > explorer.first_step:
-            # SYNC: the weights trained on batch step-1; batch step+1 will be one version behind the trainer.
+        # SYNC: at least the weights trained on batch step-1, so batch step+1 is at most one version behind the
+        # trainer. At least, not exactly: a trainer that took batch step and trained it before this pull has
+        # already replaced step-1 in a colocated or checkpoint sync, which hand over the newest.
+        while step > explorer.first_step and explorer.version < step - 1:
             explorer.version = weights.pull(step)
-    explorer.version = weights.pull(args.steps)  # the weights trained on the last batch
+    while explorer.version < args.steps:  # the weights trained on the last batch (maybe taken already)
+        explorer.version = weights.pull(args.steps)
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 
