@@ -46,21 +46,19 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         if explorer.eval_due(step):
             control.send("eval", explorer.evaluate(step))
         experiences, metrics = explorer.rollout(step)  # overlaps the trainer's step on batch step-1
+        if step > explorer.first_step:
+            # SYNC: the weights trained on batch step-1, taken before batch step is handed over: the trainer cannot
+            # train batch step (and replace them) before that, so batch step+1 is exactly one version behind.
+            explorer.version = weights.pull(step)
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
-        # SYNC: at least the weights trained on batch step-1, so batch step+1 is at most one version behind the
-        # trainer. At least, not exactly: a trainer that took batch step and trained it before this pull has
-        # already replaced step-1 in a colocated or checkpoint sync, which hand over the newest.
-        while step > explorer.first_step and explorer.version < step - 1:
-            explorer.version = weights.pull(step)
-    while explorer.version < args.steps:  # the weights trained on the last batch (maybe taken already)
-        explorer.version = weights.pull(args.steps)
+    explorer.version = weights.pull(args.steps)  # the weights trained on the last batch
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 
 
 def worker(ctx: WorkerContext, args: Args):
-    mailbox = Mailbox(ctx, capacity=1)  # one batch ahead: the explorer blocks until the trainer takes batch k
+    mailbox = Mailbox(ctx, capacity=1)  # one batch ahead at most (the explorer puts batch k once k-1 is trained)
     queue, control = ExperienceQueue(mailbox, stop_requested), ControlChannel(mailbox)
     (trainer_main if ctx.role == "trainer" else explorer_main)(ctx, args, queue, control)
     mailbox.close(args.timeout_s)
