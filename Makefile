@@ -35,10 +35,10 @@ install-vllm: $(VLLM_STAMP)
 demo: $(VLLM_STAMP)  ## train the embedded SmolLM2-135M-Instruct on arithmetic, synchronous schedule, vLLM rollouts (CPU)
 	$(PY) train_sync.py --config configs/sync_default.yaml $(ARGS)
 
-# Three test files at a time (pytest-xdist, slowest first: tests/conftest.py): on 2 cores two files at a time kept
-# 1.1 cores busy, the rest of a test being waits (for workers, engines, timeouts it checks).
+# Two test files at a time (pytest-xdist, slowest first: tests/conftest.py): the 2 cores are then busy (three at a
+# time took as long, every test slower).
 test: $(VLLM_STAMP) $(TEST_STAMP)  ## the whole test suite (CPU, tiny model), the vLLM engine's tests included
-	$(PY) -m pytest -q -n 3 --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # After installing on a GPU machine (a few minutes on one H100): every placement and feature as a tiny 2-step run, then
 # rollout / train / weight-sync figures at a realistic size (bench/gpu_check.py). Without a GPU: the CPU subset.

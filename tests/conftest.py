@@ -216,7 +216,7 @@ SLOW_FILES = ["test_readme.py", "test_multinode.py", "test_vllm_runs.py", "test_
 
 
 def pytest_collection_modifyitems(items):
-    """Slowest files first: `make test` hands whole files to its three workers (pytest -n 3 --dist loadfile: a
+    """Slowest files first: `make test` hands whole files to its two workers (pytest -n 2 --dist loadfile: a
     module's vLLM engine starts once), and starting with the long ones lets the workers end together."""
     def rank(item):
         name = os.path.basename(str(item.fspath))
