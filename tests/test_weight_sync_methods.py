@@ -4,7 +4,6 @@ with them."""
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -99,7 +98,6 @@ def race(ctx, out_dir):
 
     args = _args(out_dir, "colocated")
     args.verify_sync = False  # the commit itself checks
-    args.timeout_s = 20.0  # a pull that waits for a version never sent fails in seconds
     engine = _Buffers()
     weights = make_weight_sync(args, ctx, Timeline(out_dir, ctx.name), engine if ctx.role == "explorer" else None)
     last = 40
@@ -114,12 +112,8 @@ def race(ctx, out_dir):
     while taken[-1] < last:
         if weights.poll(0):
             taken.append(weights.version)
-    # Versions were skipped: asking for one already passed (take_final, after an asynchronous explorer took the
-    # newest between decode steps) returns at once with the newest, never waits for a version after the last.
-    start = time.time()
-    held = (weights.pull_until(last - 1, 0), weights.pull_until(last, 0), time.time() - start)
     with open(os.path.join(out_dir, "race.json"), "w") as f:
-        json.dump({"taken": taken, "torn": engine.torn, "held": held}, f)
+        json.dump({"taken": taken, "torn": engine.torn}, f)
 
 
 def test_colocated_never_hands_over_a_half_written_version(tmp_path):
@@ -127,7 +121,6 @@ def test_colocated_never_hands_over_a_half_written_version(tmp_path):
     run_function("test_weight_sync_methods:race", 1, 1, str(tmp_path))
     got = json.load(open(tmp_path / "race.json"))
     assert got["torn"] == [] and got["taken"] == sorted(set(got["taken"])) and len(got["taken"]) > 2, got
-    assert got["held"][:2] == [40, 40] and got["held"][2] < 1, got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (run by make gpu-check)")

@@ -117,17 +117,12 @@ class WeightSync:
         """Take a newer version if the trainer has sent one (never blocks for long); True when it did."""
         raise NotImplementedError
 
-    def pull_until(self, version: int, step: int) -> int:
-        """Block until the engine holds `version` or a newer one; returns the version held. A method with one slot
-        (colocated, checkpoint) hands over the newest, so a trainer that ran ahead makes the explorer skip versions:
-        waiting for "the next one" after that could wait for a version that never comes."""
-        while self.version < version:
+    def take_final(self, step: int) -> int:
+        """After `stop`: take every version up to the trainer's final one (`finish`). Up to, not each: a method with
+        one slot (colocated, checkpoint) hands over the newest, so versions may be skipped."""
+        while self.version < self.final.value:
             self.pull(step)
         return self.version
-
-    def take_final(self, step: int) -> int:
-        """After `stop`: take every version up to the trainer's final one (`finish`)."""
-        return self.pull_until(self.final.value, step)
 
     def _checked(self) -> dict:
         """--verify-sync: the hash of what the engine computes with (vLLM: read back from its worker)."""
