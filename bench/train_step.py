@@ -111,6 +111,45 @@ def random_model_folder(config, dtype: torch.dtype, folder: str) -> str:
     return folder
 
 
+NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as_strided", "aten::as_strided_",
+             "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::resize_", "aten::set_", "aten::lift_fresh",
+             "aten::detach", "aten::detach_", "aten::alias", "aten::resolve_conj", "aten::resolve_neg",
+             "aten::result_type", "aten::to", "aten::contiguous", "aten::is_nonzero", "aten::item",
+             "aten::_local_scalar_dense", "aten::record_stream"}
+"""Operators that launch no kernel of their own (allocation, metadata; `to` and `contiguous` where they copy
+nothing, else the copy is counted), left out of the CPU's kernel count."""
+
+
+def profile_step(trainer, batch, device: torch.device, rows: int = 15) -> dict:
+    """One more step under torch.profiler: the operators that took the most of the device's own time (CUDA
+    kernels' on a GPU, CPU time on a CPU), and how many kernels ran: on a GPU the CUDA kernels and how busy they
+    kept it over the step's wall time (profiled: the profiler's own overhead lowers it); on a CPU the operators
+    outside NO_KERNEL that call none outside it, about what a GPU launches as kernels (CPU-only kernels
+    included, such as the zero-filling of the CPU's attention backward)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device.type == "cuda"
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
+        trainer.train_step(batch)
+        _sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    top = sorted(events, key=own, reverse=True)[:rows]
+    out = {"wall_s": wall, "top": [[e.key, own(e) / 1e3, e.count] for e in top]}  # name, ms, calls
+    if gpu:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        out.update(kernels=sum(e.count for e in kernels),
+                   device_busy_frac=sum(e.self_device_time_total for e in kernels) / 1e6 / wall)
+    else:
+        work = lambda e: e.name.startswith("aten::") and e.name not in NO_KERNEL  # noqa: E731
+        out["kernels"] = sum(1 for e in prof.events() if work(e) and not any(map(work, e.cpu_children)))
+    return out
+
+
 def _peak_memory_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -149,14 +188,15 @@ def _estimate_gib(args, config, device: torch.device, batch) -> float:
 def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, tokens: int = 2048,
             steps: int = 3, micro_batches: int = 1, prompt_len: int = 64, response_len: int = 512,
             packed: bool = True, gradient_checkpointing: bool = False, extra_args: tuple[str, ...] = (),
-            peak_flops: float | None = None) -> dict:
+            peak_flops: float | None = None, profile: bool = False) -> dict:
     """Time `steps` train steps (the first a warm-up) of the trainer on synthetic experiences and return tokens/s,
     the model FLOP rate, the measured matmul rate and MFU.
 
     config: a transformers config (random weights of its shape) or a --model name ('default', 'tiny', a folder).
     tokens: tokens per micro-batch (--max-tokens-per-micro-batch when packed; else the rows of one micro-batch
     hold about that many real tokens, padded to the longest). peak_flops: the rate MFU is taken against (default:
-    `matmul_rate` on the device in `dtype`, measured here)."""
+    `matmul_rate` on the device in `dtype`, measured here). profile: after the timed steps, one more under
+    torch.profiler (`profile`: `profile_step`)."""
     from common.config import parse_args
     from common.trainer.trainer import Trainer
     from train_sync import Args
@@ -193,6 +233,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         cpu_times.append(time.process_time() - cpu_start)
     peak_gib = _peak_memory_gib(device)
     estimate_gib = _estimate_gib(args, model_config, device, batch)
+    extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
     del trainer
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
@@ -208,7 +249,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
             "gradient_checkpointing": gradient_checkpointing, "step_s": step_s, "step_times": times,
             "tokens_per_s": all_tokens / step_s, "trained_tokens_per_s": trained / step_s,
             "model_tflops": flops / step_s / 1e12, "matmul_tflops": peak / 1e12, "mfu": flops / step_s / peak,
-            "peak_memory_gib": peak_gib, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu}
+            "peak_memory_gib": peak_gib, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu, **extra}
 
 
 SHAPES = {  # public configs, for machines without the hub: shape:<name>
@@ -247,6 +288,8 @@ def main():
     parser.add_argument("--padded", action="store_true", help="padded micro-batches instead of packing")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--profile", action="store_true", help="then profile one more step (kernels, the top "
+                        "operators by the device's own time)")
     parser.add_argument("--json", default=None, help="also write the result here")
     opts = parser.parse_args()
     if opts.threads:
@@ -258,7 +301,8 @@ def main():
 
         resolve_model("default")  # converted once, outside the timing
     r = measure(resolve_config(opts.model), opts.device, dtype, opts.tokens, opts.steps, opts.micro_batches,
-                opts.prompt_len, opts.response_len, not opts.padded, opts.gradient_checkpointing)
+                opts.prompt_len, opts.response_len, not opts.padded, opts.gradient_checkpointing,
+                profile=opts.profile)
     print(f"train step ({r['device']} {r['dtype']}, {r['threads']} threads, {r['rows']} rows, {r['tokens']} tokens, "
           f"{r['trained_tokens']} trained, {'packed' if r['packed'] else 'padded'} micro-batches of {r['micro_batch_tokens']}"
           f"{', checkpointing' if r['gradient_checkpointing'] else ''}): step {r['step_s']:.3f} s, "
@@ -268,6 +312,12 @@ def main():
     if "mfu_cpu_time" in r:
         print(f"  per CPU-second of this process: step {r['step_cpu_s']:.2f} CPU-s, matmul "
               f"{r['matmul_tflops_per_cpu_s']:.3f} TFLOP per CPU-s: MFU {100 * r['mfu_cpu_time']:.1f} %")
+    if "profile" in r:
+        p = r["profile"]
+        busy = f", the GPU busy {100 * p['device_busy_frac']:.0f} % of it" if "device_busy_frac" in p else ""
+        print(f"  a profiled step: {p['wall_s']:.3f} s, {p['kernels']} kernels{busy}; the top operators by own time:")
+        for name, ms, calls in p["top"]:
+            print(f"    {ms:10.1f} ms {calls:7d}x  {name}")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(r, f, indent=2)

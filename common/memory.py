@@ -109,7 +109,8 @@ def layer_bytes_per_token(shape: ModelShape, b: int) -> float:
 
 def head_bytes(shape: ModelShape, chunk_tokens: int) -> float:
     """The log-prob chunk in the backward (the first thing it runs, while every layer's activations are alive):
-    the recomputed fp32 logits over the vocabulary, scaled, and their gradients (~4 [chunk, vocab] fp32 tensors)."""
+    the recomputed logits in the head's dtype, their fp32 copy, the probabilities (an entropy bonus) and the
+    gradient in the head's dtype (common.model._HeadLogprobs: at most 4 [chunk, vocab] fp32 tensors' bytes)."""
     return 4 * 4 * chunk_tokens * shape.vocab
 
 

@@ -220,10 +220,10 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=No
         flat = body(**inputs).last_hidden_state[0]
     else:
         _register_segment_sdpa()
-        ends = attention_mask.sum(-1).cumsum(0).tolist()
+        lengths = tuple(attention_mask.sum(-1).tolist())
         token = _PACKED_SEGMENTS.set(True)
         try:
-            flat = body(**inputs, tandem_segments=tuple(zip([0] + ends[:-1], ends))).last_hidden_state[0]
+            flat = body(**inputs, tandem_segments=lengths).last_hidden_state[0]
         finally:
             _PACKED_SEGMENTS.reset(token)
     hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])
@@ -236,16 +236,19 @@ _PACKED_SEGMENTS = contextvars.ContextVar("tandem_packed_segments", default=Fals
 
 def _segment_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                   tandem_segments=None, **kwargs):
-    """transformers' sdpa attention, except for a packed forward (`tandem_segments`: (start, end) of every
-    sequence in the flat N tokens), which runs causal sdpa per sequence: no [N, N] mask in memory and no attention
+    """transformers' sdpa attention, except for a packed forward (`tandem_segments`: the length of every sequence
+    in the flat N tokens, in order), which runs causal sdpa per sequence: no [N, N] mask in memory and no attention
     computed across sequences (with a block-diagonal mask sdpa computes all N x N scores and cannot use its flash
-    kernel). The segments travel as a keyword of the forward, so a checkpointed layer's recomputation sees them."""
+    kernel). The segments travel as a keyword of the forward, so a checkpointed layer's recomputation sees them.
+    `split`, not one slice per sequence: the backward of a slice writes a zero-filled [N]-long gradient that is then
+    added up, once per sequence (O(sequences x N) memory traffic and three kernels each); a split's backward is one
+    concatenation."""
     if tandem_segments is None:
         return _SDPA_ATTENTION(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
     out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=gqa) for s, e in tandem_segments], dim=2)
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(*(t.split(tandem_segments, dim=2) for t in (query, key, value)))], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -334,33 +337,79 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def _head_chunk(head, hidden, targets, temperature: float, softcap, with_entropy: bool, entropy_grad: bool):
-    """Log-prob of `targets` (and entropy) for one chunk of hidden states [C, H]: the only [C, V] logits alive."""
-    logits = head(hidden).float()
+def _scaled_logits(raw: torch.Tensor, temperature: float, softcap,
+                   with_slope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's output as the sampler sees it, in a new fp32 tensor: softcapped (Gemma 2), then divided by the
+    temperature; and, `with_slope` and softcapped, the softcap's derivative at every logit (else None)."""
+    z = raw.to(torch.float32, copy=True)
+    slope = None
     if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
-    token_logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    if not with_entropy:
-        return token_logprobs, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return token_logprobs, entropy
+        z.div_(softcap).tanh_()
+        slope = 1 - z.square() if with_slope else None  # d(c tanh(x / c))/dx
+        z.mul_(softcap)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z, slope
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Log-prob of `targets` (and entropy) through the LM head for a chunk of hidden states [C, H], with the [C, V]
+    logits alive only inside the forward and, recomputed from the hidden states, inside the backward: nothing
+    vocabulary-wide is saved in between. The backward writes d/d(logits) in place over the recomputed logits (for
+    log p_t: onehot - p; for the entropy H: -p (log p + H)) and hands it to the head's own graph, so any head
+    (tied, biased, LoRA-wrapped, FSDP-gathered) gets its gradient: a few passes over one fp32 [C, V] buffer, where
+    autograd through log-softmax, entropy and a checkpoint's recomputation makes several times as many."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head, temperature: float, softcap, with_entropy: bool, entropy_grad: bool):
+        z, _ = _scaled_logits(head(hidden), temperature, softcap)
+        lse = torch.logsumexp(z, -1)
+        logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        entropy = None
+        if with_entropy:  # H = lse - sum(p z), the sum as a batched dot: no [C, V] product
+            p = z.sub(lse[:, None]).exp_()
+            entropy = lse - torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
+            if not entropy_grad:
+                ctx.mark_non_differentiable(entropy)
+        ctx.head, ctx.temperature, ctx.softcap = head, temperature, softcap
+        ctx.save_for_backward(hidden, targets, lse, entropy if entropy_grad else None)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, targets, lse, entropy = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
+            raw = ctx.head(leaf)
+        if not raw.requires_grad or (grad_logprobs is None and grad_entropy is None):
+            return None, None, None, None, None, None, None
+        logp, slope = _scaled_logits(raw.detach(), ctx.temperature, ctx.softcap, with_slope=True)
+        logp.sub_(lse[:, None])
+        g = (grad_logprobs if grad_logprobs is not None else lse.new_zeros(lse.shape))[:, None]
+        if grad_entropy is not None and entropy is not None:
+            grad = logp.exp()
+            grad.mul_(logp.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(g)).neg_()
+        else:
+            grad = logp.exp_().mul_(-g)
+        grad.scatter_add_(-1, targets[:, None], g)
+        if slope is not None:
+            grad.mul_(slope)
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        torch.autograd.backward(raw, grad.to(raw.dtype))  # into the head's parameters and the hidden states
+        return leaf.grad, None, None, None, None, None, None
 
 
 def token_logprobs_chunked(head, hidden, targets, temperature: float = 1.0, softcap=None, with_entropy: bool = False,
                            entropy_grad: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
-    """`_head_chunk` over [N, H] hidden states `chunk_tokens` at a time. With a graph, each chunk is
-    activation-checkpointed: its logits are freed after the forward and recomputed in the backward, so memory
-    holds one chunk's [C, V] logits at a time and never a [N, V] tensor, in either pass."""
-    from torch.utils.checkpoint import checkpoint
-
-    grad = torch.is_grad_enabled() and hidden.requires_grad
+    """Log-prob of `targets` [N] (and entropy) from hidden states [N, H] through the LM `head`, `chunk_tokens` at a
+    time (`_HeadLogprobs`): memory holds one chunk's [C, V] logits at a time and never a [N, V] tensor, in either
+    pass. The entropy has a gradient only if `entropy_grad`. With no position (N = 0) the head still runs once, on
+    nothing: the result stays in the graph (a sharded trainer's empty turn joins the collectives through it)."""
     logprobs, entropies = [], []
-    for start in range(0, max(len(targets), 1), chunk_tokens):
-        args = (head, hidden[start: start + chunk_tokens], targets[start: start + chunk_tokens], temperature, softcap,
-                with_entropy, entropy_grad)
-        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
+    for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
+        lp, ent = _HeadLogprobs.apply(h, t, head, temperature, softcap, with_entropy, entropy_grad)
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)

@@ -67,16 +67,16 @@ def test_chunked_equals_one_shot_values_and_gradients():
 
 def test_logprob_head_memory_does_not_grow_with_vocab_times_tokens():
     """The head over N=512 tokens: the largest tensor in forward + backward is one chunk's logits (plus the
-    [V, H] weight gradient), and nothing vocabulary-sized is saved for the backward."""
+    [V, H] weight gradient), and the forward keeps nothing vocabulary-sized for the backward."""
     N, H, chunk = 512, 32, 64
     for V in (1000, 4000):
         head = torch.nn.Linear(H, V, bias=False)
         hidden = torch.randn(N, H, requires_grad=True)
         targets = torch.randint(0, V, (N,))
-        saved = []
-        with MaxTensor() as probe, torch.autograd.graph.saved_tensors_hooks(
-                lambda t: saved.append(t.numel()) or t, lambda t: t):
-            lp, ent = token_logprobs_chunked(head, hidden, targets, 1.0, None, True, True, chunk_tokens=chunk)
+        saved = []  # what the forward keeps for the backward
+        with MaxTensor() as probe:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+                lp, ent = token_logprobs_chunked(head, hidden, targets, 1.0, None, True, True, chunk_tokens=chunk)
             (lp.sum() + ent.sum()).backward()
         assert probe.max_numel <= max(chunk * V, V * H), (V, probe.max_numel)
         assert sum(saved) < N * V // 8, (V, sum(saved))  # one-shot would save [N, V] logits several times
@@ -145,3 +145,37 @@ def test_shared_prompts_run_once_with_the_same_numbers_and_gradients(attention):
         assert m.shared_prompt_layout(model.base_model, ids, attn, mask) is None
     finally:
         m.SHARED_PROMPT_MAX_TOKENS = old
+
+
+def _textbook_head(head, hidden, targets, temperature, softcap):
+    logits = head(hidden).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("bias,softcap,temperature,entropy_grad", [
+    (False, None, 1.0, True), (True, None, 0.7, True), (False, 3.0, 0.7, True), (True, 3.0, 1.3, False),
+    (False, None, 1.0, False)])
+def test_fused_head_gradients_equal_autograd(bias, softcap, temperature, entropy_grad):
+    """`token_logprobs_chunked` writes d/d(logits) itself: the hidden states', weight's and bias's gradients equal
+    autograd's through log-softmax and entropy, for any weighting of the two outputs (none for the entropy when it
+    has no gradient), with softcapping and a temperature."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 23, 8, 50
+    head = torch.nn.Linear(H, V, bias=bias).double()
+    hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=g)
+    w_lp, w_ent = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
+    ref_lp, ref_ent = _textbook_head(head, hidden, targets, temperature, softcap)
+    ((ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if entropy_grad else 0)).backward()
+    ref = [t.grad.clone() for t in (hidden, *head.parameters())]
+    hidden.grad = None
+    head.zero_grad()
+    lp, ent = token_logprobs_chunked(head, hidden, targets, temperature, softcap, True, entropy_grad, chunk_tokens=5)
+    assert ent.requires_grad == entropy_grad
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    assert torch.allclose(lp, ref_lp.float()) and torch.allclose(ent, ref_ent.float(), atol=1e-6)
+    for got, want in zip((hidden.grad, *(p.grad for p in head.parameters())), ref):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), (got - want).abs().max()  # fp32 inside
