@@ -1,7 +1,8 @@
 """No torch keyword or API newer than the oldest supported torch (common/run.py TORCH_MIN): every torch function,
 class or module the project names (read from the source: imports and `torch.a.b(...)` calls, aliases resolved) must
 exist in that release, with every keyword the call passes. The oldest release's API is checked in as
-tests/torch_api.json, written by this file where that torch is installed (the GPU images ship it):
+tests/torch_api.json, written by this file where that torch is installed (the GPU images ship it; on a CPU machine
+PyPI's CUDA build imports too: `python3 -m venv /tmp/t && /tmp/t/bin/pip install torch==2.11.0`):
 
     python tests/test_torch_api.py --write tests/torch_api.json
 
