@@ -12,7 +12,9 @@
    - rollout tokens/s and weight-sync GB/s of each --sync-method: `train_sync.py` runs with both sides on one GPU
      (metrics.jsonl's rollout/tokens_per_s and time/sync, median after a warm-up step);
    - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): the train-step
-     benchmark's `measure` beside this file (TRAIN_STEP_HOOK; its row says so where that module is absent);
+     benchmark's `measure` beside this file (TRAIN_STEP_HOOK; its row says so where that module is absent), once
+     as the MFU goal's configuration (no checkpointing) with a profiled step (the GPU's busy fraction, kernels, the
+     top kernels; the whole list in its log), once with gradient checkpointing;
    - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator).
    A new sync method registered in --sync-method gets its row without a change here.
 

@@ -166,15 +166,18 @@ def estimate_table(tokens: int = 16384, gpu_gib: float = 80) -> str:
 
 def estimate_check(token_counts: list[int], steps: int) -> list[dict]:
     """The estimate against what a CPU trainer measures: bench/train_step.py (default model, fp32, packed) at each
-    micro-batch size in a fresh process, its peak resident memory next to common/memory.py's figure."""
+    micro-batch size in a fresh process, its peak resident memory next to common/memory.py's figure. The process
+    runs with glibc's own mmap threshold, as a run does: freed blocks stay in its heap and count (the estimate's
+    CPU_SLACK)."""
     import subprocess
 
     out = []
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     for tokens in token_counts:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_step.py"), "--tokens", str(tokens),
                             "--steps", str(steps), "--json", f.name], check=True, timeout=3600,
-                           stdout=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, env=env)
             r = json.load(open(f.name))
         out.append(r)
         print(f"{tokens:6d} tokens/micro-batch: measured peak {r['peak_memory_gib']:.2f} GiB, estimate "

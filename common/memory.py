@@ -34,6 +34,9 @@ GIB = 2**30
 CPU_PROCESS_BYTES = int(0.5 * GIB)   # a worker's interpreter with torch + transformers imported (measured ~0.45 GiB)
 CUDA_CONTEXT_BYTES = int(0.6 * GIB)  # CUDA context + cuBLAS workspace of a process on a GPU
 SLACK = 1.10                         # on activations: allocator fragmentation and what the accounting leaves out
+# A CPU's activations: glibc keeps the blocks of freed tensors in its heap, so a step's resident peak runs 18-30 %
+# over its live one (docs/BENCHMARKS.md, bench/memory.py --estimate-check).
+CPU_SLACK = 1.35
 
 
 @dataclass
@@ -131,10 +134,11 @@ class TrainerEstimate:
     states: float        # weights, gradients, optimizer state, reference, critic (per trainer)
     activations: float   # one micro-batch (AdamW's fused step needs no temporaries: never the peak)
     process: float
+    slack: float = SLACK  # on the activations: SLACK on a GPU, CPU_SLACK on a CPU
 
     @property
     def peak(self) -> float:
-        return self.states + SLACK * self.activations + self.process
+        return self.states + self.slack * self.activations + self.process
 
 
 def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, trained_tokens: int,
@@ -152,8 +156,9 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
         acts = max(acts, activation_bytes(critic, b, tokens, 0, checkpointing))
     if args.trainer_shard == "fsdp":  # two gathered layers (the current one and the prefetched next)
         acts += 2 * b * shape.body_params / shape.layers
-    process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
-    return TrainerEstimate(states, acts, process)
+    if device_type == "cuda":
+        return TrainerEstimate(states, acts, CUDA_CONTEXT_BYTES)
+    return TrainerEstimate(states, acts, CPU_PROCESS_BYTES, CPU_SLACK)
 
 
 def lora_params(shape: ModelShape, args) -> int:
