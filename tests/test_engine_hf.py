@@ -34,11 +34,12 @@ def test_generate_shapes_and_stop():
 
 
 def test_behaviour_logprobs_match_trainer_recompute():
-    """Same weights, fp32: what the explorer recorded while sampling equals what the trainer recomputes."""
+    """Same weights, fp32: what the explorer recorded while sampling equals what the trainer recomputes (at the
+    temperature, without top-p's truncation)."""
     engine, tokenizer, model, prompts = _engine_and_prompts()
-    for temperature in (1.0, 0.7):
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (0.7, 0.8)):
         torch.manual_seed(1)
-        gens = [g for gs in engine.generate(prompts, SamplingConfig(temperature, 1.0, 16, n=2)) for g in gs]
+        gens = [g for gs in engine.generate(prompts, SamplingConfig(temperature, top_p, 16, n=2)) for g in gs]
         exps = [Experience(g.prompt_ids, g.response_ids, g.logprobs, [1] * len(g.response_ids), 0.0, 0, "t", 0)
                 for g in gens]
         batch = collate(exps, tokenizer.pad_token_id)  # right padding here, left padding in the engine
@@ -53,3 +54,19 @@ def test_behaviour_logprobs_match_trainer_recompute():
         # Projecting only the response positions gives the same numbers and zeros elsewhere.
         assert torch.allclose(only_response[mask], recomputed[mask], atol=1e-5)
         assert (only_response[~mask] == 0).all()
+
+
+def test_generate_keeps_no_step_logits():
+    """No tensor of generate's rows x new tokens x vocabulary exists (every step's logits kept to the end), while
+    the behaviour log-probs still come back for every token."""
+    from tests.test_scale_logprobs import MaxTensor
+
+    engine, tokenizer, model, prompts = _engine_and_prompts()
+    model.resize_token_embeddings(4096)  # logits the largest thing a step makes, as in a real model
+    rows, new_tokens, vocab = 2 * 4, 40, model.config.vocab_size
+    engine.stop_ids = [4095]  # a token the byte tokenizer never made: every row runs all 40 steps (or nearly)
+    torch.manual_seed(0)
+    with MaxTensor() as probe:
+        out = engine.generate(prompts, SamplingConfig(1.0, 1.0, new_tokens, n=4))
+    assert all(len(g.logprobs) == len(g.response_ids) > 0 for gs in out for g in gs)
+    assert probe.max_numel < rows * new_tokens * vocab / 4, probe.max_numel

@@ -123,19 +123,18 @@ class HFEngine(RolloutEngine):
         greedy = sampling.temperature == 0
         sample = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
         config = GenerationConfig(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, **sample,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-                                  return_dict_in_generate=True, output_logits=True)
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True)
+        chosen = _ChosenLogprobs(1.0 if greedy else sampling.temperature)
         pictures = stack_images([im for im in images for _ in range(sampling.n)]) if images else {}
         if pictures:  # a VLM: its 3-D rope positions need to know which ids are image placeholders
             pictures["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
         start = time.time()
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=config, **{k: v.to(device) for k, v in pictures.items()})
+                                  generation_config=config, logits_processor=[chosen],
+                                  **{k: v.to(device) for k, v in pictures.items()})
         self.busy_s += time.time() - start
         new_tokens = out.sequences[:, width:].cpu()
-        # Raw logits (before temperature/top-p processors) -> the sampling distribution at `temperature`.
-        logits = torch.stack(out.logits, dim=1).float().cpu() / (1.0 if greedy else sampling.temperature)
-        logprobs = torch.gather(torch.log_softmax(logits, -1), -1, new_tokens[..., None]).squeeze(-1)
+        logprobs = chosen.finish(out.sequences).cpu()
         results: list[list[Generation]] = [[] for _ in prompts]
         for i, p in enumerate(rows):
             ids = new_tokens[i].tolist()
@@ -154,6 +153,32 @@ class HFEngine(RolloutEngine):
 
 
 # ----------------------------------------------------------------------------- which engine (--engine auto)
+class _ChosenLogprobs:
+    """A logits processor for HF `generate` that keeps the behaviour log-prob of every sampled token and no step's
+    logits: at each step it takes, from the previous step's log_softmax(logits / temperature), the token that
+    step chose (now the last of `input_ids`). `output_logits` instead keeps every step's fp32 logits until the
+    end: rows x new tokens x vocabulary x 4 bytes (10 GB for 64 x 256 tokens over a 152k vocabulary). Custom
+    processors run before generate's temperature and top-p warpers, so it sees the logits as the model made them."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None  # [rows, vocab]
+        self.chosen: list[torch.Tensor] = []  # [rows] per generated token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.chosen.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, -1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, new tokens]: the last step's token is the last of the generated `sequences`."""
+        if self.previous is not None:
+            self.chosen.append(self.previous.gather(-1, sequences[:, -1:]).squeeze(-1))
+            self.previous = None
+        return torch.stack(self.chosen, 1) if self.chosen else sequences.new_zeros(len(sequences), 0).float()
+
+
 def vllm_available() -> tuple[bool, str]:
     """(True, version) when vLLM imports here, else (False, the reason in one line).
 
