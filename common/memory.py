@@ -180,6 +180,8 @@ def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequ
     if args.engine == "vllm":
         return weights + args.vllm_kv_cache_gb * GIB + 1.5 * GIB  # + vLLM's own process
     kv = 2 * shape.layers * shape.kv_dim * b * sequence_tokens * args.rollout_batch_size
+    if device_type == "cpu":  # HF's cache grows by concatenation; glibc keeps the freed copies in its heap
+        kv *= 2  # (measured: 2.92 GiB resident against a 1.91 GiB live peak, docs/BENCHMARKS.md)
     logits = 3 * 4 * shape.vocab * args.rollout_batch_size  # one decoding step's fp32 logits and their softmax
     process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     return SLACK * (weights + kv + logits) + process
