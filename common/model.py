@@ -356,12 +356,15 @@ class _HeadLogprobs(torch.autograd.Function):
     """Log-prob of `targets` (and entropy) through the LM head for a chunk of hidden states [C, H], with the [C, V]
     logits alive only inside the forward and, recomputed from the hidden states, inside the backward: nothing
     vocabulary-wide is saved in between. The backward writes d/d(logits) in place over the recomputed logits (for
-    log p_t: onehot - p; for the entropy H: -p (log p + H)) and hands it to the head's own graph, so any head
+    log p_t: onehot - p; for the entropy H: -p (log p + H)) and takes them through the head's own graph, so any head
     (tied, biased, LoRA-wrapped, FSDP-gathered) gets its gradient: a few passes over one fp32 [C, V] buffer, where
-    autograd through log-softmax, entropy and a checkpoint's recomputation makes several times as many."""
+    autograd through log-softmax, entropy and a checkpoint's recomputation makes several times as many. The head's
+    trainable parameters are inputs (`params`, after the 7 others), so they get a gradient even where the hidden
+    states have none (a frozen body under a trainable head)."""
 
     @staticmethod
-    def forward(ctx, hidden, targets, head, temperature: float, softcap, with_entropy: bool, entropy_grad: bool):
+    def forward(ctx, hidden, targets, head, temperature: float, softcap, with_entropy: bool, entropy_grad: bool,
+                *params):
         z, _ = _scaled_logits(head(hidden), temperature, softcap)
         lse = torch.logsumexp(z, -1)
         logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - lse
@@ -378,12 +381,15 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
+        grads = [None] * len(ctx.needs_input_grad)
+        wanted = [i for i, needed in enumerate(ctx.needs_input_grad) if needed]  # 0: the hidden states, 7+: params
+        if not wanted or (grad_logprobs is None and grad_entropy is None):
+            return tuple(grads)
         hidden, targets, lse, entropy = ctx.saved_tensors
+        params = [p for p in ctx.head.parameters() if p.requires_grad]  # the forward's `params`, in order
         with torch.enable_grad():
             leaf = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
             raw = ctx.head(leaf)
-        if not raw.requires_grad or (grad_logprobs is None and grad_entropy is None):
-            return None, None, None, None, None, None, None
         logp, slope = _scaled_logits(raw.detach(), ctx.temperature, ctx.softcap, with_slope=True)
         logp.sub_(lse[:, None])
         g = (grad_logprobs if grad_logprobs is not None else lse.new_zeros(lse.shape))[:, None]
@@ -397,8 +403,10 @@ class _HeadLogprobs(torch.autograd.Function):
             grad.mul_(slope)
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        torch.autograd.backward(raw, grad.to(raw.dtype))  # into the head's parameters and the hidden states
-        return leaf.grad, None, None, None, None, None, None
+        inputs = [leaf if i == 0 else params[i - 7] for i in wanted]
+        for i, g in zip(wanted, torch.autograd.grad(raw, inputs, grad.to(raw.dtype), allow_unused=True)):
+            grads[i] = g
+        return tuple(grads)
 
 
 def token_logprobs_chunked(head, hidden, targets, temperature: float = 1.0, softcap=None, with_entropy: bool = False,
@@ -408,8 +416,9 @@ def token_logprobs_chunked(head, hidden, targets, temperature: float = 1.0, soft
     pass. The entropy has a gradient only if `entropy_grad`. With no position (N = 0) the head still runs once, on
     nothing: the result stays in the graph (a sharded trainer's empty turn joins the collectives through it)."""
     logprobs, entropies = [], []
+    params = [p for p in head.parameters() if p.requires_grad]
     for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
-        lp, ent = _HeadLogprobs.apply(h, t, head, temperature, softcap, with_entropy, entropy_grad)
+        lp, ent = _HeadLogprobs.apply(h, t, head, temperature, softcap, with_entropy, entropy_grad, *params)
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)

@@ -155,27 +155,29 @@ def _textbook_head(head, hidden, targets, temperature, softcap):
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-@pytest.mark.parametrize("bias,softcap,temperature,entropy_grad", [
-    (False, None, 1.0, True), (True, None, 0.7, True), (False, 3.0, 0.7, True), (True, 3.0, 1.3, False),
-    (False, None, 1.0, False)])
-def test_fused_head_gradients_equal_autograd(bias, softcap, temperature, entropy_grad):
+@pytest.mark.parametrize("bias,softcap,temperature,entropy_grad,frozen_body", [
+    (False, None, 1.0, True, False), (True, None, 0.7, True, False), (False, 3.0, 0.7, True, False),
+    (True, 3.0, 1.3, False, False), (False, None, 1.0, False, False), (True, None, 0.7, True, True)])
+def test_fused_head_gradients_equal_autograd(bias, softcap, temperature, entropy_grad, frozen_body):
     """`token_logprobs_chunked` writes d/d(logits) itself: the hidden states', weight's and bias's gradients equal
     autograd's through log-softmax and entropy, for any weighting of the two outputs (none for the entropy when it
-    has no gradient), with softcapping and a temperature."""
+    has no gradient), with softcapping and a temperature, and for a trainable head over hidden states that have no
+    gradient (a frozen body)."""
     g = torch.Generator().manual_seed(0)
     N, H, V = 23, 8, 50
     head = torch.nn.Linear(H, V, bias=bias).double()
-    hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
+    hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=not frozen_body)
     targets = torch.randint(0, V, (N,), generator=g)
     w_lp, w_ent = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
     ref_lp, ref_ent = _textbook_head(head, hidden, targets, temperature, softcap)
     ((ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if entropy_grad else 0)).backward()
-    ref = [t.grad.clone() for t in (hidden, *head.parameters())]
-    hidden.grad = None
-    head.zero_grad()
+    tensors = [*([] if frozen_body else [hidden]), *head.parameters()]
+    ref = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
     lp, ent = token_logprobs_chunked(head, hidden, targets, temperature, softcap, True, entropy_grad, chunk_tokens=5)
     assert ent.requires_grad == entropy_grad
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     assert torch.allclose(lp, ref_lp.float()) and torch.allclose(ent, ref_ent.float(), atol=1e-6)
-    for got, want in zip((hidden.grad, *(p.grad for p in head.parameters())), ref):
+    for got, want in zip((t.grad for t in tensors), ref):
         assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), (got - want).abs().max()  # fp32 inside

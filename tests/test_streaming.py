@@ -2,6 +2,7 @@
 explorer uses every task position once (groups in flight at the checkpoint are started again, trained ones never),
 and groups that outlive --max-staleness are dropped and counted."""
 
+import copy
 import json
 import threading
 import time
@@ -14,16 +15,19 @@ from common.tasks.stream import mark_trained
 
 
 class Sleepy(Env):
-    """One turn; the two episodes started first (the group of stream position 0) wait in their reset and their step
-    until the test releases them (a slow environment)."""
-    started = 0
+    """One turn; the first two episodes of task `slow_id` (the group of stream position 0: the fixture names it)
+    wait in their reset and their step until the test releases them (a slow environment). By task, not by the order
+    of the resets: they run in the environment pool's threads, where a later group's may come first."""
+    slow_id = None
+    started = 0  # episodes of slow_id reset so far
     release = threading.Event()
-    lock = threading.Lock()  # resets run in the environment pool's threads
+    lock = threading.Lock()
 
     def reset(self, task):
         with type(self).lock:
-            type(self).started += 1
-            self.slow = type(self).started <= 2
+            mine = task["id"] == type(self).slow_id
+            type(self).started += mine
+            self.slow = mine and type(self).started <= 2
         if self.slow:  # a slow start too: the streaming explorer does not wait for it
             assert type(self).release.wait(timeout=120), "the test never released the slow reset"
         return [{"role": "user", "content": "Say a word."}]
@@ -43,7 +47,7 @@ def explorer(tmp_path):
 
     ENVS["sleepy"] = "tests.test_streaming:Sleepy"
     sleepy = env_class("sleepy")  # the class the registry imports (pytest may import this file twice)
-    sleepy.started = 0
+    sleepy.started, sleepy.slow_id = 0, None
     sleepy.release = threading.Event()
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"id": f"t{i}", "env": "sleepy"}) + "\n" for i in range(12)))
@@ -57,6 +61,8 @@ def explorer(tmp_path):
     def make():
         built.append(Explorer(args, "cpu", Timeline(str(tmp_path), "explorer0")))
         built[-1].engine.stop_ids = list(range(259))  # every token stops: each turn reaches its environment step
+        if sleepy.slow_id is None:  # the task at stream position 0, read from a copy of the stream
+            sleepy.slow_id = copy.deepcopy(built[-1].train_tasks).next_batch(1)[0]["id"]
         return built[-1]
 
     yield make
