@@ -404,8 +404,8 @@ class _HeadLogprobs(torch.autograd.Function):
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
         inputs = [leaf if i == 0 else params[i - 7] for i in wanted]
-        for i, g in zip(wanted, torch.autograd.grad(raw, inputs, grad.to(raw.dtype), allow_unused=True)):
-            grads[i] = g
+        for i, grad_input in zip(wanted, torch.autograd.grad(raw, inputs, grad.to(raw.dtype), allow_unused=True)):
+            grads[i] = grad_input
         return tuple(grads)
 
 

@@ -4,6 +4,8 @@ import sys
 import time
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small settings so an end-to-end run of the tiny model takes seconds on 2 cores. `--taskset parity` (the built-in
@@ -166,6 +168,21 @@ def kill_all(processes: dict) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+class MaxTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
 
 
 def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=(),

@@ -5,6 +5,7 @@ import torch
 from common.explorer.engine import HFEngine, SamplingConfig
 from common.experience import Experience, collate
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
+from tests.conftest import MaxTensor
 
 
 def _engine_and_prompts():
@@ -59,8 +60,6 @@ def test_behaviour_logprobs_match_trainer_recompute():
 def test_generate_keeps_no_step_logits():
     """No tensor of generate's rows x new tokens x vocabulary exists (every step's logits kept to the end), while
     the behaviour log-probs still come back for every token."""
-    from tests.test_scale_logprobs import MaxTensor
-
     engine, tokenizer, model, prompts = _engine_and_prompts()
     model.resize_token_embeddings(4096)  # logits the largest thing a step makes, as in a real model
     rows, new_tokens, vocab = 2 * 4, 40, model.config.vocab_size

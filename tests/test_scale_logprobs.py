@@ -3,10 +3,10 @@ computation, and no [tokens, vocab] tensor in either pass."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.trainer.losses import entropy_from_logits
 from common.model import hidden_states, load_model, sequence_logprobs, token_logprobs_chunked
+from tests.conftest import MaxTensor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,21 +29,6 @@ def _batch(lengths, vocab=256, seed=0):
     mask = attn[:, 1:].float()
     mask[:, :2] = 0  # a 3-token "prompt"
     return ids, attn, mask
-
-
-class MaxTensor(TorchDispatchMode):
-    """Records the largest tensor any op produces (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
 
 
 def test_chunked_equals_one_shot_values_and_gradients():
