@@ -70,3 +70,12 @@ def map_shared_file(path: str, size: int, create: bool = False) -> torch.Tensor:
                                    f"({free / 2**20:.0f} MB free: {e.strerror}); enlarge it (docker: --shm-size)") \
                     from None
     return torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
+
+
+def remove_shared_file(path: str) -> None:
+    """Remove a `map_shared_file` file's name (processes that mapped it keep their mapping), whoever comes first:
+    another side, or a worker's group guard, may have removed it already."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

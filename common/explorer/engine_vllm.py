@@ -43,7 +43,7 @@ import uuid
 
 import torch
 
-from common.buckets import flat_layout, flat_views, map_shared_file
+from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
 from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.model import DTYPES
@@ -338,17 +338,13 @@ class VLLMEngine(RolloutEngine):
                 llm.llm_engine.engine_core.shutdown()
         finally:
             self._buffers = None
-            if self._shm_path and os.path.exists(self._shm_path):
-                os.unlink(self._shm_path)
+            if self._shm_path:
+                remove_shared_file(self._shm_path)
             self._shm_path = None
 
     def __del__(self):
-        path = getattr(self, "_shm_path", None)
-        if path:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # close() or the worker's guard removed it first
-                pass
+        if getattr(self, "_shm_path", None):
+            remove_shared_file(self._shm_path)
 
 
 def _token_versions(completion, num_tokens: int) -> list[int] | None:

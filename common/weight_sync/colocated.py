@@ -39,7 +39,7 @@ import uuid
 
 import torch
 
-from common.buckets import flat_layout, flat_views, map_shared_file
+from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
 from common.runtime.channel import StoreValue
 from common.weight_sync.base import WeightSync, full_tensor
 
@@ -87,14 +87,6 @@ def _open_slot(shared: bytes, device: torch.device) -> torch.Tensor:
     return slot
 
 
-def _remove(path: str) -> None:
-    """Remove the slot's file name (processes that mapped it keep their mapping); whichever side comes first."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 class ColocatedSync(WeightSync):
     name = "colocated"
 
@@ -134,7 +126,7 @@ class ColocatedSync(WeightSync):
 
     def _unlink(self) -> None:
         if self.path is not None:
-            _remove(self.path)
+            remove_shared_file(self.path)
         self.path = None
 
     @torch.no_grad()
@@ -208,7 +200,7 @@ class ColocatedSync(WeightSync):
             self.engine.commit_weights(buffers, version)
         if self.version < 0 and self.ctx.store.add("weight_sync/colocated/opened", 1) >= len(self.reading) \
                 and self.path is not None:
-            _remove(self.path)  # every explorer (and vLLM worker) has the file mapped: its name can go
+            remove_shared_file(self.path)  # every explorer (and vLLM worker) has the file mapped: its name can go
         self.version = version
         self.timeline.record("sync", start, time.time(), step=step, version=version, **self._checked())
         return start
