@@ -172,11 +172,10 @@ class _ChosenLogprobs:
         return scores
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """[rows, new tokens]: the last step's token is the last of the generated `sequences`."""
-        if self.previous is not None:
-            self.chosen.append(self.previous.gather(-1, sequences[:, -1:]).squeeze(-1))
-            self.previous = None
-        return torch.stack(self.chosen, 1) if self.chosen else sequences.new_zeros(len(sequences), 0).float()
+        """[rows, new tokens]: the last step's token is the last of the generated `sequences` (generate makes at
+        least one)."""
+        self.chosen.append(self.previous.gather(-1, sequences[:, -1:]).squeeze(-1))
+        return torch.stack(self.chosen, 1)
 
 
 def vllm_available() -> tuple[bool, str]:
