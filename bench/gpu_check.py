@@ -5,7 +5,8 @@
 
 1. The matrix of placements and features: the three schedules colocated, explorer and trainer on separate GPUs,
    a CPU explorer with a GPU trainer, torchrun, checkpoint sync, LoRA, PPO, FSDP2 + CPU offload + gradient
-   checkpointing + packing, a VLM, an agent, vLLM. Each is a real run of an entry script (tiny model, 2 steps, bf16
+   checkpointing + packing, a VLM, an agent, vLLM, and the suite's tests that skip without CUDA (CUDA_TESTS: their
+   verdict is pytest's, and a skip there is a failure). Each other check is a real run of an entry script (tiny model, 2 steps, bf16
    on a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
@@ -46,6 +47,9 @@ SIZE_SHAPE = "qwen2.5-1.5b"  # bench/train_step.py SHAPES: a public config's sha
 TRAIN_STEP_HOOK = ("train_step", "measure")
 HOOK_NAME = f"bench/{TRAIN_STEP_HOOK[0]}.py {TRAIN_STEP_HOOK[1]}()"
 STEPS = 2
+CUDA_TESTS = ["tests/test_scale_logprobs.py::test_varlen_packed_attention_equals_per_sequence_on_cuda",
+              "tests/test_weight_sync_methods.py::test_colocated_cuda_slot_opens_in_another_process",
+              "tests/test_data_parallel.py::test_colocated_on_one_gpu"]  # the suite's tests that skip on a CPU
 HARD_END = [float("inf")]  # no subprocess runs past this (set from --budget-s): the whole check ends in time
 
 
@@ -59,6 +63,7 @@ class Check:
     argv: list[str]                # after the interpreter, run in the repository root
     skip: str = ""                 # why it does not run here ("" = it runs)
     timeout_s: float = 180
+    pytest: bool = False           # argv runs tests: the verdict is pytest's, not a training run's
     result: dict = field(default_factory=dict)
 
 
@@ -98,8 +103,12 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
                                                        "--max-turns", "3", "--episode-token-budget", "400"]),
         Check("vLLM engine", ["train_sync.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15"],
               "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),
+        Check("tests that skip without CUDA", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
+              no_cuda, timeout_s=300, pytest=True),
     ]
     for c in checks:
+        if c.pytest:
+            continue
         script = c.argv.index(next(a for a in c.argv if a.endswith(".py")))
         c.argv[script + 1:script + 1] = tiny_flags(gpu)  # the check's own flags come after: they win
     return checks
@@ -115,7 +124,7 @@ def last_error(text: str) -> str:
 
 def run_check(check: Check, work: str, logs: str) -> dict:
     out_dir = os.path.join(work, re.sub(r"\W+", "_", check.name).strip("_"))
-    argv = [sys.executable, *check.argv, "--out-dir", out_dir]
+    argv = [sys.executable, *check.argv, *([] if check.pytest else ["--out-dir", out_dir])]
     log = os.path.join(logs, os.path.basename(out_dir) + ".log")
     start = time.time()
     try:
@@ -132,6 +141,12 @@ def run_check(check: Check, work: str, logs: str) -> dict:
     trained = any(r.get("loss", 0) != 0 and r.get("grad_norm", 0) > 0 for r in rows)
     if rc is None:
         return {"verdict": "FAILED", "seconds": seconds, "detail": f"timed out after {check.timeout_s:.0f}s (log: {log})"}
+    if check.pytest:  # pytest's own summary line: "3 passed", "2 passed, 1 skipped", "1 failed, ..."
+        summary = next((ln.strip("= ") for ln in reversed(text.splitlines())
+                        if re.match(r"=*\s*\d+ (passed|failed|skipped|errors?)\b", ln)), last_error(text))
+        ok = rc == 0 and "skipped" not in summary
+        return {"verdict": "ok" if ok else "FAILED", "seconds": seconds,
+                "detail": summary if ok else f"{summary} (log: {log})"}
     if rc != 0:
         return {"verdict": "FAILED", "seconds": seconds, "detail": f"{last_error(text)} (log: {log})"}
     if len(rows) != STEPS:
@@ -282,7 +297,8 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
     run_flags = ["--model", folder, "--dtype", "bfloat16", "--explorer-devices", "cuda:0", "--trainer-devices",
                  "cuda:0", "--taskset", "parity", "--samples-per-task", "4", "--eval-size", "4", "--eval-every", "0",
                  "--num-threads", "4", "--micro-batch-size", "8", "--gradient-checkpointing", "--overwrite"]
-    for i, method in enumerate(sync_methods()):
+    # --sync-method auto's choice for this placement first: its run is the full-size one (rollout, memory)
+    for i, method in enumerate(sorted(sync_methods(), key=lambda m: m != "colocated")):
         if time.time() > deadline:
             rows.append((f"weight sync {method}", "skipped", "out of the --budget-s time"))
             continue

@@ -115,9 +115,12 @@ NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::as
              "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::resize_", "aten::set_", "aten::lift_fresh",
              "aten::detach", "aten::detach_", "aten::alias", "aten::resolve_conj", "aten::resolve_neg",
              "aten::result_type", "aten::to", "aten::contiguous", "aten::is_nonzero", "aten::item",
-             "aten::_local_scalar_dense", "aten::record_stream"}
-"""Operators that launch no kernel of their own (allocation, metadata; `to` and `contiguous` where they copy
-nothing, else the copy is counted), left out of the CPU's kernel count."""
+             "aten::_local_scalar_dense", "aten::record_stream", "aten::transpose", "aten::t", "aten::permute",
+             "aten::slice", "aten::select", "aten::narrow", "aten::unsqueeze", "aten::squeeze", "aten::expand",
+             "aten::expand_as", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::chunk",
+             "aten::view_as", "aten::unflatten", "aten::flatten", "aten::_reshape_alias"}
+"""Operators that launch no kernel of their own (allocation, views and other metadata; `to`, `contiguous` and
+`flatten` where they copy nothing, else the copy is counted), left out of the CPU's kernel count."""
 
 
 def profile_step(trainer, batch, device: torch.device, rows: int = 15) -> dict:
@@ -188,7 +191,7 @@ def _estimate_gib(args, config, device: torch.device, batch) -> float:
 def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, tokens: int = 2048,
             steps: int = 3, micro_batches: int = 1, prompt_len: int = 64, response_len: int = 512,
             packed: bool = True, gradient_checkpointing: bool = False, extra_args: tuple[str, ...] = (),
-            peak_flops: float | None = None, profile: bool = False) -> dict:
+            peak_flops: float | None = None, profile: bool = False, packed_attention: str = "auto") -> dict:
     """Time `steps` train steps (the first a warm-up) of the trainer on synthetic experiences and return tokens/s,
     the model FLOP rate, the measured matmul rate and MFU.
 
@@ -196,7 +199,9 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     tokens: tokens per micro-batch (--max-tokens-per-micro-batch when packed; else the rows of one micro-batch
     hold about that many real tokens, padded to the longest). peak_flops: the rate MFU is taken against (default:
     `matmul_rate` on the device in `dtype`, measured here). profile: after the timed steps, one more under
-    torch.profiler (`profile`: `profile_step`)."""
+    torch.profiler (`profile`: `profile_step`). packed_attention: common/model.py PACKED_ATTENTION for these steps
+    ("split": causal sdpa per sequence, also where flash attention's varlen kernel runs)."""
+    import common.model
     from common.config import parse_args
     from common.trainer.trainer import Trainer
     from train_sync import Args
@@ -222,6 +227,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     all_tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
     trained = sum(len(e.response_ids) for e in batch)
     times, cpu_times = [], []
+    common.model.PACKED_ATTENTION = packed_attention
     for step in range(steps):
         if step == 1:
             _peak_memory_reset(device)
@@ -234,6 +240,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     peak_gib = _peak_memory_gib(device)
     estimate_gib = _estimate_gib(args, model_config, device, batch)
     extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
+    common.model.PACKED_ATTENTION = "auto"
     del trainer
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
@@ -246,7 +253,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
                "mfu_cpu_time": flops / cpu_s / cpu_peak}
     return {"device": str(device), "dtype": dtype_name, "threads": torch.get_num_threads(), "rows": rows,
             "tokens": all_tokens, "trained_tokens": trained, "micro_batch_tokens": tokens, "packed": packed,
-            "gradient_checkpointing": gradient_checkpointing, "step_s": step_s, "step_times": times,
+            "gradient_checkpointing": gradient_checkpointing, "packed_attention": packed_attention, "step_s": step_s, "step_times": times,
             "tokens_per_s": all_tokens / step_s, "trained_tokens_per_s": trained / step_s,
             "model_tflops": flops / step_s / 1e12, "matmul_tflops": peak / 1e12, "mfu": flops / step_s / peak,
             "peak_memory_gib": peak_gib, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu, **extra}
@@ -295,6 +302,9 @@ def main():
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--profile", action="store_true", help="then profile one more step (kernels, the top "
                         "operators by the device's own time)")
+    parser.add_argument("--packed-attention", default="auto", choices=["auto", "split"], help="auto: flash "
+                        "attention's varlen kernel on a GPU (bf16/fp16), else sdpa per sequence; split: always per "
+                        "sequence (to compare)")
     parser.add_argument("--json", default=None, help="also write the result here")
     opts = parser.parse_args()
     if opts.threads:
@@ -307,10 +317,10 @@ def main():
         resolve_model("default")  # converted once, outside the timing
     r = measure(resolve_config(opts.model), opts.device, dtype, opts.tokens, opts.steps, opts.micro_batches,
                 opts.prompt_len, opts.response_len, not opts.padded, opts.gradient_checkpointing,
-                profile=opts.profile)
+                profile=opts.profile, packed_attention=opts.packed_attention)
     print(f"train step ({r['device']} {r['dtype']}, {r['threads']} threads, {r['rows']} rows, {r['tokens']} tokens, "
           f"{r['trained_tokens']} trained, {'packed' if r['packed'] else 'padded'} micro-batches of {r['micro_batch_tokens']}"
-          f"{', checkpointing' if r['gradient_checkpointing'] else ''}): step {r['step_s']:.3f} s, "
+          f"{', checkpointing' if r['gradient_checkpointing'] else ''}, {r['packed_attention']} attention): step {r['step_s']:.3f} s, "
           f"{r['tokens_per_s']:.0f} tokens/s, {r['model_tflops']:.3f} model TFLOP/s against a measured matmul rate of "
           f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB "
           f"(common/memory.py's estimate {r['estimate_gib']:.2f} GiB)")

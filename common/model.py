@@ -12,11 +12,15 @@ log-probs.
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib.util
+import inspect
+import itertools
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -221,9 +225,10 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=No
     else:
         _register_segment_sdpa()
         lengths = tuple(attention_mask.sum(-1).tolist())
+        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(input_ids.device)
         token = _PACKED_SEGMENTS.set(True)
         try:
-            flat = body(**inputs, tandem_segments=lengths).last_hidden_state[0]
+            flat = body(**inputs, tandem_segments=Segments(lengths, starts)).last_hidden_state[0]
         finally:
             _PACKED_SEGMENTS.reset(token)
     hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])
@@ -233,22 +238,62 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=No
 _PACKED_SEGMENTS = contextvars.ContextVar("tandem_packed_segments", default=False)
 """Set while `hidden_states` runs a packed forward with sdpa: the mask builder then makes no [N, N] mask."""
 
+PACKED_ATTENTION = "auto"
+"""How `_segment_sdpa` runs a packed micro-batch. "auto": flash attention's varlen kernel where it runs (CUDA, bf16
+or fp16), one launch per layer over every sequence, else causal sdpa per sequence. "split": always per sequence
+(bench/train_step.py --packed-attention split, to compare)."""
+
+
+class Segments(NamedTuple):
+    """The sequences of a packed forward: their lengths in order and the offsets where each starts (int32 [S+1] on
+    the tokens' device, flash attention's `cu_seqlens`)."""
+    lengths: tuple[int, ...]
+    starts: torch.Tensor
+
+
+def _varlen_runs(query: torch.Tensor, dropout: float) -> bool:
+    """Flash attention's varlen kernel takes these: CUDA on an sm80+ card, half precision, head size <= 256."""
+    return (PACKED_ATTENTION == "auto" and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+            and dropout == 0.0 and query.shape[-1] <= 256 and query.shape[-1] % 8 == 0
+            and torch.cuda.get_device_capability(query.device) >= (8, 0))
+
+
+@functools.cache
+def _varlen_has_gqa_keyword() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
 
 def _segment_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                  tandem_segments=None, **kwargs):
-    """transformers' sdpa attention, except for a packed forward (`tandem_segments`: the length of every sequence
-    in the flat N tokens, in order), which runs causal sdpa per sequence: no [N, N] mask in memory and no attention
-    computed across sequences (with a block-diagonal mask sdpa computes all N x N scores and cannot use its flash
-    kernel). The segments travel as a keyword of the forward, so a checkpointed layer's recomputation sees them.
-    `split`, not one slice per sequence: the backward of a slice writes a zero-filled [N]-long gradient that is then
-    added up, once per sequence (O(sequences x N) memory traffic and three kernels each); a split's backward is one
+                  tandem_segments: Segments | None = None, **kwargs):
+    """transformers' sdpa attention, except for a packed forward (`tandem_segments`), which attends causally
+    within each sequence only: no [N, N] mask in memory and no attention computed across sequences (with a
+    block-diagonal mask sdpa computes all N x N scores and cannot use its flash kernel). The segments travel as a
+    keyword of the forward, so a checkpointed layer's recomputation sees them.
+
+    On a GPU: one varlen flash-attention call over all sequences (grouped-query heads as they are). Per-sequence
+    sdpa would launch a kernel per sequence per layer in each direction, each filling a fraction of the GPU.
+    Elsewhere: causal sdpa per sequence, cut by `split`: the backward of one slice per sequence would write a
+    zero-filled [N]-long gradient that is then added up, once per sequence; a split's backward is one
     concatenation."""
     if tandem_segments is None:
         return _SDPA_ATTENTION(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if _varlen_runs(query, dropout):
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, head size]
+        longest = max(tandem_segments.lengths)
+        # The kernel takes fewer key/value heads as they are; torch >= 2.13 asks to be told (enable_gqa), 2.11 has
+        # no such keyword.
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _varlen_has_gqa_keyword() else {}
+        out = varlen_attn(q, k, v, tandem_segments.starts, tandem_segments.starts, longest, longest, scale=scaling,
+                          window_size=(-1, 0), **gqa)  # (-1, 0): causal
+        return out[None], None
     gqa = query.shape[1] != key.shape[1]
     out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
         q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-        for q, k, v in zip(*(t.split(tandem_segments, dim=2) for t in (query, key, value)))], dim=2)
+        for q, k, v in zip(*(t.split(tandem_segments.lengths, dim=2) for t in (query, key, value)))], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -28,12 +28,14 @@ def test_the_fake_device_raises_where_cuda_does():
             x + torch.arange(4)
 
 
-def test_train_step_on_a_device():
+@pytest.mark.parametrize("micro_batches", [["--micro-batch-size", "2"], ["--max-tokens-per-micro-batch", "64"]],
+                         ids=["padded", "packed"])
+def test_train_step_on_a_device(micro_batches):
     from common.trainer.trainer import Trainer
     from test_scale_trainer import uneven_experiences
     from train_sync import Args
 
-    args = parse_args(Args, [*TINY, "--minibatch-size", "4", "--micro-batch-size", "2", "--kl-coef", "0.01"])
+    args = parse_args(Args, [*TINY, "--minibatch-size", "4", *micro_batches, "--kl-coef", "0.01"])
     torch.manual_seed(0)
     with FakeDevice():
         trainer = Trainer(args, FAKE)

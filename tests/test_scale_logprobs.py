@@ -78,6 +78,47 @@ def test_packed_hidden_states_equal_padded_on_uneven_lengths():
     assert torch.allclose(packed[real], padded[real], atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's varlen kernel needs a CUDA GPU "
+                    "(make gpu-check runs this test)")
+def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
+    """On a GPU a packed micro-batch runs one varlen flash-attention call per layer (grouped-query heads as they
+    are): the same hidden states and gradients as causal sdpa per sequence, and as the padded forward."""
+    import transformers
+    from torch.nn.attention import varlen
+
+    import common.model
+
+    config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda",
+                                                                                                 torch.bfloat16)
+    ids, attn, _ = (t.cuda() for t in _batch([3, 157, 5, 140, 2, 64]))
+    weights = torch.randn(*ids.shape, config.hidden_size, device="cuda")
+    calls = []
+    real_varlen = varlen.varlen_attn
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(1) or real_varlen(*a, **k))
+
+    def run(mode, packed=True):
+        monkeypatch.setattr(common.model, "PACKED_ATTENTION", mode)
+        model.zero_grad()
+        hidden = hidden_states(model.base_model, ids, attn, packed=packed)
+        (hidden.float() * weights).sum().backward()
+        return hidden.float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    varlen_h, varlen_g = run("auto")
+    assert len(calls) == config.num_hidden_layers  # one call per layer, none per sequence
+    split_h, split_g = run("split")
+    assert len(calls) == config.num_hidden_layers
+    padded_h, _ = run("split", packed=False)
+    real = attn.bool()
+    assert (varlen_h[~real] == 0).all()
+    for other in (split_h, padded_h):
+        assert torch.allclose(varlen_h[real], other[real], atol=3e-2, rtol=3e-2)
+    for name, grad in split_g.items():
+        assert torch.allclose(varlen_g[name], grad, atol=1e-2 * grad.abs().max().item() + 1e-3), name
+
+
 def _grouped_batch(seed=0, vocab=256):
     """GRPO-shaped rows: two prompts x 3 responses of uneven lengths, one row with a prompt of its own and one row
     with no trained token (reference-style, all-prompt)."""
