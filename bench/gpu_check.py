@@ -10,11 +10,13 @@
    on a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
-   - rollout tokens/s and weight-sync GB/s of each --sync-method: `train_sync.py` runs with both sides on one GPU
-     (metrics.jsonl's rollout/tokens_per_s and time/sync, median after a warm-up step);
+   - rollout tokens/s and the weight hand-off's GB/s of each --sync-method: `train_sync.py` runs with both sides on
+     one GPU (metrics.jsonl's rollout/tokens_per_s; the timeline's sync phases: from trainer0 starting to send a
+     version to explorer0 holding it, medians after the first version);
    - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): the train-step
      benchmark's `measure` beside this file (TRAIN_STEP_HOOK; its row says so where that module is absent), once
-     as the MFU goal's configuration (no checkpointing) with a profiled step (the GPU's busy fraction, kernels, the
+     as the MFU goal's configuration (four packed micro-batches of 8192 tokens, a GRPO step of ~35k tokens, no
+     checkpointing) with a profiled step (the GPU's busy fraction, kernels, the
      top kernels; the whole list in its log), once with gradient checkpointing;
    - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator).
    A new sync method registered in --sync-method gets its row without a change here.
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.runtime.metrics import read_metrics  # noqa: E402
+from common.runtime.metrics import read_metrics, read_timeline  # noqa: E402
 
 SIZE_SHAPE = "qwen2.5-1.5b"  # bench/train_step.py SHAPES: a public config's shape, random weights, no hub
 # The train-step benchmark (module, function) in this folder: measure(model, device, dtype, tokens, ...) -> dict
@@ -211,7 +213,7 @@ def _train_step(folder: str, checkpointing: bool) -> None:
     if checkpointing:
         r = measure(folder, "cuda", torch.bfloat16, 8192, steps=3, micro_batches=2, gradient_checkpointing=True)
     else:  # the MFU goal's configuration (docs/BENCHMARKS.md), profiled: where the step's time goes
-        r = measure(folder, "cuda", torch.bfloat16, 8192, steps=3, profile=True)
+        r = measure(folder, "cuda", torch.bfloat16, 8192, steps=3, micro_batches=4, profile=True)
         for name, ms, calls in r["profile"]["top"]:  # into the log
             print(f"{ms:10.1f} ms {calls:7d}x  {name}")
     print(json.dumps(r))
@@ -242,6 +244,23 @@ def _sub(argv: list[str], timeout_s: float, log: str) -> tuple[dict | None, str]
         return None, f"{e} (log: {log})"
 
 
+def handoff_seconds(out_dir: str) -> tuple[float, float, float]:
+    """The hand-off of a weight version: (from trainer0 starting to send to explorer0 holding it, trainer0's time
+    in its sync phase, explorer0's), medians over the versions after the first."""
+    spans: dict[int, dict[str, list[float]]] = {}
+    for e in read_timeline(out_dir):
+        if e["phase"] == "sync" and e["process"] in ("trainer0", "explorer0") and "version" in e:
+            spans.setdefault(e["version"], {"trainer0": [], "explorer0": []})[e["process"]].append(e)
+    done = [v for v in sorted(spans) if spans[v]["trainer0"] and spans[v]["explorer0"]]
+    later = done[1:] or done
+
+    def median(f):
+        return statistics.median(f(spans[v]) for v in later)
+    return (median(lambda s: max(e["end"] for e in s["explorer0"]) - min(e["start"] for e in s["trainer0"])),
+            median(lambda s: sum(e["end"] - e["start"] for e in s["trainer0"])),
+            median(lambda s: sum(e["end"] - e["start"] for e in s["explorer0"])))
+
+
 def sync_methods() -> list[str]:
     try:
         from common.weight_sync import METHODS  # a registry of sync methods, where there is one
@@ -253,7 +272,7 @@ def sync_methods() -> list[str]:
 
 
 def train_step_rows(folder: str, logs: str, deadline: float) -> list[tuple[str, str, str]]:
-    """The train step alone, packed micro-batches of 8192 tokens: one per step without checkpointing (profiled),
+    """The train step alone, packed micro-batches of 8192 tokens: four per step without checkpointing (profiled),
     then two with gradient checkpointing."""
     rows: list[tuple[str, str, str]] = []
     for checkpointing in (False, True):
@@ -275,7 +294,8 @@ def train_step_rows(folder: str, logs: str, deadline: float) -> list[tuple[str, 
                  (f"MFU, {how}", f"{100 * r['mfu']:.1f} %", f"6·N·tokens / step time {r['step_s']:.3f} s / "
                   f"{r['matmul_tflops']:.0f} TFLOP/s (bf16 matmul measured on this card)"),
                  (f"peak GPU memory, train step alone, {how}", f"{r['peak_memory_gib']:.1f} GiB",
-                  f"common/memory.py's estimate {r['estimate_gib']:.1f} GiB")]
+                  f"torch's reserved peak ({r['peak_allocated_gib']:.1f} GiB allocated); common/memory.py's "
+                  f"estimate {r['estimate_gib']:.1f} GiB")]
         if "profile" in r:
             p = r["profile"]
             top = "; ".join(f"{name[:48]} {ms:.0f} ms x{calls}" for name, ms, calls in p["top"][:4])
@@ -321,9 +341,11 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             rows.append((f"train_sync.py --sync-method {method}", "FAILED",
                          "timed out" if rc is None else f"{last_error(text)} (log: {log})"))
             continue
-        sync_s = statistics.median(r.get("time/sync", float("nan")) for r in metrics)
-        rows.append((f"weight sync, --sync-method {method}, colocated", f"{gb / sync_s:.2f} GB/s",
-                     f"{gb:.2f} GB / time/sync {sync_s:.2f} s (train_sync.py, median of steps 2-3)"))
+        wall, sent, took = handoff_seconds(out_dir)
+        rows.append((f"weight hand-off, --sync-method {method}, colocated", f"{1e3 * wall:,.1f} ms",
+                     f"{gb:.2f} GB: {gb / wall:.2f} GB/s; trainer0 sending {1e3 * sent:,.1f} ms, explorer0 taking "
+                     f"{1e3 * took:,.1f} ms (timeline sync phases, train_sync.py, median of the versions after the "
+                     "first)"))
         if main:
             tps = statistics.median(r.get("rollout/tokens_per_s", float("nan")) for r in metrics)
             with open(os.path.join(out_dir, "config.json")) as f:

@@ -238,6 +238,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     peak_gib = _peak_memory_gib(device)
+    allocated = {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
     estimate_gib = _estimate_gib(args, model_config, device, batch)
     extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
     common.model.PACKED_ATTENTION = "auto"
@@ -256,7 +257,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
             "gradient_checkpointing": gradient_checkpointing, "packed_attention": packed_attention, "step_s": step_s, "step_times": times,
             "tokens_per_s": all_tokens / step_s, "trained_tokens_per_s": trained / step_s,
             "model_tflops": flops / step_s / 1e12, "matmul_tflops": peak / 1e12, "mfu": flops / step_s / peak,
-            "peak_memory_gib": peak_gib, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu, **extra}
+            "peak_memory_gib": peak_gib, **allocated, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu, **extra}
 
 
 SHAPES = {  # public configs, for machines without the hub: shape:<name>
@@ -322,7 +323,8 @@ def main():
           f"{r['trained_tokens']} trained, {'packed' if r['packed'] else 'padded'} micro-batches of {r['micro_batch_tokens']}"
           f"{', checkpointing' if r['gradient_checkpointing'] else ''}, {r['packed_attention']} attention): step {r['step_s']:.3f} s, "
           f"{r['tokens_per_s']:.0f} tokens/s, {r['model_tflops']:.3f} model TFLOP/s against a measured matmul rate of "
-          f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB "
+          f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB"
+          f"{' reserved, %.2f allocated' % r['peak_allocated_gib'] if 'peak_allocated_gib' in r else ''} "
           f"(common/memory.py's estimate {r['estimate_gib']:.2f} GiB)")
     if "mfu_cpu_time" in r:
         print(f"  per CPU-second of this process: step {r['step_cpu_s']:.2f} CPU-s, matmul "

@@ -104,7 +104,7 @@ def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
         model.zero_grad()
         hidden = hidden_states(model.base_model, ids, attn, packed=packed)
         (hidden.float() * weights).sum().backward()
-        return hidden.float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        return hidden.float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
     varlen_h, varlen_g = run("auto")
     assert len(calls) == config.num_hidden_layers  # one call per layer, none per sequence
@@ -115,8 +115,9 @@ def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
     assert (varlen_h[~real] == 0).all()
     for other in (split_h, padded_h):
         assert torch.allclose(varlen_h[real], other[real], atol=3e-2, rtol=3e-2)
-    for name, grad in split_g.items():
-        assert torch.allclose(varlen_g[name], grad, atol=1e-2 * grad.abs().max().item() + 1e-3), name
+    assert varlen_g.keys() == split_g.keys() and len(split_g) > 10
+    for name, grad in split_g.items():  # bf16: single entries differ by ~1 % (measured on an H200), the whole by less
+        assert (varlen_g[name] - grad).norm() <= 0.05 * grad.norm(), name
 
 
 def _grouped_batch(seed=0, vocab=256):
