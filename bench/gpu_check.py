@@ -5,10 +5,10 @@
 
 1. The matrix of placements and features: the three schedules colocated, explorer and trainer on separate GPUs,
    a CPU explorer with a GPU trainer, torchrun, checkpoint sync, LoRA, PPO, FSDP2 + CPU offload + gradient
-   checkpointing + packing, a VLM, an agent, vLLM, and the suite's tests that skip without CUDA (CUDA_TESTS: their
-   verdict is pytest's, and a skip there is a failure). Each other check is a real run of an entry script (tiny model, 2 steps, bf16
-   on a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
+   checkpointing + packing, a VLM, an agent, vLLM: each a real run of an entry script (tiny model, 2 steps, bf16 on
+   a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
+   Then the suite's tests that skip without CUDA (CUDA_TESTS), with pytest's verdict (a skip there is a failure).
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
    - rollout tokens/s and the weight hand-off's GB/s of each --sync-method: `train_sync.py` runs with both sides on
      one GPU (metrics.jsonl's rollout/tokens_per_s; the timeline's sync phases: from trainer0 starting to send a

@@ -227,7 +227,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     all_tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
     trained = sum(len(e.response_ids) for e in batch)
     times, cpu_times = [], []
-    common.model.PACKED_ATTENTION = packed_attention
+    common.model.PACKED_ATTENTION = packed_attention  # back to "auto" below
     for step in range(steps):
         if step == 1:
             _peak_memory_reset(device)
@@ -254,10 +254,12 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
                "mfu_cpu_time": flops / cpu_s / cpu_peak}
     return {"device": str(device), "dtype": dtype_name, "threads": torch.get_num_threads(), "rows": rows,
             "tokens": all_tokens, "trained_tokens": trained, "micro_batch_tokens": tokens, "packed": packed,
-            "gradient_checkpointing": gradient_checkpointing, "packed_attention": packed_attention, "step_s": step_s, "step_times": times,
+            "gradient_checkpointing": gradient_checkpointing, "packed_attention": packed_attention,
+            "step_s": step_s, "step_times": times,
             "tokens_per_s": all_tokens / step_s, "trained_tokens_per_s": trained / step_s,
             "model_tflops": flops / step_s / 1e12, "matmul_tflops": peak / 1e12, "mfu": flops / step_s / peak,
-            "peak_memory_gib": peak_gib, **allocated, "estimate_gib": estimate_gib, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **cpu, **extra}
+            "peak_memory_gib": peak_gib, **allocated, "estimate_gib": estimate_gib, "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"], **cpu, **extra}
 
 
 SHAPES = {  # public configs, for machines without the hub: shape:<name>
@@ -321,7 +323,8 @@ def main():
                 profile=opts.profile, packed_attention=opts.packed_attention)
     print(f"train step ({r['device']} {r['dtype']}, {r['threads']} threads, {r['rows']} rows, {r['tokens']} tokens, "
           f"{r['trained_tokens']} trained, {'packed' if r['packed'] else 'padded'} micro-batches of {r['micro_batch_tokens']}"
-          f"{', checkpointing' if r['gradient_checkpointing'] else ''}, {r['packed_attention']} attention): step {r['step_s']:.3f} s, "
+          f"{', checkpointing' if r['gradient_checkpointing'] else ''}, {r['packed_attention']} attention): "
+          f"step {r['step_s']:.3f} s, "
           f"{r['tokens_per_s']:.0f} tokens/s, {r['model_tflops']:.3f} model TFLOP/s against a measured matmul rate of "
           f"{r['matmul_tflops']:.3f} TFLOP/s: MFU {100 * r['mfu']:.1f} %, peak memory {r['peak_memory_gib']:.2f} GiB"
           f"{' reserved, %.2f allocated' % r['peak_allocated_gib'] if 'peak_allocated_gib' in r else ''} "
