@@ -259,10 +259,8 @@ def _varlen_runs(query: torch.Tensor, dropout: float) -> bool:
 
 
 @functools.cache
-def _varlen_has_gqa_keyword() -> bool:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+def _takes_keyword(function, name: str) -> bool:
+    return name in inspect.signature(function).parameters
 
 
 def _segment_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -286,7 +284,7 @@ def _segment_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
         longest = max(tandem_segments.lengths)
         # The kernel takes fewer key/value heads as they are; torch >= 2.13 asks to be told (enable_gqa), 2.11 has
         # no such keyword.
-        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _varlen_has_gqa_keyword() else {}
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _takes_keyword(varlen_attn, "enable_gqa") else {}
         out = varlen_attn(q, k, v, tandem_segments.starts, tandem_segments.starts, longest, longest, scale=scaling,
                           window_size=(-1, 0), **gqa)  # (-1, 0): causal
         return out[None], None

@@ -185,6 +185,20 @@ class MaxTensor(TorchDispatchMode):
         return out
 
 
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                          enable_gqa=False):
+    """`torch.nn.attention.varlen.varlen_attn`'s contract (causal: window_size (-1, 0)), computed by sdpa per
+    sequence: it stands in for the flash kernel, which runs on CUDA only, so a CPU test checks the call around it
+    (layouts, offsets, and that the offsets sit on the tokens' device)."""
+    assert window_size == (-1, 0) and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    assert cu_seq_q.device == query.device and cu_seq_q.dtype == torch.int32, (cu_seq_q.device, query.device)
+    bounds = cu_seq_q.tolist()
+    assert bounds[0] == 0 and bounds[-1] == query.shape[0] and max_q == max(b - a for a, b in zip(bounds, bounds[1:]))
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[a:b].transpose(0, 1) for t in (query, key, value)), is_causal=True, scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1]).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+
+
 def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = True, skipped=(),
                    model: str = "tiny") -> list[dict]:
     """The end-to-end check that a run learned through its policy-gradient term: the run has no entropy bonus (which

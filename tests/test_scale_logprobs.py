@@ -1,12 +1,14 @@
 """Chunked log-probs and padding-free packing (common/model.py): same numbers and gradients as the one-shot, padded
 computation, and no [tokens, vocab] tensor in either pass."""
 
+import functools
+
 import pytest
 import torch
 
 from common.trainer.losses import entropy_from_logits
 from common.model import hidden_states, load_model, sequence_logprobs, token_logprobs_chunked
-from tests.conftest import MaxTensor
+from tests.conftest import MaxTensor, reference_varlen_attn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,11 +80,10 @@ def test_packed_hidden_states_equal_padded_on_uneven_lengths():
     assert torch.allclose(packed[real], padded[real], atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's varlen kernel needs a CUDA GPU "
-                    "(make gpu-check runs this test)")
-def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
-    """On a GPU a packed micro-batch runs one varlen flash-attention call per layer (grouped-query heads as they
-    are): the same hidden states and gradients as causal sdpa per sequence, and as the padded forward."""
+def _packed_attention_runs(monkeypatch, device: str, dtype: torch.dtype, kernel=None):
+    """A grouped-query Qwen2 body's packed forward and backward with the varlen call ("auto") and with sdpa per
+    sequence ("split"), and its padded forward: [(hidden states, gradients)] in that order, the real tokens, and
+    how many times the varlen call ran per layer. `kernel` stands in for flash attention's (CUDA only)."""
     import transformers
     from torch.nn.attention import varlen
 
@@ -91,13 +92,17 @@ def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
     config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=256)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda",
-                                                                                                 torch.bfloat16)
-    ids, attn, _ = (t.cuda() for t in _batch([3, 157, 5, 140, 2, 64]))
-    weights = torch.randn(*ids.shape, config.hidden_size, device="cuda")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
+    ids, attn, _ = (t.to(device) for t in _batch([3, 157, 5, 140, 2, 64]))
+    weights = torch.randn(*ids.shape, config.hidden_size, device=device)
     calls = []
-    real_varlen = varlen.varlen_attn
-    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(1) or real_varlen(*a, **k))
+    real_kernel = kernel or varlen.varlen_attn
+
+    @functools.wraps(real_kernel)  # the same signature: the caller asks it which keywords it takes
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_kernel(*args, **kwargs)
+    monkeypatch.setattr(varlen, "varlen_attn", counted)
 
     def run(mode, packed=True):
         monkeypatch.setattr(common.model, "PACKED_ATTENTION", mode)
@@ -106,18 +111,42 @@ def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
         (hidden.float() * weights).sum().backward()
         return hidden.float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    varlen_h, varlen_g = run("auto")
-    assert len(calls) == config.num_hidden_layers  # one call per layer, none per sequence
-    split_h, split_g = run("split")
-    assert len(calls) == config.num_hidden_layers
-    padded_h, _ = run("split", packed=False)
-    real = attn.bool()
+    runs = [run("auto"), run("split"), run("split", packed=False)]
+    return runs, attn.bool(), len(calls) / config.num_hidden_layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's varlen kernel needs a CUDA GPU "
+                    "(make gpu-check runs this test)")
+def test_varlen_packed_attention_equals_per_sequence_on_cuda(monkeypatch):
+    """On a GPU a packed micro-batch runs one varlen flash-attention call per layer (grouped-query heads as they
+    are): the same hidden states and gradients as causal sdpa per sequence, and as the padded forward."""
+    ((varlen_h, varlen_g), (split_h, split_g), (padded_h, _)), real, per_layer = _packed_attention_runs(
+        monkeypatch, "cuda", torch.bfloat16)
+    assert per_layer == 1  # one call per layer, none per sequence, none on the "split" runs
     assert (varlen_h[~real] == 0).all()
     for other in (split_h, padded_h):
         assert torch.allclose(varlen_h[real], other[real], atol=3e-2, rtol=3e-2)
     assert varlen_g.keys() == split_g.keys() and len(split_g) > 10
     for name, grad in split_g.items():  # bf16: single entries differ by ~1 % (measured on an H200), the whole by less
         assert (varlen_g[name] - grad).norm() <= 0.05 * grad.norm(), name
+
+
+def test_the_varlen_call_around_a_reference_kernel_equals_per_sequence(monkeypatch):
+    """The CPU half of the GPU's packed attention: the kernel replaced by its contract computed per sequence
+    (tests/conftest.py reference_varlen_attn), the call around it (layouts, offsets, grouped-query heads, the output's
+    shape) gives the per-sequence path's hidden states and gradients to fp32 rounding."""
+    import common.model
+
+    monkeypatch.setattr(common.model, "_varlen_runs", lambda query, dropout: common.model.PACKED_ATTENTION == "auto")
+    ((varlen_h, varlen_g), (split_h, split_g), (padded_h, _)), real, per_layer = _packed_attention_runs(
+        monkeypatch, "cpu", torch.float32, reference_varlen_attn)
+    assert per_layer == 1
+    assert (varlen_h[~real] == 0).all()
+    for other in (split_h, padded_h):
+        assert torch.allclose(varlen_h[real], other[real], atol=1e-5)
+    assert varlen_g.keys() == split_g.keys() and len(split_g) > 10
+    for name, grad in split_g.items():  # fp32: the two differ in summation order only
+        assert (varlen_g[name] - grad).norm() <= 1e-5 * grad.norm(), name
 
 
 def _grouped_batch(seed=0, vocab=256):
