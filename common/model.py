@@ -374,12 +374,6 @@ def shared_prompt_layout(body, input_ids, attention_mask, mask):
     return ids, positions, allowed, index
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at every position: [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def _scaled_logits(raw: torch.Tensor, temperature: float, softcap,
                    with_slope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The head's output as the sampler sees it, in a new fp32 tensor: softcapped (Gemma 2), then divided by the

@@ -19,7 +19,11 @@ from typing import Callable
 
 import torch
 
-from common.model import entropy_from_logits  # noqa: F401 (a loss-side function; it lives with the model's log-probs)
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution at every position: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
