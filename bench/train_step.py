@@ -227,21 +227,24 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     all_tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
     trained = sum(len(e.response_ids) for e in batch)
     times, cpu_times = [], []
-    common.model.PACKED_ATTENTION = packed_attention  # back to "auto" below
-    for step in range(steps):
-        if step == 1:
-            _peak_memory_reset(device)
-        _sync(device)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        metrics = trainer.train_step(batch)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-    peak_gib = _peak_memory_gib(device)
-    allocated = {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30} if device.type == "cuda" else {}
-    estimate_gib = _estimate_gib(args, model_config, device, batch)
-    extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
-    common.model.PACKED_ATTENTION = "auto"
+    before, common.model.PACKED_ATTENTION = common.model.PACKED_ATTENTION, packed_attention
+    try:
+        for step in range(steps):
+            if step == 1:
+                _peak_memory_reset(device)
+            _sync(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            metrics = trainer.train_step(batch)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
+        peak_gib = _peak_memory_gib(device)
+        allocated = {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30} \
+            if device.type == "cuda" else {}
+        estimate_gib = _estimate_gib(args, model_config, device, batch)
+        extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
+    finally:
+        common.model.PACKED_ATTENTION = before
     del trainer
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
