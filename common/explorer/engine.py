@@ -152,7 +152,6 @@ class HFEngine(RolloutEngine):
         return [(n, p) for n, p in self.model.named_parameters() if not is_frozen(n, self.freeze)]
 
 
-# ----------------------------------------------------------------------------- which engine (--engine auto)
 class _ChosenLogprobs:
     """A logits processor for HF `generate` that keeps the behaviour log-prob of every sampled token and no step's
     logits: at each step it takes, from the previous step's log_softmax(logits / temperature), the token that
@@ -178,6 +177,7 @@ class _ChosenLogprobs:
         return torch.stack(self.chosen, 1)
 
 
+# ----------------------------------------------------------------------------- which engine (--engine auto)
 def vllm_available() -> tuple[bool, str]:
     """(True, version) when vLLM imports here, else (False, the reason in one line).
 
