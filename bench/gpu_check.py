@@ -363,7 +363,6 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
     gb = made["bytes"] / 1e9
     rows.append(("model", f"{made['params'] / 1e9:.2f} B params, {gb:.2f} GB bf16",
                  f"shape:{SIZE_SHAPE} (bench/train_step.py SHAPES), random weights"))
-    rows += rollout_rows(folder, logs)
     run_flags = ["--model", folder, "--dtype", "bfloat16", "--explorer-devices", "cuda:0", "--trainer-devices",
                  "cuda:0", "--taskset", "parity", "--samples-per-task", str(ROLLOUT_SHAPE[1]), "--eval-size", "4", "--eval-every", "0",
                  "--num-threads", "4", "--micro-batch-size", "8", "--gradient-checkpointing", "--overwrite"]
@@ -410,7 +409,8 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             for k in sorted({k for r in metrics for k in r if k.startswith("memory/")}):
                 rows.append((f"peak GPU memory, {k[7:].replace('_peak_gib', '')} process",
                              f"{max(r.get(k, 0) for r in metrics):.1f} GiB", "torch max_memory_allocated"))
-            rows += train_step_rows(folder, logs, deadline)  # before the other sync methods: it matters more
+            rows += rollout_rows(folder, logs)  # before the other sync methods: they matter more
+            rows += train_step_rows(folder, logs, deadline)
     return rows
 
 
