@@ -7,6 +7,13 @@ as a share of the trainer step. Writes bench/out/schedules.png with the four tim
 
     python bench/schedules.py                      # default model, about 15 minutes on 2 cores
     python bench/schedules.py --model tiny --steps 4 --out bench/out/tiny
+    python bench/schedules.py --as-user            # the three entry scripts with their defaults, ~15 minutes
+
+--as-user runs `python train_sync.py --model default --steps 6`, then train_offpolicy.py and train_async.py with the
+same two flags and nothing else (each script's own defaults: threads, core binding, in-flight groups, engine),
+one after the other, and prints each whole run's wall time (the process, start-up and wrap-up included), its
+in-run elapsed time, the steady s/step (steps 2 to the last) and the speed-up over sync, beside the overlap bound
+(R+T)/max(R,T) from the sync run's rollout R and train T per step.
 """
 
 from __future__ import annotations
@@ -44,13 +51,45 @@ def phase_time(events, process_prefix, phases):
     return sum(e["end"] - e["start"] for e in events if e["process"].startswith(process_prefix) and e["phase"] in phases)
 
 
+def as_user(opts) -> None:
+    """The three entry scripts as a new user runs them (see the module docstring)."""
+    rows = []
+    for script in ("train_sync.py", "train_offpolicy.py", "train_async.py"):
+        out = os.path.join(opts.out, "as_user", script.replace(".py", ""))
+        print(f"--- python {script} --model {opts.model} --steps {opts.steps}", flush=True)
+        start = time.time()
+        run_entry(script, ["--model", opts.model, "--steps", str(opts.steps), "--overwrite", *opts.extra.split()], out)
+        whole = time.time() - start
+        events, metrics = read_timeline(out), read_metrics(out)
+        ends = sorted(e["end"] for e in events if e["process"] == "trainer0" and e["phase"] == "train")
+        rows.append({"script": script, "whole_s": whole, "elapsed_s": metrics[-1]["time/elapsed"],
+                     "steady_s": (ends[-1] - ends[0]) / (len(ends) - 1),
+                     "rollout_s": phase_time(events, "explorer", ("rollout", "reward")) / len(metrics),
+                     "train_s": phase_time(events, "trainer", ("train", "sync")) / len(ends)})
+        print(f"    {whole:.0f} s whole run, steady {rows[-1]['steady_s']:.1f} s/step", flush=True)
+    sync = rows[0]
+    R, T = sync["rollout_s"], sync["train_s"]
+    print(f"\nsync run: rollout R = {R:.1f} s/step, train+sync T = {T:.1f} s/step -> overlap bound (R+T)/max(R,T) = "
+          f"{(R + T) / max(R, T):.2f}x\n")
+    print(f"{'script':20s} {'whole s':>8s} {'x sync':>7s} {'in-run s':>9s} {'steady s/step':>14s} {'x sync':>7s}")
+    for r in rows:
+        print(f"{r['script']:20s} {r['whole_s']:8.0f} {sync['whole_s'] / r['whole_s']:6.2f}x {r['elapsed_s']:9.0f} "
+              f"{r['steady_s']:14.1f} {sync['steady_s'] / r['steady_s']:6.2f}x")
+    os.makedirs(opts.out, exist_ok=True)
+    with open(os.path.join(opts.out, "as_user.json"), "w") as f:
+        json.dump({"R": R, "T": T, "runs": rows}, f, indent=2)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "schedules"))
     p.add_argument("--extra", default="", help="more flags for every run, e.g. '--sync-method checkpoint'")
+    p.add_argument("--as-user", action="store_true", help="the entry scripts with their own defaults (docstring)")
     opts = p.parse_args()
+    if opts.as_user:
+        return as_user(opts)
     common = ["--model", opts.model, "--steps", str(opts.steps), "--num-threads", "1", "--tasks-per-step", "4",
               "--samples-per-task", "4", "--max-new-tokens", "32", "--minibatch-size", "16", "--eval-every", "0",
               "--eval-size", "8", "--checkpoint-every", "0", "--no-drop-zero-signal-groups", "--overwrite",
