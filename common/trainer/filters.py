@@ -82,8 +82,8 @@ def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[E
     """--drop-zero-signal-groups (DAPO's dynamic sampling, without refilling): a group whose rewards are all equal
     has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
     costs no backward pass). Judged on the rewards as scored (a --kl-mode reward penalty comes later, in the
-    advantages). Never for algorithms with a critic: it gives such samples an advantage."""
-    if not args.drop_zero_signal_groups or ALGOS[args.algo].critic or not experiences:
+    advantages). Never for algorithms with a critic or a teacher: they give such samples an advantage."""
+    if not args.drop_zero_signal_groups or not ALGOS[args.algo].group_signal or not experiences:
         return experiences, {"filter/zero_signal_frac": 0.0}
     rewards: dict[int, set] = {}
     for e in experiences:
