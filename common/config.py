@@ -212,8 +212,10 @@ class CommonArgs:
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
     algo: AlgoName = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
-    normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
-    GAE advantages from a learned critic, see the PPO / critic fields); see common/trainer/losses.py."""
+    normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples), ppo (clipped surrogate with
+    GAE advantages from a learned critic, see the PPO / critic fields), gspo (one clipped, length-normalised ratio
+    per sequence), cispo (every token trained, weighted by its clipped detached ratio) or distill (the --teacher's
+    per-token reverse KL as the advantage); see common/trainer/losses.py. DAPO: configs/dapo.yaml."""
     loss_fn: str | None = None
     """Replace --algo's loss with your own function, `module:function` or `path/to/file.py:function`, taking a
     MicroBatch and, by name, the config fields it uses (or `args`, the whole config), returning (loss, stats dict),
@@ -254,7 +256,7 @@ class CommonArgs:
     advantages over the batch (mean 0, std 1)."""
 
     off_policy_correction: Literal[CORRECTIONS] = "none"
-    """Rollout correction (docs/USAGE.md "Rollout correction": which to pick from the mismatch/* metrics):
+    """Rollout correction (docs/USAGE.md "Rollout correction: the menu": which to pick from mismatch/*):
     none / bypass (the behaviour log-probs are the proximal policy: no weights, no extra forward pass) | tis /
     decoupled (token truncate / mask at C) | icepop (token band [--correction-floor, C]) | seq_tis / seq_mask
     (sequence ratio truncated / masked at C) | geo_mask (geometric-mean ratio, masked outside [1/C, C]) |
