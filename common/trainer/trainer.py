@@ -274,7 +274,7 @@ class TrainerRun:
             self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
                                        capacity=(args.replay_groups or args.tasks_per_step) * args.max_reuse,
                                        max_staleness=args.max_staleness,
-                                       skip_uniform=args.drop_zero_signal_groups)
+                                       skip_uniform=args.drop_zero_signal_groups and ALGOS[args.algo].group_signal)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
                                     args.wandb_project, run_name=args.run_name or os.path.basename(
                                         os.path.normpath(args.out_dir)), entity=args.wandb_entity,
