@@ -1,7 +1,8 @@
 """The learning table of docs/USAGE.md "Algorithms and recipes": grpo (the default), DAPO, GSPO, CISPO and on-policy
 distillation on the README's learning budget (default model, arith, seed 0, 40 steps x 32 trained samples, greedy
 held-out accuracy every 10 steps), one after another through bench/curves.py (its JSON table and PNG go to
-bench/results/, named algos_learning). The teacher of the distillation run is `make demo`'s trained model, trained first when runs/teacher holds none.
+bench/results/, named algos_learning). The teacher of the distillation run is `make demo`'s trained model, trained
+first when runs/teacher holds none.
 About 30 minutes a run on a 2-core CPU; flags after `--` go to every run.
 
     python bench/algos_learning.py

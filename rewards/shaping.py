@@ -10,8 +10,8 @@
 `shape_group` combines them with config weights (0 switches a term off):
     shaped_i = reward_i + length_penalty_weight * λ'_i + format_weight * format_i + overlong_i
 `shape_batch` does it for a whole rollout batch (consecutive groups) and keeps each term (`--length-penalty`,
-`--format-reward`, `--overlong-buffer` in common/config.py); a failed sample (info["failed"]) is capped at its group's lowest
-legitimate shaped reward.
+`--format-reward`, `--overlong-buffer` in common/config.py); a failed sample (info["failed"]) is capped at its
+group's lowest legitimate shaped reward.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def test_help_lists_every_choice_and_field(script, capsys):
 def test_wrong_choice_is_a_one_line_error(tmp_path):
     proc = run_script("train_sync.py", "--algo", "ppo2", "--out-dir", str(tmp_path / "r"), timeout=60)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines() == ["error: --algo 'ppo2': not one of grpo, grpo_turn, dr_grpo, opmd, ppo, gspo, cispo, distill"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --algo 'ppo2': not one of grpo, grpo_turn, dr_grpo, opmd, ppo, gspo, cispo, distill"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("kl_mode: sideways\n")
     proc = run_script("train_sync.py", "--config", str(cfg), "--out-dir", str(tmp_path / "r"), timeout=60)

@@ -216,8 +216,9 @@ class Explorer:
         # order, so one started now is at most --max-staleness versions old when its batch is trained.
         # Zero-signal groups replaced under --refill-rounds took stream positions that no batch trains: they move the
         # window on as far.
+        window = (self.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced
         while len(self.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
-                and self.next_position() < (self.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced:
+                and self.next_position() < window:
             if not self.drawn:
                 start = self.train_tasks.position
                 tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)

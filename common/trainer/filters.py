@@ -79,10 +79,11 @@ def mask_truncated(experiences: list[Experience], args) -> tuple[list[Experience
 
 
 def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
-    """--drop-zero-signal-groups (DAPO's dynamic sampling; the explorer refills with --refill-rounds): a group whose rewards are all equal
-    has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
-    costs no backward pass). Judged on the rewards as scored (a --kl-mode reward penalty comes later, in the
-    advantages). Never for algorithms with a critic or a teacher: they give such samples an advantage."""
+    """--drop-zero-signal-groups (DAPO's dynamic sampling; --refill-rounds has the explorer replace them): a group
+    whose rewards are all equal has group advantage 0 and no policy gradient, so it is left out of the update (a
+    batch with no signal at all costs no backward pass). Judged on the rewards as scored (a --kl-mode reward
+    penalty comes later, in the advantages). Never for algorithms with a critic or a teacher: they give such
+    samples an advantage."""
     if not args.drop_zero_signal_groups or not ALGOS[args.algo].group_signal or not experiences:
         return experiences, {"filter/zero_signal_frac": 0.0}
     zero = zero_signal_groups(experiences)
