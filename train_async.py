@@ -50,9 +50,11 @@ class Args(CommonArgs):
     queue_size: int = 0
     """Batches the queue holds before explorers block (0: one per explorer; more adds staleness)."""
     inflight_groups: int = 0
-    """Groups each explorer holds at once, generating or scored and not yet in the queue (0: 2 x --tasks-per-step:
-    while the slowest groups of one batch finish, the next batch's groups already fill the engine; raise it when
-    episodes wait on slow tools, so enough others decode meanwhile; each group beyond one batch adds staleness)."""
+    """Groups each explorer holds at once, generating or scored and not yet in the queue. 0: 2 x --tasks-per-step
+    where explorers and trainers have devices of their own (while the slowest groups of one batch finish, the next
+    batch's groups already fill the engine); --tasks-per-step where an explorer shares a device with a trainer (the
+    CPU, or one GPU): generating further ahead takes compute from the trainer for samples that would wait in the
+    queue and grow stale. Raise it when episodes wait on slow tools, so enough others decode meanwhile."""
     mid_generation_updates: bool = True
     """Take new weights between any two engine steps (vLLM: running requests then continue with the new weights,
     their KV cache recomputed; each token keeps the version that sampled it, in Experience.segment_versions)
@@ -69,7 +71,8 @@ class Args(CommonArgs):
             raise ConfigError(f"--explorer-devices lists {len(self.explorer_device_list)} devices for "
                               f"--num-explorers {self.num_explorers}")
         self.queue_size = self.queue_size or self.num_explorers
-        self.inflight_groups = self.inflight_groups or 2 * self.tasks_per_step
+        shared = bool(set(self.explorer_device_list) & set(self.trainer_device_list))
+        self.inflight_groups = self.inflight_groups or (1 if shared else 2) * self.tasks_per_step
 
 
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):

@@ -88,7 +88,11 @@ class CommonArgs:
     trainer_devices: str = "cpu"
     """Comma-separated devices of the data-parallel trainers (e.g. cuda:1,cuda:2 or cpu)."""
     num_threads: int = 0
-    """torch CPU threads per worker; 0 = all cores for schedules where workers take turns, else cores/workers."""
+    """torch CPU threads per worker; 0 = one per core the worker has (common/runtime/cores.py: every core where
+    workers take turns, train_sync.py; the cores split among workers that compute on the CPU at the same time)."""
+    bind_cores: bool = True
+    """Bind each CPU worker that computes at the same time as others to its own cores (affinity, inherited by the
+    vLLM engine it starts); --no-bind-cores leaves placement to the OS. The plan is the run's "cores:" line."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine of the explorers: auto (vllm where it imports and serves the model's architecture, else hf;
     the run's first line says which), hf (transformers generate: debugging, models vLLM cannot serve) or vllm

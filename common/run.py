@@ -17,6 +17,7 @@ from common.config import ConfigError
 from common.explorer.engine import resolve_engine
 from common.preflight import check_tasks
 from common.tasks.hub import DatasetOptions
+from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
 from common.runtime.launcher import (WorkerContext, join_world, launch_local, plan_world, run_worker,
                                      start_forkserver, under_elastic)
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
@@ -86,9 +87,11 @@ def launch(args, schedule: str, worker, title: str) -> None:
         return
 
     def rank_main():
-        # sync: explorer and trainer take turns, so each may use every core (data-parallel trainers share them)
-        busy = len(args.trainer_device_list) if schedule == "sync" else len(plan)
-        ctx = join_world(plan, args.timeout_s, args.peer_timeout_s, threads_per_worker(args, busy))
+        shares = node_cores(args, schedule, plan)  # before this rank starts any thread or process
+        apply_cores(shares[plan[int(os.environ["RANK"])].name])
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            print(f"[tandem] cores: {describe_cores(shares)}", flush=True)
+        ctx = join_world(plan, args.timeout_s, args.peer_timeout_s)
         share_prepared_args(ctx, args, schedule)
         check_weight_sync(ctx, args)
         worker(ctx, args)
@@ -154,9 +157,13 @@ def rewind_to_checkpoint(args) -> None:
     ensure_free_space(os.path.dirname(path), folder_bytes(path) + MARGIN_BYTES, "the next checkpoint")
 
 
-def threads_per_worker(args, num_workers: int) -> int:
-    """torch threads per worker when workers run at the same time: the cores split evenly (at least one)."""
-    return args.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
+def node_cores(args, schedule: str, plan) -> dict:
+    """The cores of every worker on this rank's node (common/runtime/cores.py): torch elastic numbers the ranks of
+    a node contiguously."""
+    first = int(os.environ["RANK"]) - int(os.environ["LOCAL_RANK"])
+    node = plan[first:first + int(os.environ.get("LOCAL_WORLD_SIZE", len(plan)))]
+    return plan_cores([(w.name, w.role, w.device) for w in node], schedule != "sync", sorted(os.sched_getaffinity(0)),
+                      args.num_threads, args.bind_cores)
 
 
 def finish_run(args, title: str) -> None:

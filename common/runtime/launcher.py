@@ -139,7 +139,7 @@ def under_elastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float, num_threads: int = 0) -> WorkerContext:
+def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float) -> WorkerContext:
     """This process's rank of the run: check the world size, join the process group and its sub-groups, start
     the liveness watch. A world of the wrong size is a one-line error before any model loads."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -154,8 +154,6 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float, num_
     os.environ["TANDEM_WORKER"] = me.name
     guard = guard_group()  # before this rank starts any process: none outlives it (vLLM's engine included)
     _install_signal_handlers(me.role)
-    if num_threads:
-        torch.set_num_threads(num_threads)
     devices = [rank_device(w.device, r % local_world) for r, w in enumerate(plan)]
     device = torch.device(rank_device(me.device, local_rank))
     if device.type == "cuda":
