@@ -19,7 +19,7 @@ from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_
 
 from common.envs import parse_env_settings
 from common.tasks.named import taskset_has_envs
-from common.trainer.losses import ALGOS, config_kwargs
+from common.trainer.losses import ALGOS, CORRECTIONS, config_kwargs
 from common.weight_sync import METHODS
 from rewards.base import KINDS
 from common.tasks.processors import TASK_PROCESSORS
@@ -223,8 +223,10 @@ class CommonArgs:
     # --- ALGO LOGIC: optimisation ----------------------------------------------------------------------------
     algo: AlgoName = "grpo"
     """grpo (token-mean clipped surrogate, std-normalised group advantages), dr_grpo (no std, no length
-    normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples) or ppo (clipped surrogate with
-    GAE advantages from a learned critic, see the PPO / critic fields); see common/trainer/losses.py."""
+    normalisation), opmd (Kimi k1.5 mirror descent, tolerates off-policy samples), ppo (clipped surrogate with
+    GAE advantages from a learned critic, see the PPO / critic fields), gspo (one clipped, length-normalised ratio
+    per sequence), cispo (every token trained, weighted by its clipped detached ratio) or distill (the --teacher's
+    per-token reverse KL as the advantage); see common/trainer/losses.py. DAPO: configs/dapo.yaml."""
     loss_fn: str | None = None
     """Replace --algo's loss with your own function, `module:function` or `path/to/file.py:function`, taking a
     MicroBatch and, by name, the config fields it uses (or `args`, the whole config), returning (loss, stats dict),
@@ -246,7 +248,7 @@ class CommonArgs:
     micro_batch_size: int | None = None
     """Sequences per forward/backward (gradient accumulation inside a minibatch; default: 8, at most the minibatch)."""
     clip_eps: float = 0.2
-    """PPO ratio clip range."""
+    """PPO ratio clip range: sets both --clip-eps-low and --clip-eps-high where they are not given."""
     kl_coef: float = 0.0
     """Weight of the KL to the reference model, as a loss term or a reward penalty (--kl-mode); 0 skips the
     reference model entirely."""
@@ -264,12 +266,42 @@ class CommonArgs:
     """grpo: divide group-centred rewards by the group std (dr_grpo and opmd never do); ppo: whiten the GAE
     advantages over the batch (mean 0, std 1)."""
 
-    off_policy_correction: Literal["none", "tis", "decoupled", "geo_mask"] = "none"
-    """none | tis (truncated importance weights, verl/OpenRLHF) | decoupled (AReaL's decoupled PPO) | geo_mask
-    (sequence level: each sequence weighted by its geometric-mean ratio, masked whole outside [1/C, C])."""
+    off_policy_correction: Literal[CORRECTIONS] = "none"
+    """Rollout correction (docs/USAGE.md "Rollout correction: the menu": which to pick from mismatch/*):
+    none / bypass (the behaviour log-probs are the proximal policy: no weights, no extra forward pass) | tis /
+    decoupled (token truncate / mask at C) | icepop (token band [--correction-floor, C]) | seq_tis / seq_mask
+    (sequence ratio truncated / masked at C) | geo_mask (geometric-mean ratio, masked outside [1/C, C]) |
+    k3_reject (sequences whose mean k3 KL exceeds --correction-k3-max get 0)."""
     correction_cap: float = 2.0
     """Cap C on the importance weight pi_prox/mu: tis truncates to C, decoupled masks tokens above C, geo_mask
     masks sequences whose geometric-mean ratio leaves [1/C, C]."""
+
+    # --- ALGO LOGIC: DAPO, GSPO / CISPO clip ranges, rollout-correction thresholds, on-policy distillation ----------
+    clip_eps_low: float | None = None
+    """Lower clip range: the importance ratio's floor is 1 - this (grpo, dr_grpo, ppo, gspo, cispo; default
+    --clip-eps)."""
+    clip_eps_high: float | None = None
+    """Upper clip range: the ratio's ceiling is 1 + this; above --clip-eps-low it is DAPO's clip-higher (0.28 in
+    the paper), leaving room for unlikely tokens to rise (default --clip-eps)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response longer than --max-new-tokens minus this many tokens loses
+    (length - (max - buffer)) / buffer of reward, 1 at the limit (reward/overlong_mean; 0: off). Single-turn tasks."""
+    refill_rounds: int = 0
+    """DAPO's dynamic sampling with refill: while fewer than --tasks-per-step groups carry a learning signal
+    (rewards not all equal), sample that many new tasks again, at most this many extra rounds per step; streaming
+    (train_async.py): up to this many x --tasks-per-step zero-signal groups per batch are replaced by new ones.
+    rollout/zero_signal_frac and rollout/refill_rounds per step (0: off, zero-signal groups are only dropped)."""
+    correction_floor: float = 0.5
+    """--off-policy-correction icepop: the band's low end (tokens with pi_prox/mu below it get weight 0)."""
+    correction_k3_max: float = 0.01
+    """--off-policy-correction k3_reject: sequences whose mean k3 estimate of KL(mu || pi_prox) exceeds this get
+    weight 0."""
+    teacher: str | None = None
+    """--algo distill: the teacher model (same choices as --model; must share its tokenizer), run on the trainer's
+    device; its per-token log-probs on the student's samples give the reverse-KL advantage."""
+    distill_reward_coef: float = 0.0
+    """--algo distill: weight of the task reward's group advantage added to the teacher's per-token advantage
+    (0: pure distillation, the verifier's reward is only logged)."""
 
     # --- ALGO LOGIC: PPO / critic, reference model, experience filters -------------------------------------------
     critic_model: str | None = None
@@ -427,6 +459,10 @@ class CommonArgs:
         "clip_eps": (0, False, None, False, "0 clips every update away"),
         "max_grad_norm": (0, False, None, False, "a negative norm flips the gradient"),
         "correction_cap": (1, True, None, False, "a cap below 1 cuts even on-policy weights"),
+        "clip_eps_low": (0, False, 1, True, "1 - eps is the ratio's floor"),
+        "clip_eps_high": (0, False, None, False, "0 clips every update away"),
+        "correction_floor": (0, False, 1, True, "the band holds the on-policy weight 1"),
+        "correction_k3_max": (0, False, None, False, ""),
         "critic_lr": (0, False, None, False, ""),
         "gamma": (0, True, 1, True, ""),
         "lam": (0, True, 1, True, ""),
@@ -490,6 +526,10 @@ class CommonArgs:
             self.minibatch_size = self.rollout_batch_size
         if self.micro_batch_size is None:
             self.micro_batch_size = min(8, self.minibatch_size)
+        if self.clip_eps_low is None:
+            self.clip_eps_low = self.clip_eps
+        if self.clip_eps_high is None:
+            self.clip_eps_high = self.clip_eps
 
     def _validate_datasets(self) -> None:
         if self.answer_regex is not None:
@@ -572,6 +612,33 @@ class CommonArgs:
             raise ConfigError("--kl-mode reward needs --kl-coef > 0 (there is no KL to subtract otherwise)")
         if self.ref_reset_every and self.kl_coef <= 0:
             raise ConfigError("--ref-reset-every needs --kl-coef > 0 (there is no reference model otherwise)")
+        self._validate_this_years_algos()
+
+    def _validate_this_years_algos(self) -> None:
+        """DAPO's refill and overlong shaping, on-policy distillation's teacher."""
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ConfigError(f"--overlong-buffer ({self.overlong_buffer}) must be below --max-new-tokens "
+                              f"({self.max_new_tokens}): the punishment ramps over the last tokens before it")
+        if self.overlong_buffer and taskset_has_envs(self.taskset):
+            raise ConfigError(f"--overlong-buffer works with single-turn tasks only (--max-new-tokens bounds each "
+                              f"turn of an episode), and --taskset {self.taskset} has multi-turn (env) tasks")
+        if self.refill_rounds and (not self.drop_zero_signal_groups or not ALGOS[self.algo].group_signal):
+            raise ConfigError("--refill-rounds replaces zero-signal groups: it needs --drop-zero-signal-groups and "
+                              f"an algorithm whose signal is the group's rewards (not --algo {self.algo})")
+        if self.refill_rounds and self.rollout_token_budget:
+            raise ConfigError("--refill-rounds with --rollout-token-budget (partial rollouts) is not supported")
+        if ALGOS[self.algo].teacher != bool(self.teacher):
+            raise ConfigError("--teacher MODEL is needed by --algo distill, and only by it" if self.teacher else
+                              "--algo distill needs --teacher MODEL (the model whose log-probs the student learns)")
+        if self.teacher:
+            from common.model import load_tokenizer
+
+            path = self.teacher
+            if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
+                raise ConfigError(f"--teacher {path}: no such folder")
+            if load_tokenizer(self.teacher).get_vocab() != load_tokenizer(self.model).get_vocab():
+                raise ConfigError(f"--teacher {self.teacher}: its tokenizer differs from --model {self.model}'s "
+                                  "(on-policy distillation compares log-probs token by token)")
 
 
 def check_placement(explorers: list[str], trainers: list[str]) -> None:

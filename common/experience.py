@@ -73,6 +73,15 @@ class Batch:
         return Batch(**tensors, images=self.images)
 
 
+def zero_signal_groups(experiences: list[Experience]) -> set[int]:
+    """The group ids whose rewards are all equal: their group advantage is 0, so they carry no policy gradient
+    (DAPO's dynamic sampling drops them and samples others)."""
+    rewards: dict[int, set] = {}
+    for e in experiences:
+        rewards.setdefault(e.group_id, set()).add(e.reward)
+    return {g for g, values in rewards.items() if len(values) == 1}
+
+
 def collate(experiences: list[Experience], pad_id: int) -> Batch:
     """Right-pad prompt+response; log-probs and masks are shifted by one to line up with next-token predictions."""
     lengths = [len(e.prompt_ids) + len(e.response_ids) for e in experiences]

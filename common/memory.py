@@ -8,7 +8,8 @@ line, or stops with one line naming the flag to change and the numbers.
 
 The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --trainer-shard fsdp, else 1):
 - states: parameters P x b / S, gradients and AdamW's two moments 3 x P_trained x b / S (in the parameters'
-  dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo);
+  dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo), the
+  teacher's weights P_teacher x b / S (--algo distill);
 - activations of one micro-batch, linear in its tokens (packed micro-batches: attention runs per sequence,
   `common.model._segment_sdpa`, so nothing is N x N): what autograd keeps of every decoder layer per token
   (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's working
@@ -131,7 +132,7 @@ def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int
 
 @dataclass
 class TrainerEstimate:
-    states: float        # weights, gradients, optimizer state, reference, critic (per trainer)
+    states: float        # weights, gradients, optimizer state, reference, critic, teacher (per trainer)
     activations: float   # one micro-batch (AdamW's fused step needs no temporaries: never the peak)
     process: float
     slack: float = SLACK  # on the activations: SLACK on a GPU, CPU_SLACK on a CPU
@@ -142,7 +143,8 @@ class TrainerEstimate:
 
 
 def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, trained_tokens: int,
-                     checkpointing: bool, critic: ModelShape | None = None) -> TrainerEstimate:
+                     checkpointing: bool, critic: ModelShape | None = None,
+                     teacher: ModelShape | None = None) -> TrainerEstimate:
     """One trainer's memory with micro-batches of `tokens` tokens (module docstring)."""
     b = 2 if args.dtype == "bfloat16" else 4
     shards = len(args.trainer_device_list) if args.trainer_shard == "fsdp" else 1
@@ -151,6 +153,8 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
     if args.kl_coef > 0:
         states += shape.params * b / shards
     acts = activation_bytes(shape, b, tokens, trained_tokens, checkpointing)
+    if teacher is not None:  # frozen: its weights only; its forward runs without autograd, before the update
+        states += teacher.params * b / shards
     if critic is not None:
         states += 4 * critic.params * b / shards
         acts = max(acts, activation_bytes(critic, b, tokens, 0, checkpointing))
@@ -254,6 +258,10 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     if ALGOS[args.algo].critic:
         critic_config = model_config(args.critic_model) if args.critic_model else config
         critic = ModelShape.from_config(critic_config) if critic_config is not None else shape
+    teacher = None
+    if args.teacher:
+        teacher_config = model_config(args.teacher)
+        teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
     trainers, explorers = worker_devices(args)
     memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers)))
     if args.engine == "hf" and not args.hf_cache_tokens:  # the static KV cache's positions, decided here
@@ -273,7 +281,7 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     for key in sorted(set(trainers)):
         free, _ = memory[key]
         budget = (free - taken.get(key, 0.0)) / (cpu_trainers if key == "cpu" else 1)
-        notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given)
+        notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given, teacher)
     return notes
 
 
@@ -283,7 +291,7 @@ def _where(key: str, free: float, explorers: float) -> str:
     return f"{place} is {gib(free)}{shared}"
 
 
-def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, given) -> list[str]:
+def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, given, teacher=None) -> list[str]:
     """Fit one trainer device: as configured, else with checkpointing, else with smaller micro-batches (each only
     where the user left that field open), else one line naming the flag."""
     device_type = "cpu" if key == "cpu" else "cuda"
@@ -295,12 +303,12 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
     def peak(n: int, ckpt: bool) -> float:  # a packed micro-batch holds at least one whole sequence
         tokens = max(n, sequence) if packed else n * sequence
         trained = tokens if packed else n * args.max_new_tokens
-        return trainer_estimate(shape, args, device_type, tokens, trained, ckpt, critic).peak
+        return trainer_estimate(shape, args, device_type, tokens, trained, ckpt, critic, teacher).peak
 
     ckpt = args.gradient_checkpointing
     if peak(size, ckpt) <= budget:
         return []
-    states = trainer_estimate(shape, args, device_type, 0, 0, True, critic)
+    states = trainer_estimate(shape, args, device_type, 0, 0, True, critic, teacher)
     if states.states + states.process > budget:  # weights, gradients and optimizer state alone
         fixes = []
         if args.trainer_shard != "fsdp" and not args.lora_rank:

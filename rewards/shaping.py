@@ -4,12 +4,14 @@
   a correct response gets λ_i, a wrong one min(0, λ_i) (short wrong answers are not rewarded for being short).
   All lengths equal → 0 for everyone.
 - Format reward: 1 when the response has its final answer in the expected format, else 0.
+- DAPO's soft overlong punishment (arXiv:2503.14476 eq. 13): 0 up to max_len - buffer tokens, then falling linearly
+  to -1 at max_len (per response, not per group).
 
 `shape_group` combines them with config weights (0 switches a term off):
-    shaped_i = reward_i + length_penalty_weight * λ'_i + format_weight * format_i
+    shaped_i = reward_i + length_penalty_weight * λ'_i + format_weight * format_i + overlong_i
 `shape_batch` does it for a whole rollout batch (consecutive groups) and keeps each term (`--length-penalty`,
-`--format-reward` in common/config.py); a failed sample (info["failed"]) is capped at its group's lowest
-legitimate shaped reward.
+`--format-reward`, `--overlong-buffer` in common/config.py); a failed sample (info["failed"]) is capped at its
+group's lowest legitimate shaped reward.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def length_penalty(lengths: list[int], correct: list[bool]) -> list[float]:
     return out
 
 
+def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment of one response of `length` tokens, generated with at most `max_len`."""
+    start = max_len - buffer
+    if length <= start:
+        return 0.0
+    return max(-1.0, (start - length) / buffer)
+
+
 def format_reward(format_ok: bool) -> float:
     """1 for a response whose final answer is in the expected format, 0 otherwise."""
     return 1.0 if format_ok else 0.0
@@ -39,9 +49,11 @@ def format_reward(format_ok: bool) -> float:
 # ALGO LOGIC: the shaping terms and how they add up
 def shaping_terms(rewards: list[float], lengths: list[int], correct: list[bool] | None = None,
                   length_penalty_weight: float = 0.0, format_weight: float = 0.0,
-                  format_ok: list[bool] | None = None) -> dict[str, list[float]]:
-    """The weighted terms of one group that are switched on, by name ("length_penalty", "format"). `correct`
-    defaults to reward >= 1; `format_ok` is needed when format_weight is set (e.g. Reward.info["format_ok"])."""
+                  format_ok: list[bool] | None = None, overlong_buffer: int = 0,
+                  max_len: int = 0) -> dict[str, list[float]]:
+    """The weighted terms of one group that are switched on, by name ("length_penalty", "format", "overlong").
+    `correct` defaults to reward >= 1; `format_ok` is needed when format_weight is set (e.g.
+    Reward.info["format_ok"]); `max_len` (the generation limit) when overlong_buffer is set."""
     n = len(rewards)
     if len(lengths) != n:
         raise ValueError(f"{n} rewards for {len(lengths)} lengths")
@@ -53,6 +65,8 @@ def shaping_terms(rewards: list[float], lengths: list[int], correct: list[bool] 
         if format_ok is None or len(format_ok) != n:
             raise ValueError("format_weight is set but format_ok does not have one flag per response")
         terms["format"] = [format_weight * format_reward(ok) for ok in format_ok]
+    if overlong_buffer:
+        terms["overlong"] = [overlong_penalty(n, max_len, overlong_buffer) for n in lengths]
     return terms
 
 
@@ -65,7 +79,7 @@ def shape_group(rewards: list[float], lengths: list[int], correct: list[bool] | 
 
 
 def shape_batch(rewards, lengths: list[int], group_size: int, length_penalty_weight: float = 0.0,
-                format_weight: float = 0.0) -> list[tuple[float, dict]]:
+                format_weight: float = 0.0, overlong_buffer: int = 0, max_len: int = 0) -> list[tuple[float, dict]]:
     """(shaped reward, breakdown) per response of a rollout batch whose consecutive `group_size` responses answer
     one task. `rewards` are `rewards.Reward`s (score, info["format_ok"]); `lengths` are response token counts.
     The breakdown is {"raw": score, <term>: value, ...} with the terms switched on."""
@@ -76,7 +90,8 @@ def shape_batch(rewards, lengths: list[int], group_size: int, length_penalty_wei
         group = rewards[start: start + group_size]
         raw = [float(r.score) for r in group]
         terms = shaping_terms(raw, lengths[start: start + group_size], length_penalty_weight=length_penalty_weight,
-                              format_weight=format_weight, format_ok=[bool(r.info.get("format_ok")) for r in group])
+                              format_weight=format_weight, format_ok=[bool(r.info.get("format_ok")) for r in group],
+                              overlong_buffer=overlong_buffer, max_len=max_len)
         shaped = [score + sum(values[i] for values in terms.values()) for i, score in enumerate(raw)]
         legit = [v for v, r in zip(shaped, group) if not r.info.get("failed")]
         for i, score in enumerate(raw):

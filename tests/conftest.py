@@ -240,7 +240,7 @@ def run():
 # The files whose tests take longest (each starts vLLM or several training runs), longest first, by the per-test
 # durations of a full `make test` (pytest --durations): the files not listed take a few seconds each.
 SLOW_FILES = ["test_readme.py", "test_multinode.py", "test_vllm_runs.py", "test_faults.py", "test_agents.py",
-              "test_train_sync.py", "test_workflows_runs.py", "test_schedules.py", "test_vlm.py",
+              "test_train_sync.py", "test_recipes.py", "test_workflows_runs.py", "test_schedules.py", "test_vlm.py",
               "test_data_parallel.py", "test_launcher.py", "test_researcher_day.py", "test_engine_vllm.py",
               "test_algos.py", "test_fsdp.py", "test_weight_sync_methods.py", "test_replay.py", "test_lora.py",
               "test_http_env.py"]

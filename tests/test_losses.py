@@ -7,14 +7,17 @@ import torch
 
 from types import SimpleNamespace
 
-from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, config_kwargs, dr_grpo_loss, entropy_from_logits, group_advantages,
-                           kl_estimate, masked_mean, opmd_loss, ppo_clip_loss)
+from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, cispo_loss, config_kwargs, dr_grpo_loss,
+                                   entropy_from_logits, group_advantages, gspo_loss, kl_estimate, masked_mean,
+                                   opmd_loss, ppo_clip_loss, reverse_kl_advantages)
 
 
-def _loss(fn, logp, old, adv, mask, token_weights=None, clip_eps=0.2, max_tokens=4, tau=0.1):
+def _loss(fn, logp, old, adv, mask, token_weights=None, clip_eps=0.2, max_tokens=4, tau=0.1, clip_eps_high=None):
     """An algorithm's loss on one micro-batch that is the whole minibatch."""
     mb = MicroBatch(logp, old, adv, mask, token_weights, mask.sum().clamp(min=1), len(logp))
-    return fn(mb, **config_kwargs(fn, SimpleNamespace(clip_eps=clip_eps, max_new_tokens=max_tokens, opmd_tau=tau), 1))
+    args = SimpleNamespace(clip_eps_low=clip_eps, clip_eps_high=clip_eps if clip_eps_high is None else clip_eps_high,
+                           max_new_tokens=max_tokens, opmd_tau=tau)
+    return fn(mb, **config_kwargs(fn, args, 1))
 
 
 def clipped_surrogate_loss(logp, old, adv, mask, clip_eps=0.2, token_weights=None):
@@ -23,14 +26,18 @@ def clipped_surrogate_loss(logp, old, adv, mask, clip_eps=0.2, token_weights=Non
 
 
 def test_every_algorithm_is_one_registered_loss():
-    assert set(ALGOS) == {"grpo", "grpo_turn", "dr_grpo", "opmd", "ppo"}
+    assert set(ALGOS) == {"grpo", "grpo_turn", "dr_grpo", "opmd", "ppo", "gspo", "cispo", "distill"}
     assert ALGOS["grpo"].loss is ALGOS["grpo_turn"].loss is ALGOS["ppo"].loss is ppo_clip_loss  # GRPO = PPO's surrogate, group advantages
+    assert ALGOS["distill"].loss is ppo_clip_loss  # distillation: the same surrogate, the teacher's advantages
     assert [name for name, a in ALGOS.items() if a.critic] == ["ppo"]
+    assert [name for name, a in ALGOS.items() if not a.group_signal] == ["ppo", "distill"]
 
 
 def test_losses_take_the_config_fields_they_use_by_name():
-    args = SimpleNamespace(clip_eps=0.3, max_new_tokens=7, opmd_tau=0.1, gamma=1.0, lam=0.9, normalize_std=True)
-    assert config_kwargs(ALGOS["dr_grpo"].loss, args, 1) == {"clip_eps": 0.3, "max_new_tokens": 7}
+    args = SimpleNamespace(clip_eps_low=0.3, clip_eps_high=0.4, max_new_tokens=7, opmd_tau=0.1, gamma=1.0, lam=0.9,
+                           normalize_std=True)
+    assert config_kwargs(ALGOS["dr_grpo"].loss, args, 1) == {"clip_eps_low": 0.3, "clip_eps_high": 0.4,
+                                                             "max_new_tokens": 7}
     assert config_kwargs(ALGOS["ppo"].advantages, args, 2, critic="C") == {
         "critic": "C", "gamma": 1.0, "lam": 0.9, "normalize_std": True}
     assert config_kwargs(lambda mb, args: 0, args, 1) == {"args": args}  # a --loss-fn may take the whole config
@@ -43,7 +50,7 @@ def test_micro_batches_sum_to_the_minibatch_loss():
     g = torch.Generator().manual_seed(0)
     logp, old = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
     adv, mask = torch.randn(4, generator=g), (torch.rand(4, 5, generator=g) > 0.3).float()
-    args = SimpleNamespace(clip_eps=0.2, max_new_tokens=5, opmd_tau=0.1)
+    args = SimpleNamespace(clip_eps_low=0.2, clip_eps_high=0.28, max_new_tokens=5, opmd_tau=0.1)
     for algo in ALGOS.values():
         kw = config_kwargs(algo.loss, args, 1)
         whole = algo.loss(MicroBatch(logp, old, adv, mask, None, mask.sum(), 4), **kw)[0]
@@ -265,3 +272,94 @@ def test_masked_whiten():
     x = torch.tensor([[1.0, 3.0, 100.0]])
     w = masked_whiten(x, torch.tensor([[1, 1, 0]]))
     _close(w, [[-1.0, 1.0, 0.0]])
+
+
+# ---------------------------------------------------------------- DAPO, GSPO, CISPO, distillation, rollout correction
+def test_dapo_clip_higher_and_token_level_aggregation_by_hand():
+    """DAPO (arXiv:2503.14476) eq. 10-12: clip(r, 1 - eps_low, 1 + eps_high), summed over every token of every
+    sample and divided by the total token count."""
+    old = torch.zeros(2, 4)
+    new = torch.log(torch.tensor([[1.3, 0.7, 1.0, 1.0], [0.7, 1.3, 1.0, 1.0]]))
+    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    loss, stats = _loss(ppo_clip_loss, new, old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    # A=+1: min(1.3, 1.28) = 1.28, min(0.7, 0.8) = 0.7; A=-1: min(-0.7, -0.8) = -0.8, min(-1.3, -1.28) = -1.3, -1, -1
+    assert loss.item() == pytest.approx(-(1.28 + 0.7 - 0.8 - 1.3 - 1 - 1) / 6, rel=1e-5)
+    assert stats["clip_frac"] == pytest.approx(2 / 6)
+    symmetric, _ = _loss(ppo_clip_loss, new, old, adv, mask, clip_eps=0.2)  # 1.2 instead of 1.28
+    assert symmetric.item() == pytest.approx(-(1.2 + 0.7 - 0.8 - 1.3 - 1 - 1) / 6, rel=1e-5)
+    # token-level, not sample-level: the sample mean of the two rows would be (0.99 - 1.025) / 2
+    assert loss.item() != pytest.approx(-(0.99 - 1.025) / 2, rel=1e-2)
+
+
+def test_gspo_sequence_ratio_by_hand():
+    """GSPO (arXiv:2507.18071) eq. 5-7: s_i = (pi/pi_old)^(1/|y_i|), min(s A, clip(s, 1-eps, 1+eps) A), mean over
+    sequences; the gradient reaches every token of an unclipped sequence as s A / |y| and none of a clipped one."""
+    old = torch.zeros(2, 4)
+    new = torch.log(torch.tensor([[1.5, 1.0, 1.0, 1.0], [0.9, 1.0, 1.0, 7.0]])).requires_grad_()
+    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])
+    loss, stats = _loss(gspo_loss, new, old, adv, mask, clip_eps=0.2)
+    s0, s1 = 1.5 ** (1 / 2), 0.9 ** (1 / 3)  # 1.2247 (clipped to 1.2), 0.9655 (inside the band)
+    assert loss.item() == pytest.approx(-(min(s0, 1.2) - s1) / 2, rel=1e-5)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    loss.backward()
+    assert new.grad[0].abs().max().item() == 0  # clipped sequence: no gradient at all
+    assert new.grad[1, :3].tolist() == pytest.approx([s1 / 2 / 3] * 3, rel=1e-5)
+    assert new.grad[1, 3].item() == 0  # padding
+    # the ratio is per sequence: one token far off moves the whole sequence's ratio, not only its own
+    token_level, _ = _loss(ppo_clip_loss, new.detach(), old, adv, mask, clip_eps=0.2)
+    assert token_level.item() != pytest.approx(loss.item(), rel=1e-3)
+
+
+def test_cispo_clips_the_weight_and_keeps_every_token_by_hand():
+    """CISPO (arXiv:2506.13585) eq. 4: sg(clip(r, 1-eps_low, 1+eps_high)) A log pi, token-summed over the total
+    tokens: a clipped token still gets the gradient -w A / N (PPO's clip gives it 0)."""
+    old = torch.zeros(2, 2)
+    new = torch.log(torch.tensor([[1.5, 1.0], [0.5, 1.0]])).requires_grad_()
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+    loss, stats = _loss(cispo_loss, new, old, adv, mask, clip_eps=0.2)
+    # weights [1.2, 1.0], [0.8, 1.0]
+    assert loss.item() == pytest.approx(-(1.2 * math.log(1.5) + 0.8 * -1 * math.log(0.5)) / 4, rel=1e-5)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([-1.2 / 4, -1.0 / 4, 0.8 / 4, 1.0 / 4], rel=1e-5)
+    ppo_new = new.detach().clone().requires_grad_()
+    _loss(ppo_clip_loss, ppo_new, old, adv, mask, clip_eps=0.2)[0].backward()
+    assert ppo_new.grad[0, 0].item() == 0 and ppo_new.grad[1, 0].item() == 0  # PPO drops the clipped tokens
+
+
+def test_distillation_advantages_by_hand():
+    """On-policy distillation: advantage_t = log pi_teacher(y_t) - log pi_student(y_t) (the negative per-token
+    reverse KL), plus the task reward's group advantage times --distill-reward-coef."""
+    from common.trainer.losses import distilled
+
+    student = torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -2.0, -1.0]])
+    teacher = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.0, -3.0]])
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1]])
+    assert reverse_kl_advantages(student, teacher, mask).tolist() == [[0.5, -1.0, 0.0], [0.0, 1.0, -2.0]]
+    batch = SimpleNamespace(old_logprobs=student, response_mask=mask, group_ids=torch.tensor([0, 0]))
+    pure = distilled(batch, torch.tensor([1.0, 0.0]), lambda b: teacher, 0.0, True)
+    assert pure.advantages.tolist() == [[0.5, -1.0, 0.0], [0.0, 1.0, -2.0]]
+    assert pure.metrics["distill/reverse_kl"] == pytest.approx((-0.5 + 1 + 0 - 1 + 2) / 5)
+    mixed = distilled(batch, torch.tensor([1.0, 0.0]), lambda b: teacher, 0.5, False)  # group adv +-0.5
+    assert mixed.advantages.flatten().tolist() == pytest.approx([0.75, -0.75, 0.0, -0.25, 0.75, -2.25])
+
+
+def test_rollout_correction_menu_by_hand():
+    """Row 0: token ratios w = [2, 2]; row 1: [0.5, 4] (its third token is not trained); cap C = 3."""
+    prox = torch.zeros(2, 3)
+    behaviour = -torch.log(torch.tensor([[2.0, 2.0, 1.0], [0.5, 4.0, 3.0]]))
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 0]])
+
+    def w(mode, **kw):
+        return (behaviour_weights(prox, behaviour, mode, 3.0, mask, **kw) * mask).flatten().tolist()
+
+    assert w("tis") == pytest.approx([2, 2, 0, 0.5, 3, 0])              # token x truncate
+    assert w("decoupled") == pytest.approx([2, 2, 0, 0.5, 0, 0])        # token x mask
+    assert w("seq_tis") == pytest.approx([3, 3, 0, 2, 2, 0])            # sequence: prod 4 -> 3, prod 2
+    assert w("seq_mask") == pytest.approx([0, 0, 0, 2, 2, 0])           # sequence: prod 4 > 3 masked
+    assert w("icepop", floor=0.6) == pytest.approx([2, 2, 0, 0, 0, 0])  # band [0.6, 3], both sides masked
+    # k3 of KL(mu || pi) per token = w - 1 - log w: row 0 mean 0.307, row 1 mean (0.193 + 1.614) / 2 = 0.903
+    assert w("k3_reject", k3_max=0.5) == [1, 1, 0, 0, 0, 0]
+    assert w("k3_reject", k3_max=1.0) == [1, 1, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match="bypass"):
+        behaviour_weights(prox, behaviour, "bypass")  # no weights: the trainer does not call it

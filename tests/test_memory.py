@@ -94,6 +94,11 @@ def test_what_was_left_open_is_chosen_to_fit_and_a_given_flag_is_named(tmp_path)
     args = _args(folder)
     with pytest.raises(ConfigError, match="does not fit a trainer on cuda:0: .*--trainer-shard fsdp"):
         plan(args, shape.params * 2 * 4 * 0.9)
+    # --algo distill: the teacher's weights (frozen: no gradients, no AdamW state) count on the trainer's device
+    args = _args(folder, "--algo", "distill", "--teacher", folder)
+    alone, with_teacher = (trainer_estimate(shape, args, "cuda", 8 * seq, 8 * 512, False, teacher=t) for t in (None, shape))
+    assert with_teacher.states - alone.states == shape.params * 2  # bf16
+    assert "--gradient-checkpointing on" in plan(args, full * 1.01)[0]  # what fitted alone no longer does
     # a colocated vLLM explorer takes its share of the GPU first; asking more than is free is its flag
     args = _args(folder, explorers="cuda:0")
     args.engine = "vllm"

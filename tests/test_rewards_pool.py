@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rewards import Reward, RewardPool, score
-from rewards.shaping import format_reward, length_penalty, shape_group
+from rewards.shaping import format_reward, length_penalty, overlong_penalty, shape_group, shaping_terms
 
 TASK = {"id": "arith-1", "answer": "4", "reward": "math"}
 
@@ -116,6 +116,13 @@ def test_pool_inside_a_spawned_child_process():
 
 
 # ---------------------------------------------------------------- shaping
+def test_overlong_penalty_matches_dapo_formula():
+    """DAPO eq. 13 with L_max 20, L_cache 4: 0 up to 16 tokens, ((20 - 4) - |y|) / 4 after, -1 at the limit."""
+    assert [overlong_penalty(n, 20, 4) for n in (3, 16, 17, 18, 20)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(25, 20, 4) == -1.0  # past the limit (a longer episode): the floor
+    assert shaping_terms([1.0, 0.0], [16, 19], overlong_buffer=4, max_len=20) == {"overlong": [0.0, -0.75]}
+
+
 def test_length_penalty_matches_kimi_formula():
     lengths, correct = [10, 20, 30], [True, True, False]
     assert length_penalty(lengths, correct) == [0.5, 0.0, -0.5]

@@ -18,7 +18,7 @@ import torch
 
 from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, StaticCacheSize, resolve_engine,
                                     use_static_cache)
-from common.experience import Experience
+from common.experience import Experience, zero_signal_groups
 from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
@@ -107,6 +107,7 @@ class Explorer:
         self.busy_span: tuple[float, float] | None = None
         self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
         self.batch_tokens, self.batch_busy = 0, 0.0
+        self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
@@ -116,9 +117,34 @@ class Explorer:
     def rollout(self, step: int) -> tuple[list[Experience], dict]:
         """One generation round with the current weights over tasks_per_step new tasks x samples_per_task responses
         and every response still unfinished from earlier steps; returns the experiences of the groups that ended
-        (every group, when partial rollouts are off; possibly none while long responses are still in flight)."""
+        (every group, when partial rollouts are off; possibly none while long responses are still in flight).
+        With --refill-rounds, zero-signal groups are replaced by extra rounds (`refill`)."""
+        experiences, metrics = self._round(step, self.args.tasks_per_step)
+        return self.refill(step, experiences, metrics) if self.args.refill_rounds else (experiences, metrics)
+
+    def refill(self, step: int, experiences: list[Experience], metrics: dict) -> tuple[list[Experience], dict]:
+        """ALGO LOGIC: DAPO's dynamic sampling with refill (arXiv:2503.14476 sec. 3.2): groups whose rewards are all
+        equal are dropped, and as many new tasks as are missing are rolled out again, at most --refill-rounds extra
+        rounds, until --tasks-per-step groups carry a signal (fewer when the rounds run out). The row gets the
+        share of zero-signal groups among all generated and the extra rounds; its times add up every round."""
+        n, zero = self.args.tasks_per_step, zero_signal_groups(experiences)
+        generated, uniform, rounds = len({e.group_id for e in experiences}), len(zero), 0
+        kept = [e for e in experiences if e.group_id not in zero]
+        while len({e.group_id for e in kept}) < n and rounds < self.args.refill_rounds:
+            rounds += 1
+            more, extra = self._round(step, n - len({e.group_id for e in kept}))
+            zero = zero_signal_groups(more)
+            generated, uniform = generated + len({e.group_id for e in more}), uniform + len(zero)
+            kept += [e for e in more if e.group_id not in zero]
+            for key in ("time/rollout", "time/reward"):
+                metrics[key] += extra[key]
+        metrics.update({"rollout/zero_signal_frac": uniform / max(generated, 1), "rollout/refill_rounds": rounds})
+        return kept, metrics
+
+    def _round(self, step: int, num_tasks: int) -> tuple[list[Experience], dict]:
+        """`rollout`'s generation round over `num_tasks` new tasks."""
         args = self.args
-        tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
+        tasks = self.train_tasks.next_batch(num_tasks, progress=self.version / args.steps)
         tasks, task_counts = apply_task_processors(tasks, args.task_processors, args)
         for task in tasks:
             self.in_flight.start(task, self.next_group, args.samples_per_task)
@@ -151,9 +177,7 @@ class Explorer:
         """Experiences and metrics of scored groups (scores: one Reward per sample, group by group)."""
         args = self.args
         flat = [(g, r) for g in groups for r in g.responses]
-        # ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward); reward_info keeps the parts
-        shaped = shape_batch(scores, [r.sampled_tokens for _, r in flat], args.samples_per_task,
-                             args.length_penalty, args.format_reward)  # episodes: sampled tokens only
+        shaped = self._shaped(flat, scores)
         experiences = [Experience(
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
@@ -183,6 +207,13 @@ class Explorer:
             metrics[f"reward/{name}_mean"] = sum(parts[name] for _, parts in shaped) / len(shaped)
         return experiences, metrics
 
+    def _shaped(self, flat: list, scores: list) -> list[tuple[float, dict]]:
+        """ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward, --overlong-buffer) of scored
+        (group, response) pairs: (reward, its parts) each; reward_info keeps the parts."""
+        args = self.args
+        return shape_batch(scores, [r.sampled_tokens for _, r in flat], args.samples_per_task, args.length_penalty,
+                           args.format_reward, args.overlong_buffer, args.max_new_tokens)  # episodes: sampled tokens
+
     # ------------------------------------------------------------------------------------- streaming (train_async.py)
     def start_groups(self) -> None:
         """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
@@ -195,8 +226,11 @@ class Explorer:
         # it would only make what it holds older. And a group starts only while its stream position is less than
         # (version + --max-staleness + 1) batches in (AReaL's admission rule): groups are trained roughly in stream
         # order, so one started now is at most --max-staleness versions old when its batch is trained.
+        # Zero-signal groups replaced under --refill-rounds took stream positions that no batch trains: they move the
+        # window on as far.
+        window = (self.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced
         while len(self.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
-                and self.next_position() < (self.version + args.max_staleness + 1) * args.tasks_per_step:
+                and self.next_position() < window:
             if not self.drawn:
                 start = self.train_tasks.position
                 tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
@@ -236,9 +270,26 @@ class Explorer:
             time.sleep(0.005)  # nothing to generate, every group with the verifiers: do not spin
         for group, future in [gf for gf in self.scoring if gf[1].done()]:
             self.scoring.remove((group, future))
-            self.scored.append((group, future.result(timeout=self.args.timeout_s), future))
+            scores = future.result(timeout=self.args.timeout_s)
             position, started = self.position_of[group.group_id]
             self.timeline.record("group", started, time.time(), group=group.group_id, task=position)
+            if self._replace_zero_signal(group, scores):
+                continue
+            self.scored.append((group, scores, future))
+
+    def _replace_zero_signal(self, group, scores: list) -> bool:
+        """ALGO LOGIC: --refill-rounds in the stream: a scored group whose shaped rewards are all equal is left out
+        (its position counted as used) and another is admitted in its place, at most --refill-rounds x
+        --tasks-per-step per batch; beyond that it joins the batch (and the trainer's filter drops it)."""
+        args = self.args
+        if self.batch_replaced >= args.refill_rounds * args.tasks_per_step:
+            return False
+        if len({reward for reward, _ in self._shaped([(group, r) for r in group.responses], scores)}) > 1:
+            return False
+        self.used.append(self.position_of.pop(group.group_id)[0])
+        self.batch_replaced += 1
+        self.replaced += 1
+        return True
 
     def _flush_busy_span(self) -> None:
         if self.busy_span:
@@ -268,6 +319,11 @@ class Explorer:
                             "rollout/groups_finished": n})
         metrics["rollout/groups_in_flight"] = sum(self.groups_seen) / max(len(self.groups_seen), 1)
         metrics["rollout/engine_busy_frac"] = (self.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
+        if self.args.refill_rounds:  # replaced groups, and those past the bound that came in anyway
+            uniform = self.batch_replaced + len(zero_signal_groups(experiences))
+            metrics.update({"rollout/zero_signal_frac": uniform / (self.batch_replaced + n),
+                            "rollout/refill_rounds": self.batch_replaced / n})
+            self.batch_replaced = 0
         positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.used
         self.used, self.task_counts, self.groups_seen = [], {}, []
         self.batch_started, self.batch_tokens, self.batch_busy = now, self.in_flight.tokens, self.engine.busy_s

@@ -23,7 +23,7 @@ import math
 from collections import Counter
 from typing import Callable
 
-from common.experience import Experience
+from common.experience import Experience, zero_signal_groups
 from common.runtime.plugins import load_object
 from common.trainer.losses import ALGOS
 
@@ -79,16 +79,15 @@ def mask_truncated(experiences: list[Experience], args) -> tuple[list[Experience
 
 
 def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
-    """--drop-zero-signal-groups (DAPO's dynamic sampling, without refilling): a group whose rewards are all equal
-    has group advantage 0 and no policy gradient, so it is left out of the update (a batch with no signal at all
-    costs no backward pass). Judged on the rewards as scored (a --kl-mode reward penalty comes later, in the
-    advantages). Never for algorithms with a critic: it gives such samples an advantage."""
-    if not args.drop_zero_signal_groups or ALGOS[args.algo].critic or not experiences:
+    """--drop-zero-signal-groups (DAPO's dynamic sampling; --refill-rounds has the explorer replace them): a group
+    whose rewards are all equal has group advantage 0 and no policy gradient, so it is left out of the update (a
+    batch with no signal at all costs no backward pass). Judged on the rewards as scored (a --kl-mode reward
+    penalty comes later, in the advantages). Never for algorithms with a critic or a teacher: they give such
+    samples an advantage."""
+    if not args.drop_zero_signal_groups or not ALGOS[args.algo].group_signal or not experiences:
         return experiences, {"filter/zero_signal_frac": 0.0}
-    rewards: dict[int, set] = {}
-    for e in experiences:
-        rewards.setdefault(e.group_id, set()).add(e.reward)
-    kept = [e for e in experiences if len(rewards[e.group_id]) > 1]
+    zero = zero_signal_groups(experiences)
+    kept = [e for e in experiences if e.group_id not in zero]
     return kept, {"filter/zero_signal_frac": 1 - len(kept) / len(experiences)}
 
 

@@ -31,6 +31,7 @@ from common.trainer.filters import build_processors, drop_stale, process
 from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
+from common.trainer.teacher import load_teacher
 from common.trainer.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import full_tensor, weights_hash
 from common.runtime.plugins import load_object
@@ -57,8 +58,10 @@ class Trainer:
         self.critic = None
         if self.algo.critic:
             self.critic = Critic(args, device, DTYPES[args.dtype], self.model.config.vocab_size, self.dp)
+        self.teacher = load_teacher(args, device, self.dp)  # --algo distill (common/trainer/teacher.py), else None
         self.loss_kwargs = config_kwargs(self.algo.loss, args, skip=1)
-        self.advantage_kwargs = config_kwargs(self.algo.advantages, args, skip=2, critic=self.critic)
+        self.advantage_kwargs = config_kwargs(self.algo.advantages, args, skip=2, critic=self.critic,
+                                              teacher_logprobs=lambda batch: self._logprobs(self.teacher, batch))
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
@@ -81,7 +84,8 @@ class Trainer:
             rewards = kl_penalized_rewards(batch.rewards, kl, batch.response_mask, args.kl_coef)
             stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
             ref_logprobs = None  # no KL loss term
-        adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, or GAE (critic)
+        adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, GAE, the teacher's
+        stats.update({k: [v] for k, v in adv.metrics.items()})
         per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
         # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
         stats["advantage/abs_mean"] = [masked_mean(per_token.abs().expand_as(batch.response_mask),
@@ -91,7 +95,7 @@ class Trainer:
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
         # the proximal ones and the extra forward pass is skipped.
         n = len(batch)
-        correcting = args.off_policy_correction != "none"
+        correcting = args.off_policy_correction not in ("none", "bypass")
         single_update = args.ppo_epochs == 1 and n <= args.minibatch_size
         prox_logprobs = (self._logprobs(self.model, batch)
                          if correcting and not single_update and update_actor else None)
@@ -182,7 +186,7 @@ class Trainer:
             if correcting:
                 old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
                 weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap,
-                                            mb.response_mask)
+                                            mb.response_mask, args.correction_floor, args.correction_k3_max)
                 stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask))
             loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, advantages[mb_idx], mb.response_mask, weights,
                                                          minibatch_tokens, len(idx)), **self.loss_kwargs)
@@ -270,7 +274,7 @@ class TrainerRun:
             self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
                                        capacity=(args.replay_groups or args.tasks_per_step) * args.max_reuse,
                                        max_staleness=args.max_staleness,
-                                       skip_uniform=args.drop_zero_signal_groups)
+                                       skip_uniform=args.drop_zero_signal_groups and ALGOS[args.algo].group_signal)
         self.logger = MetricsLogger(args.out_dir, vars(args), args.steps, self.trainer.step, args.track,
                                     args.wandb_project, run_name=args.run_name or os.path.basename(
                                         os.path.normpath(args.out_dir)), entity=args.wandb_entity,
