@@ -193,7 +193,8 @@ def packing_throughput(model_name: str, repeats: int = 3, micro_batch_size: int 
     import torch
 
     from common.experience import collate
-    from common.model import load_model, sequence_logprobs
+    from common.model import load_model
+    from common.trainer.forward import sequence_logprobs
     from common.trainer.packing import batch_micro_batches
 
     model = load_model(model_name)

@@ -19,7 +19,8 @@ from common.experience import Experience, collate
 from common.explorer.chat import ChatRenderer, strip_reasoning
 from common.explorer.engine import Generation, HFEngine, RolloutEngine, SamplingConfig
 from common.explorer.rollouts import Context, rollout_metrics, run_episodes
-from common.model import build_tiny_model, build_tiny_tokenizer, sequence_logprobs
+from common.model import build_tiny_model, build_tiny_tokenizer
+from common.trainer.forward import sequence_logprobs
 from common.trainer.losses import turn_group_advantages, turn_returns
 from tests.conftest import TINY, assert_trained, run_script
 

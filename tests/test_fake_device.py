@@ -31,7 +31,7 @@ def test_the_fake_device_raises_where_cuda_does():
 @pytest.mark.parametrize("micro_batches", [["--micro-batch-size", "2"], ["--max-tokens-per-micro-batch", "64"]],
                          ids=["padded", "packed"])
 def test_train_step_on_a_device(micro_batches, monkeypatch):
-    import common.model
+    import common.trainer.forward
     from common.trainer.trainer import Trainer
     from test_scale_trainer import uneven_experiences
     from train_sync import Args
@@ -39,7 +39,7 @@ def test_train_step_on_a_device(micro_batches, monkeypatch):
     if "--max-tokens-per-micro-batch" in micro_batches:  # packed: the GPU's varlen call, a reference for its kernel
         from torch.nn.attention import varlen
 
-        monkeypatch.setattr(common.model, "_varlen_runs", lambda query, dropout: True)
+        monkeypatch.setattr(common.trainer.forward, "_varlen_runs", lambda query, dropout: True)
         monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
     args = parse_args(Args, [*TINY, "--minibatch-size", "4", *micro_batches, "--kl-coef", "0.01"])
     torch.manual_seed(0)
