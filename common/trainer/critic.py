@@ -13,9 +13,8 @@ from common.experience import Batch
 from common.trainer.losses import clipped_value_loss, masked_mean
 from common.trainer.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
 from common.model import load_model
-from common.trainer.forward import hidden_states
+from common.trainer.forward import hidden_states, micro_batches
 from common.trainer.lr_schedule import build_optimizer
-from common.trainer.packing import micro_batches
 from common.trainer.parallel import DataParallel
 from common.weight_sync import full_tensor
 
@@ -68,7 +67,7 @@ class Critic:
         args, stats = self.args, defaultdict(list)
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
-        for rows, mb in micro_batches(batch, idx, args, self.dp):  # this trainer's share (common/trainer/packing.py)
+        for rows, mb in micro_batches(batch, idx, args, self.dp):  # this trainer's share (forward.py)
             values = self.model(mb.input_ids, mb.attention_mask, args.max_tokens_per_micro_batch > 0)
             if rows is None:  # sharded: an idle pass joins the busier trainers' collectives, adds zero
                 (values.sum() * 0).backward()

@@ -2,7 +2,15 @@
 common/trainer/critic.py), one train step over a rollout batch, and the run's bookkeeping around it (TrainerRun).
 Entry scripts decide *when* it trains and syncs; this decides *how*. *What* is optimised is --algo's entry in
 common/trainer/losses.py ALGOS (a loss function and an advantage estimator); the experience filters are
-common/trainer/filters.py, checkpoints (save, resume) common/trainer/checkpoints.py.
+common/trainer/filters.py, the forward and its micro-batches common/trainer/forward.py, checkpoints
+common/trainer/checkpoints.py.
+
+`Trainer.train_step` reads top to bottom. Its simplifications, on purpose:
+- advantages are computed once per step, before any update (also with several epochs, as PPO does);
+- the reference model never trains (reset to the policy every --ref-reset-every steps, no EMA);
+- data-parallel gradients are summed after the backward, not overlapped with it (common/trainer/parallel.py);
+- a minibatch is one optimizer step; no gradient accumulation across rollout batches;
+- the critic and the policy are updated on the same minibatches, each with its own optimizer; no shared body.
 """
 
 from __future__ import annotations
@@ -27,8 +35,7 @@ from common.trainer.losses import (ALGOS, MicroBatch, config_kwargs, behaviour_w
 from common.trainer.fsdp import prepare_model
 from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer
-from common.trainer.forward import batch_logprobs, sequence_logprobs
-from common.trainer.packing import micro_batches
+from common.trainer.forward import batch_logprobs, micro_batches, sequence_logprobs
 from common.trainer.filters import build_processors, drop_stale, process
 from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
@@ -68,8 +75,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
     def train_step(self, experiences: list[Experience]) -> dict:
-        """filters -> collate -> reference log-probs -> advantages -> per epoch and minibatch: the critic's update,
-        then the policy's (per micro-batch: forward, loss, backward; then one optimizer step). Returns the metrics."""
+        """filters -> collate -> proximal and reference log-probs -> advantages -> per epoch and minibatch: the
+        critic's update, then the policy's (per micro-batch: forward, loss, backward; then one optimizer step).
+        Returns the step's metrics."""
         args, model, dp = self.args, self.model, self.dp
         metrics = incoming_metrics(experiences)  # what the explorers sent, before any filter
         experiences, counts = process(experiences, args, self.processors)  # common/trainer/filters.py
@@ -80,6 +88,14 @@ class Trainer:
         n, mask, packed = len(batch), batch.response_mask, args.max_tokens_per_micro_batch > 0
         stats = defaultdict(list)  # metric -> a value per micro-batch (floats, or device tensors: `step_means`)
 
+        update_actor = self.step >= args.critic_warmup_steps  # critic warm-up: the policy waits
+        # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
+        # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
+        # the proximal ones and the extra forward pass is skipped.
+        correcting = args.off_policy_correction != "none"
+        single_update = args.ppo_epochs == 1 and n <= args.minibatch_size
+        prox_logprobs = (batch_logprobs(model, batch, args) if correcting and not single_update and update_actor
+                         else None)
         ref_logprobs = batch_logprobs(self.ref_model, batch, args) if self.ref_model is not None else None
         rewards = batch.rewards  # [B], or [B, T] per token once the KL is subtracted from the reward
         if ref_logprobs is not None and args.kl_mode == "reward":
@@ -91,15 +107,6 @@ class Trainer:
         per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
         # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
         stats["advantage/abs_mean"].append(masked_mean(per_token.abs().expand_as(mask), mask).item())
-
-        update_actor = self.step >= args.critic_warmup_steps  # critic warm-up: the policy waits
-        # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
-        # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
-        # the proximal ones and the extra forward pass is skipped.
-        correcting = args.off_policy_correction != "none"
-        single_update = args.ppo_epochs == 1 and n <= args.minibatch_size
-        prox_logprobs = (batch_logprobs(model, batch, args) if correcting and not single_update and update_actor
-                         else None)
         # Train-inference mismatch, before any update: over the whole batch where the proximal pass ran, else over
         # the first minibatch (a random share, measured from its own forward passes at no extra cost).
         if prox_logprobs is not None:
@@ -118,7 +125,7 @@ class Trainer:
                 minibatch_tokens = mask[idx].sum().clamp(min=1)  # each micro-batch's loss is its share of these
                 self.optimizer.zero_grad(set_to_none=True)
                 total = 0.0
-                for rows, mb in micro_batches(batch, idx, args, dp):  # this trainer's share (common/trainer/packing.py)
+                for rows, mb in micro_batches(batch, idx, args, dp):  # this trainer's share (forward.py)
                     logprobs, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, args.temperature,
                                                           mb.response_mask, with_entropy=True, packed=packed,
                                                           entropy_grad=args.entropy_coef > 0, images=mb.images)
