@@ -81,7 +81,7 @@ class Trainer:
         args, model, dp = self.args, self.model, self.dp
         metrics = incoming_metrics(experiences)  # what the explorers sent, before any filter
         experiences, counts = process(experiences, args, self.processors)  # common/trainer/filters.py
-        metrics.update(counts)
+        metrics |= counts
         if not experiences:  # every sample was filtered out: nothing to learn from, the step still counts
             return {**self.skip_step(), **metrics}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
@@ -110,8 +110,10 @@ class Trainer:
         # Train-inference mismatch, before any update: over the whole batch where the proximal pass ran, else over
         # the first minibatch (a random share, measured from its own forward passes at no extra cost).
         if prox_logprobs is not None:
-            stats.update({k: [v] for k, v in mismatch_stats(prox_logprobs, batch.old_logprobs, mask).items()})
+            stats |= {k: [v] for k, v in mismatch_stats(prox_logprobs, batch.old_logprobs, mask).items()}
         before_update = [] if prox_logprobs is None else None  # (rows, log-probs) of the first minibatch
+        # the critic's figures before its update (explained variance of the returns by the values GAE used)
+        critic_metrics = {} if self.critic is None else self.critic.metrics(adv.returns, adv.values, mask, update_actor)
         # Seeded by step: every data-parallel trainer walks the same order, and a resumed run the same as before.
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + self.step)
         for _ in range(args.ppo_epochs):
@@ -158,27 +160,25 @@ class Trainer:
                         stats["entropy"].append(masked_mean(entropy, mb.response_mask))
                         ratio = torch.exp(logprobs - mb.old_logprobs)
                         stats["ratio/mean"].append(masked_mean(ratio, mb.response_mask))
+                if before_update:  # the first minibatch, on the weights before the update (a data-parallel
+                    rows = torch.cat([r for r, _ in before_update])  # trainer may have had no rows in it)
+                    stats |= {k: [v] for k, v in mismatch_stats(torch.cat([lp for _, lp in before_update]),
+                                                                batch.old_logprobs[rows], mask[rows]).items()}
+                before_update = None
                 stats["loss"].append(dp.sum_scalar(total))  # the minibatch's loss, all trainers
                 dp.all_reduce_gradients(list(model.parameters()), args.sync_bucket_mb)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 stats["grad_norm"].append(full_tensor(grad_norm).detach())
                 self.optimizer.step()
-                if before_update:  # the first minibatch ran on the weights before the update (a data-parallel
-                    rows = torch.cat([r for r, _ in before_update])  # trainer may have had no rows in it)
-                    stats.update({k: [v] for k, v in mismatch_stats(torch.cat([lp for _, lp in before_update]),
-                                                                    batch.old_logprobs[rows], mask[rows]).items()})
-                before_update = None
 
         lr = self._next_step()
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
             self.ref_model.load_state_dict(model.state_dict())  # sharded: shard to shard, same layout
             stats["ref_reset"].append(1.0)
         out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **metrics}  # a step without an update
-        out.update(step_means(stats))
-        if self.critic is not None:
-            out.update(self.critic.metrics(adv.returns, adv.values, mask, update_actor))
+        out |= step_means(stats) | critic_metrics
         out["response/tokens_mean"] = mask.sum().item() / n
-        out.update(peak_gpu_memory(self.device, "trainer"))
+        out |= peak_gpu_memory(self.device, "trainer")
         return out
 
     def skip_step(self) -> dict:
