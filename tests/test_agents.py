@@ -221,10 +221,9 @@ def test_hostile_calculator_expressions_end_within_the_timeout():
     env.reset({"prompt": "p"})
     for expression in ["((((9**64)**64)**64)**64)", "9**9**9**9", "(10**4000)*(10**4000)", "2**(2**62)",
                        "1" * 5000, "(" * 300 + "1" + ")" * 300, "-" * 999 + "1"]:
-        t0 = time.time()
         out = env.step(f'<tool_call>{{"name": "calculate", "arguments": {{"expression": "{expression}"}}}}'
                        f'</tool_call>')
-        assert time.time() - t0 < 0.5, expression
+        # refused before computing ("exception"), not cut by the tool timeout ("timeout")
         assert out.info["tool_errors"] == ["exception"] and "error:" in out.messages[0]["content"], expression
     assert env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "2**100"}}</tool_call>'
                     ).messages[0]["content"] == str(2 ** 100)
@@ -393,9 +392,7 @@ def test_a_hung_step_ends_its_episode_and_the_run_goes_on(monkeypatch, env_worke
     tasks = [{"id": "sync", "env": "hung", "hang": "sync"}, {"id": "async", "env": "async_hung", "hang": True},
              {"id": "ok", "env": "hung"}, {"id": "ok_async", "env": "async_hung"},
              {"id": "reset", "env": "hung", "hang": "reset"}]
-    t0 = time.monotonic()
     groups, _ = run_episodes(Scripted(tok, ["1"]), ctx, tasks, SamplingConfig(n=2))
-    assert time.monotonic() - t0 < 30
     ends = {g.task["id"]: [e.end_reason for e in g.responses] for g in groups}
     assert ends == {"sync": ["timeout"] * 2, "async": ["timeout"] * 2, "ok": ["done"] * 2, "ok_async": ["done"] * 2,
                     "reset": ["timeout"] * 2}
