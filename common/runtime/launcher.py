@@ -319,6 +319,10 @@ def _free_port() -> int:
 # What every worker imports (~3 CPU-s each on a fresh interpreter): the forkserver imports it once.
 FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer"]
 _forkserver_env: dict[str, str] | None = None  # this process's environment when the forkserver started
+FORKSERVER_PYTHONS = {(3, 11)}
+"""The Python versions the forkserver start-up was checked on: `_forked_rank` resets two pieces of CPython's private
+state (multiprocessing's resource tracker, atexit's handlers) that another version may hold differently. Elsewhere
+every rank is a fresh interpreter, as on a GPU."""
 
 
 def start_forkserver(devices: list[str]) -> bool:
@@ -332,7 +336,7 @@ def start_forkserver(devices: list[str]) -> bool:
     import multiprocessing
     from multiprocessing import forkserver
 
-    if any(d != "cpu" for d in devices) or torch.cuda.is_available():
+    if any(d != "cpu" for d in devices) or torch.cuda.is_available() or sys.version_info[:2] not in FORKSERVER_PYTHONS:
         return False
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     # The workers inherit the server's interpreter: unbuffered, as `python -u` workers are (their streams are the
