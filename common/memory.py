@@ -218,7 +218,7 @@ def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
 def worker_devices(args) -> tuple[list[str], list[str]]:
     """The device of every trainer and explorer, bare `cuda` resolved as the launcher does on one node (the rank's
     own GPU, modulo the GPUs there)."""
-    from common.runtime.launcher import plan_world, rank_device
+    from common.runtime.worker import plan_world, rank_device
 
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     devices = [rank_device(w.device, rank) for rank, w in enumerate(plan)]

@@ -28,7 +28,7 @@ import torch
 from common.trainer import checkpoints as ckpt
 from common.trainer.critic import Critic
 from common.experience import Experience, collate
-from common.runtime.launcher import in_step, stop_requested
+from common.runtime.worker import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
 from common.trainer.losses import (ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate,
                                    kl_penalized_rewards, masked_mean, mismatch_stats)
