@@ -2,6 +2,15 @@
 
     python bench/engines.py                      # default model, 8 prompts x n=4, 128 new tokens
     python bench/engines.py --model tiny-vllm --max-new-tokens 32   # quick smoke run
+    python bench/engines.py --model FOLDER --device cuda --dtype bfloat16 --engines hf \
+        --hf-caches dynamic,static,cb --prompts 32 --n 4 --max-new-tokens 256   # the HF paths on a GPU
+
+The HF engine's paths (--hf-caches): dynamic (KV cache grown each step), static (one pre-allocated cache; on CUDA
+the decode step compiled into CUDA graphs: its warm-up seconds are the compile), and cb (transformers' own
+continuous batching, `generate_batch` with paged attention: tokens/s only, for comparison; tandem does not use
+it). For each HF path after its timed calls: the weights are changed in place (as weight sync does), then the
+time to the first token of the whole batch, and the largest |behaviour - recomputed| log-prob over 16 new tokens
+(a compiled step that kept reading old weights would show here).
 
 Prints generated tokens/s of each engine at batch prompts x n (best of --repeats timed calls after one warm-up
 call), and for vLLM the time of one weight update through weight_buffers()/commit_weights() (the explorer's
@@ -40,12 +49,73 @@ def timed_generate(engine, prompts, sampling, repeats, before=None):
             before()
         start = time.perf_counter()
         out = engine.generate(prompts, sampling)
+        sync(getattr(engine, "device", "cpu"))
         seconds = time.perf_counter() - start
         tokens = sum(len(g.response_ids) for gs in out for g in gs)
         if best is None or tokens / seconds > best["tokens_per_s"]:
             best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
                     "mean_len": round(tokens / sum(len(gs) for gs in out), 1)}
     return best
+
+
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def after_update(engine, tokenizer, prompts, sampling) -> dict:
+    """Change the weights in place (1 % noise), then: seconds to the first token of the whole batch, and the
+    largest |behaviour - recomputed| log-prob of 16 new tokens per row."""
+    import torch
+
+    from common.experience import Experience, collate
+    from common.model import sequence_logprobs
+
+    with torch.no_grad():
+        for _, p in engine.weight_buffers():
+            p.add_(0.01 * p.float().std().item() * torch.randn_like(p))
+    sync(engine.device)
+    start = time.perf_counter()
+    engine.generate(prompts, type(sampling)(sampling.temperature, sampling.top_p, 1, sampling.n))
+    sync(engine.device)
+    first_token_s = time.perf_counter() - start
+    gens = [g for gs in engine.generate(prompts, type(sampling)(sampling.temperature, sampling.top_p, 16,
+                                                                   sampling.n)) for g in gs]
+    batch = collate([Experience(g.prompt_ids, g.response_ids, g.logprobs, [1] * len(g.response_ids), 0.0, 0, "t", 0)
+                     for g in gens], tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed = sequence_logprobs(engine.model, batch.input_ids.to(engine.device),
+                                       batch.attention_mask.to(engine.device), sampling.temperature).float().cpu()
+    mask = batch.response_mask.bool()
+    return {"first_token_after_update_s": round(first_token_s, 3),
+            "logprob_mismatch_max": float((recomputed[mask] - batch.old_logprobs[mask]).abs().max())}
+
+
+def continuous_batching(model, tokenizer, prompts, sampling, repeats) -> dict:
+    """transformers' continuous batching (`generate_batch`, paged attention), the same rows and lengths."""
+    from transformers import GenerationConfig
+
+    rows = [p for p in prompts for _ in range(sampling.n)]
+    config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                              max_new_tokens=sampling.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    try:
+        start = time.perf_counter()
+        model.generate_batch(rows[:8], generation_config=config)
+        warm_up_s = time.perf_counter() - start
+        best = None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = model.generate_batch(rows, generation_config=config)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.generated_tokens) for o in out.values())
+            if best is None or tokens / seconds > best["tokens_per_s"]:
+                best = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
+        return {**best, "warm_up_s": round(warm_up_s, 1)}
+    except Exception as e:  # a benchmark row: transformers' API moves between releases; say what broke
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
 
 
 def main():
@@ -64,12 +134,16 @@ def main():
                         help="vLLM: empty the prefix cache before every timed call, as every weight update does")
     parser.add_argument("--json", default="")
     parser.add_argument("--block-size", type=int, default=0, help="vLLM KV block size in tokens (0: VLLMEngine's default, 32 on CPU)")
+    parser.add_argument("--device", default="cpu", help="the HF engine's device (vLLM: cpu only here)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-caches", default="auto", help="comma-separated: dynamic, static, cb (auto: the "
+                        "engine's default for --device)")
     args = parser.parse_args()
 
     import torch
 
-    from common.explorer.engine import HFEngine, SamplingConfig
-    from common.model import chat_prompt_ids, resolve_model
+    from common.explorer.engine import HFEngine, SamplingConfig, StaticCacheSize, use_static_cache
+    from common.model import DTYPES, chat_prompt_ids, resolve_model
 
     tmp = tempfile.mkdtemp(prefix="bench-engines-")
     if args.model == "tiny-vllm":
@@ -93,10 +167,23 @@ def main():
     print(f"[bench] {args.model}: {args.prompts} prompts x n={args.n}, {args.max_new_tokens} new tokens, "
           f"T={args.temperature} top_p={args.top_p}, torch threads {torch.get_num_threads()}", flush=True)
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     if "hf" in args.engines:
-        results["hf"] = timed_generate(HFEngine(hf, tokenizer), prompts, sampling, args.repeats)
-        print(f"[bench] hf   : {results['hf']}", flush=True)
+        caches = args.hf_caches.split(",")
+        if caches == ["auto"]:
+            caches = ["static" if use_static_cache("auto", torch.device(args.device).type, False) else "dynamic"]
+        for cache in caches:
+            key = "hf" if len(caches) == 1 else f"hf_{cache}"
+            print(f"[bench] {key}: warming up ...", flush=True)
+            if cache == "cb":
+                results[key] = continuous_batching(hf, tokenizer, prompts, sampling, args.repeats)
+            else:
+                size = StaticCacheSize.plan(len(prompts) * args.n, max(map(len, prompts)) + args.max_new_tokens)
+                engine = HFEngine(hf, tokenizer, static_cache=size if cache == "static" else None)
+                warm_up_s = engine.warm_up(prompts[0])
+                results[key] = {**timed_generate(engine, prompts, sampling, args.repeats),
+                                "warm_up_s": round(warm_up_s, 1), **after_update(engine, tokenizer, prompts, sampling)}
+            print(f"[bench] {key}: {results[key]}", flush=True)
 
     if "vllm" in args.engines:
         from common.explorer.engine_vllm import VLLMEngine

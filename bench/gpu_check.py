@@ -10,9 +10,14 @@
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
    Then the suite's tests that skip without CUDA (CUDA_TESTS), with pytest's verdict (a skip there is a failure).
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
-   - rollout tokens/s and the weight hand-off's GB/s of each --sync-method: `train_sync.py` runs with both sides on
-     one GPU (metrics.jsonl's rollout/tokens_per_s; the timeline's sync phases: from trainer0 starting to send a
-     version to explorer0 holding it, medians after the first version);
+   - rollout tokens/s of each HF generation path at 128 x 256 new tokens (bench/engines.py --device cuda: dynamic
+     cache, static cache with the decode step in CUDA graphs, transformers' continuous batching), each path's
+     warm-up (compile) seconds, and after an in-place weight update the first token's latency and the behaviour
+     log-probs against a recomputation;
+   - rollout tokens/s in a run, its rollout : train time, and the weight hand-off's GB/s of each --sync-method:
+     `train_sync.py` runs with both sides on one GPU (metrics.jsonl's rollout/tokens_per_s, time/rollout and
+     time/train; the timeline's sync phases: from trainer0 starting to send a version to explorer0 holding it,
+     medians after the first version);
    - train tokens/s and MFU (6·N·tokens over the bf16 matmul rate measured on the card): the train-step
      benchmark's `measure` beside this file (TRAIN_STEP_HOOK; its row says so where that module is absent), once
      as the MFU goal's configuration (four packed micro-batches of 8192 tokens, a GRPO step of ~35k tokens, no
@@ -49,7 +54,9 @@ SIZE_SHAPE = "qwen2.5-1.5b"  # bench/train_step.py SHAPES: a public config's sha
 TRAIN_STEP_HOOK = ("train_step", "measure")
 HOOK_NAME = f"bench/{TRAIN_STEP_HOOK[0]}.py {TRAIN_STEP_HOOK[1]}()"
 STEPS = 2
+ROLLOUT_SHAPE = (32, 4, 256)  # prompts x samples each x new tokens of the realistic-size rollouts: 128 x 256
 CUDA_TESTS = ["tests/test_scale_logprobs.py::test_varlen_packed_attention_equals_per_sequence_on_cuda",
+              "tests/test_engine_hf.py::test_compiled_static_cache_on_cuda_equals_dynamic",
               "tests/test_weight_sync_methods.py::test_colocated_cuda_slot_opens_in_another_process",
               "tests/test_data_parallel.py::test_colocated_on_one_gpu"]  # the suite's tests that skip on a CPU
 HARD_END = [float("inf")]  # no subprocess runs past this (set from --budget-s): the whole check ends in time
@@ -95,6 +102,7 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
                                               "train_async.py", *on]),
         Check("checkpoint sync", ["train_async.py", *on, "--sync-method", "checkpoint"]),
         Check("LoRA", ["train_sync.py", *on, "--lora-rank", "4"]),
+        Check("HF engine, dynamic KV cache", ["train_sync.py", *on, "--hf-cache", "dynamic"]),
         Check("PPO (critic)", ["train_sync.py", *on, "--algo", "ppo"]),
         Check("FSDP2 + offload + checkpointing + packing" if gpu else "FSDP2 (2 trainers) + checkpointing + packing",
               ["train_sync.py", "--explorer-devices", d, *fsdp, "--trainer-shard", "fsdp", "--gradient-checkpointing",
@@ -304,6 +312,47 @@ def train_step_rows(folder: str, logs: str, deadline: float) -> list[tuple[str, 
     return rows
 
 
+def rollout_rows(folder: str, logs: str) -> list[tuple[str, str, str]]:
+    """The HF engine's generation paths at ROLLOUT_SHAPE, one after the other in one process (bench/engines.py)."""
+    prompts, n, new_tokens = ROLLOUT_SHAPE
+    out = os.path.join(logs, "rollout_paths.json")
+    argv = ["bench/engines.py", "--model", folder, "--device", "cuda", "--dtype", "bfloat16", "--engines", "hf",
+            "--hf-caches", "dynamic,static,cb", "--prompts", str(prompts), "--n", str(n), "--max-new-tokens",
+            str(new_tokens), "--repeats", "2", "--json", out]
+    log = os.path.join(logs, "rollout_paths.log")
+    try:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_for(420))
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"), None
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n\n" + text)
+    if rc != 0 or not os.path.exists(out):
+        return [("HF rollout paths", "FAILED", "timed out" if rc is None else f"{last_error(text)} (log: {log})")]
+    with open(out) as f:
+        r = json.load(f)
+    rows = []
+    how = {"dynamic": "HF generate, dynamic KV cache (the CPU default)",
+           "static": "HF generate, static KV cache, decode compiled into CUDA graphs (the CUDA default)",
+           "cb": "transformers continuous batching (generate_batch, paged attention), not used by tandem"}
+    for path in ("dynamic", "static", "cb"):
+        got = r.get(f"hf_{path}", {})
+        if "error" in got or "tokens_per_s" not in got:
+            rows.append((f"rollout tokens/s, {path}", "FAILED", got.get("error", f"no figure (log: {log})")))
+            continue
+        extra = "" if path == "cb" else (f"; after an in-place weight update: first token of the batch in "
+                                         f"{got['first_token_after_update_s']:.3f} s, behaviour vs recomputed "
+                                         f"log-prob max |diff| {got['logprob_mismatch_max']:.1e}")
+        rows.append((f"rollout tokens/s, {path} ({prompts * n} x {new_tokens} new tokens)",
+                     f"{got['tokens_per_s']:,.0f}", f"{how[path]}; warm-up (compile, capture) {got['warm_up_s']} s"
+                     f"{extra}; bench/engines.py, best of 2"))
+    if "tokens_per_s" in r.get("hf_static", {}) and "tokens_per_s" in r.get("hf_dynamic", {}):
+        rows.append(("rollout speed-up, static / dynamic", f"{r['hf_static']['tokens_per_s'] / r['hf_dynamic']['tokens_per_s']:.1f}x",
+                     "same process, same rows"))
+    return rows
+
+
 def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, str]]:
     """(what, figure, how) rows."""
     rows: list[tuple[str, str, str]] = []
@@ -314,8 +363,9 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
     gb = made["bytes"] / 1e9
     rows.append(("model", f"{made['params'] / 1e9:.2f} B params, {gb:.2f} GB bf16",
                  f"shape:{SIZE_SHAPE} (bench/train_step.py SHAPES), random weights"))
+    rows += rollout_rows(folder, logs)
     run_flags = ["--model", folder, "--dtype", "bfloat16", "--explorer-devices", "cuda:0", "--trainer-devices",
-                 "cuda:0", "--taskset", "parity", "--samples-per-task", "4", "--eval-size", "4", "--eval-every", "0",
+                 "cuda:0", "--taskset", "parity", "--samples-per-task", str(ROLLOUT_SHAPE[1]), "--eval-size", "4", "--eval-every", "0",
                  "--num-threads", "4", "--micro-batch-size", "8", "--gradient-checkpointing", "--overwrite"]
     # --sync-method auto's choice for this placement first: its run is the full-size one (rollout, memory)
     for i, method in enumerate(sorted(sync_methods(), key=lambda m: m != "colocated")):
@@ -323,7 +373,8 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             rows.append((f"weight sync {method}", "skipped", "out of the --budget-s time"))
             continue
         main = i == 0  # the first method's run also gives the rollout and memory rows: a full-size rollout
-        size = ["--tasks-per-step", "16", "--max-new-tokens", "256", "--steps", "3"] if main else \
+        size = ["--tasks-per-step", str(ROLLOUT_SHAPE[0]), "--max-new-tokens", str(ROLLOUT_SHAPE[2]), "--steps", "3"] \
+            if main else \
             ["--tasks-per-step", "2", "--max-new-tokens", "16", "--steps", "3"]
         out_dir = os.path.join(work, f"size-{method}")
         argv = ["train_sync.py", *run_flags, *size, "--sync-method", method, "--out-dir", out_dir]
@@ -350,8 +401,12 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
             tps = statistics.median(r.get("rollout/tokens_per_s", float("nan")) for r in metrics)
             with open(os.path.join(out_dir, "config.json")) as f:
                 engine = json.load(f)["engine"]
-            rows.insert(1, (f"rollout tokens/s ({engine} engine, 64 x 256 new tokens)", f"{tps:,.0f}",
-                            "train_sync.py metrics rollout/tokens_per_s, median of steps 2-3"))
+            rollout_s = statistics.median(r.get("time/rollout", float("nan")) for r in metrics)
+            train_s = statistics.median(r.get("time/train", float("nan")) for r in metrics)
+            rows.append((f"rollout tokens/s in a run ({engine} engine, {ROLLOUT_SHAPE[0] * ROLLOUT_SHAPE[1]} x "
+                         f"{ROLLOUT_SHAPE[2]} new tokens)", f"{tps:,.0f}",
+                         f"train_sync.py metrics rollout/tokens_per_s, median of steps 2-3; rollout {rollout_s:.2f} s "
+                         f": train {train_s:.2f} s a step (time/rollout, time/train)"))
             for k in sorted({k for r in metrics for k in r if k.startswith("memory/")}):
                 rows.append((f"peak GPU memory, {k[7:].replace('_peak_gib', '')} process",
                              f"{max(r.get(k, 0) for r in metrics):.1f} GiB", "torch max_memory_allocated"))

@@ -179,9 +179,16 @@ def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequ
         return args.vllm_gpu_memory_utilization * total
     if args.engine == "vllm":
         return weights + args.vllm_kv_cache_gb * GIB + 1.5 * GIB  # + vLLM's own process
-    kv = 2 * shape.layers * shape.kv_dim * b * sequence_tokens * args.rollout_batch_size
-    if device_type == "cpu":  # HF's cache grows by concatenation; glibc keeps the freed copies in its heap
-        kv *= 2  # (measured: 2.92 GiB resident against a 1.91 GiB live peak, docs/BENCHMARKS.md)
+    from common.explorer.engine import StaticCacheSize, use_static_cache
+
+    # one cache of fixed rows x positions for the run (a VLM's, dynamic on CUDA, is no larger: counted the same)
+    if use_static_cache(args.hf_cache, device_type, vlm=False):
+        size = StaticCacheSize.plan(args.rollout_batch_size, args.hf_cache_tokens or sequence_tokens)
+        kv = 2 * shape.layers * shape.kv_dim * b * size.tokens * size.slots
+    else:
+        kv = 2 * shape.layers * shape.kv_dim * b * sequence_tokens * args.rollout_batch_size
+        if device_type == "cpu":  # HF's cache grows by concatenation; glibc keeps the freed copies in its heap
+            kv *= 2  # (measured: 2.92 GiB resident against a 1.91 GiB live peak, docs/BENCHMARKS.md)
     logits = 3 * 4 * shape.vocab * args.rollout_batch_size  # one decoding step's fp32 logits and their softmax
     process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     return SLACK * (weights + kv + logits) + process
@@ -236,6 +243,7 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     ConfigError naming the flag. `sequence`: tokens of the longest sequence a rollout makes (prompt + response,
     or a whole episode); `given`: fields the user set (never changed here); `memory`: (free, total) bytes per
     device (default: measured now)."""
+    from common.explorer.engine import StaticCacheSize
     from common.trainer.losses import ALGOS
 
     config = model_config(args.model)
@@ -248,6 +256,8 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         critic = ModelShape.from_config(critic_config) if critic_config is not None else shape
     trainers, explorers = worker_devices(args)
     memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers)))
+    if args.engine == "hf" and not args.hf_cache_tokens:  # the static KV cache's positions, decided here
+        args.hf_cache_tokens = StaticCacheSize.plan(1, sequence).tokens
     # what the explorers take of each device
     taken: dict[str, float] = {}
     for d in explorers:

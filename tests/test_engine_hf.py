@@ -1,8 +1,9 @@
 """The HF rollout engine: n samples per prompt, left padding, and behaviour log-probs equal to the trainer's."""
 
+import pytest
 import torch
 
-from common.explorer.engine import HFEngine, SamplingConfig
+from common.explorer.engine import HFEngine, SamplingConfig, StaticCacheSize, use_static_cache
 from common.experience import Experience, collate
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model
 from common.trainer.forward import sequence_logprobs
@@ -70,3 +71,94 @@ def test_generate_keeps_no_step_logits():
         out = engine.generate(prompts, SamplingConfig(1.0, 1.0, new_tokens, n=4))
     assert all(len(g.logprobs) == len(g.response_ids) > 0 for gs in out for g in gs)
     assert probe.max_numel < rows * new_tokens * vocab / 4, probe.max_numel
+
+
+def _static_engine(model, tokenizer, slots: int, tokens: int = 128) -> HFEngine:
+    return HFEngine(model, tokenizer, static_cache=StaticCacheSize(slots, tokens))
+
+
+def _same(a, b, atol=1e-5):
+    """Two engines' outputs: the same tokens, finish reasons and behaviour log-probs, row by row."""
+    for ga, gb in zip([g for gs in a for g in gs], [g for gs in b for g in gs]):
+        assert ga.response_ids == gb.response_ids and ga.finish_reason == gb.finish_reason
+        assert torch.allclose(torch.tensor(ga.logprobs), torch.tensor(gb.logprobs), atol=atol)
+
+
+def test_static_cache_equals_dynamic_cache():
+    """The static KV cache (the CUDA default, compiled there) makes the same tokens and log-probs as the dynamic one
+    for a fixed seed: sampled and greedy, prompts of different lengths, the cache reused across calls, a call
+    padded to the cache's rows and a call split over several chunks of them, and after an in-place weight update
+    (what weight sync does; compiled graphs read the parameters where they are)."""
+    engine, tokenizer, model, prompts = _engine_and_prompts()
+    static = _static_engine(model, tokenizer, slots=4)
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=12, n=2)  # 2 prompts x 2 = the cache's 4 rows
+    for seed in (0, 1):  # the second call reuses (and resets) the same cache
+        outs = []
+        for e in (engine, static):
+            torch.manual_seed(seed)
+            outs.append(e.generate(prompts, sampled))
+        _same(*outs)
+    assert static._cache is not None and static._cache.layers[0].keys.shape[0] == 4
+    greedy = SamplingConfig(temperature=0, max_new_tokens=10, n=3)  # 6 rows: a full chunk of 4, then 2 + 2 padding
+    _same(engine.generate(prompts, greedy), static.generate(prompts, greedy))
+    _same(engine.generate(prompts[:1], greedy), static.generate(prompts[:1], greedy))  # 3 rows + 1 padding
+    with torch.no_grad():
+        for _, p in static.weight_buffers():
+            p.add_(0.05 * torch.randn_like(p))
+    torch.manual_seed(2)
+    updated = static.generate(prompts, sampled)
+    torch.manual_seed(2)
+    _same(engine.generate(prompts, sampled), updated)
+    gens = [g for gs in updated for g in gs]
+    exps = [Experience(g.prompt_ids, g.response_ids, g.logprobs, [1] * len(g.response_ids), 0.0, 0, "t", 0)
+            for g in gens]
+    batch = collate(exps, tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)
+    mask = batch.response_mask.bool()
+    assert (recomputed[mask] - batch.old_logprobs[mask]).abs().max().item() < 1e-4
+
+
+def test_static_cache_too_short_takes_the_dynamic_path(capsys):
+    """A call longer than the static cache's positions is generated with the dynamic cache (said once), not cut."""
+    engine, tokenizer, model, prompts = _engine_and_prompts()
+    static = _static_engine(model, tokenizer, slots=4, tokens=64)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=40, n=1)  # the longer prompt + 40 > 64
+    _same(engine.generate(prompts, greedy), static.generate(prompts, greedy))
+    assert static._cache is None
+    assert "over the static KV cache's 64" in capsys.readouterr().err
+    static.generate(prompts, greedy)
+    assert "static KV cache" not in capsys.readouterr().err
+
+
+def test_static_cache_plan_and_choice():
+    assert StaticCacheSize.plan(33, 130) == StaticCacheSize(40, 192)
+    assert use_static_cache("auto", "cuda", vlm=False) and not use_static_cache("auto", "cpu", vlm=False)
+    assert not use_static_cache("auto", "cuda", vlm=True) and use_static_cache("static", "cpu", vlm=False)
+    assert not use_static_cache("dynamic", "cuda", vlm=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled decode step (CUDA graphs) runs on CUDA only")
+def test_compiled_static_cache_on_cuda_equals_dynamic():
+    """On CUDA the static path compiles the decode step (CUDA graphs): it makes the dynamic path's greedy tokens,
+    log-probs the trainer recomputes, and it keeps doing so after an in-place weight update (no re-capture)."""
+    tokenizer = build_tiny_tokenizer()
+    model = load_model("tiny", device="cuda", seed=1)
+    prompts = [chat_prompt_ids(tokenizer, {"prompt": p}) for p in ["1+1?", "A much longer prompt about apples?"]]
+    dynamic = HFEngine(model, tokenizer)
+    static = _static_engine(model, tokenizer, slots=8)
+    assert static.warm_up(prompts[0]) > 0 and getattr(model, "_compiled_call", None) is not None
+    greedy = SamplingConfig(temperature=0, max_new_tokens=24, n=2)
+    for update in range(2):
+        _same(dynamic.generate(prompts, greedy), static.generate(prompts, greedy), atol=1e-3)
+        torch.manual_seed(update)
+        gens = [g for gs in static.generate(prompts, SamplingConfig(1.0, 1.0, 24, n=4)) for g in gs]
+        batch = collate([Experience(g.prompt_ids, g.response_ids, g.logprobs, [1] * len(g.response_ids), 0.0, 0, "t",
+                                    0) for g in gens], tokenizer.pad_token_id)
+        with torch.no_grad():
+            recomputed = sequence_logprobs(model, batch.input_ids.cuda(), batch.attention_mask.cuda(), 1.0).cpu()
+        mask = batch.response_mask.bool()
+        assert (recomputed[mask] - batch.old_logprobs[mask]).abs().max().item() < 1e-3
+        with torch.no_grad():
+            for _, p in static.weight_buffers():
+                p.add_(0.05 * torch.randn_like(p))

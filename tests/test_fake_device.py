@@ -52,13 +52,15 @@ def test_train_step_on_a_device(micro_batches, monkeypatch):
     assert metrics["grad_norm"] > 0 and any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
-def test_generation_on_a_device():
-    from common.explorer.engine import HFEngine, SamplingConfig
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_on_a_device(cache):
+    from common.explorer.engine import HFEngine, SamplingConfig, StaticCacheSize
     from common.model import build_tiny_tokenizer, load_model
 
     tokenizer = build_tiny_tokenizer()
+    static = StaticCacheSize(8, 64) if cache == "static" else None  # 4 rows + 4 padding rows
     with FakeDevice():
-        engine = HFEngine(load_model("tiny", FAKE), tokenizer)
+        engine = HFEngine(load_model("tiny", FAKE), tokenizer, static_cache=static)
         out = engine.generate([[5, 6, 7], [8, 9]], SamplingConfig(temperature=1.0, max_new_tokens=6, n=2))
     assert [len(g) for g in out] == [2, 2] and all(len(s.logprobs) == len(s.response_ids) > 0 for g in out for s in g)
 

@@ -100,21 +100,77 @@ def folder_generation_config(path: str):
 class HFEngine(RolloutEngine):
     """Batched HF `generate` with left padding; the model's parameters are the weight-sync buffers (in place),
     less the part `freeze` keeps fixed (common/vlm.py). Stop tokens: `stop_token_ids`, else the tokenizer's eos
-    and the model's generation config's."""
+    and the model's generation config's.
 
-    def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none"):
+    Two KV caches (`static_cache`, `--hf-cache`):
+    - dynamic (the CPU's default): the cache grows by concatenation each decode step, sized to the call;
+    - static (the default on CUDA for text models): one pre-allocated cache of `slots` rows x `tokens` positions,
+      kept for the whole run. Its fixed shapes let transformers compile the decode step on CUDA (torch.compile,
+      mode "reduce-overhead": the step replays as CUDA graphs instead of a Python-driven launch of every layer's
+      kernels). A call's rows go through in chunks of `slots` rows, the last chunk padded with rows that stop at
+      their first token; a call whose prompt plus new tokens would not fit `tokens` takes the dynamic path.
+      Weight updates copy into the parameters in place, so the captured graphs stay valid (no re-capture).
+    """
+
+    def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none",
+                 static_cache: StaticCacheSize | None = None):
         self.model = model.eval()
         self.freeze = freeze
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
+        self.static = static_cache
+        self._cache = None  # the StaticCache, allocated at the first call that uses it
+        self.warned_too_long = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def describe(self) -> str:
+        """One line for the run's first lines: which generation path this engine takes."""
+        if self.static is None:
+            return "HF generate, dynamic KV cache"
+        compiled = ", decode step compiled into CUDA graphs" if self.device.type == "cuda" else ""
+        return f"HF generate, static KV cache of {self.static.slots} rows x {self.static.tokens} tokens{compiled}"
 
     @torch.no_grad()
     def generate(self, prompts, sampling, images=None):
+        rows = [p for p in prompts for _ in range(sampling.n)]
+        pictures = [im for im in images for _ in range(sampling.n)] if images else None
+        static = self.static is not None and not pictures
+        if static and max(map(len, rows)) + sampling.max_new_tokens > self.static.tokens:
+            static = False
+            if not self.warned_too_long:
+                self.warned_too_long = True
+                print(f"[tandem] HF engine: a call needs {max(map(len, rows)) + sampling.max_new_tokens} positions, "
+                      f"over the static KV cache's {self.static.tokens} (--hf-cache-tokens): such calls take the "
+                      "dynamic cache", file=sys.stderr, flush=True)
+        if static:
+            slots = self.static.slots
+            flat = [g for i in range(0, len(rows), slots) for g in self._generate_rows(rows[i:i + slots], sampling,
+                                                                                       cache=self._static_cache())]
+        else:
+            flat = self._generate_rows(rows, sampling, pictures)
+        return [flat[i:i + sampling.n] for i in range(0, len(flat), sampling.n)]
+
+    def _static_cache(self):
+        from transformers import StaticCache
+
+        if self._cache is None:
+            self._cache = StaticCache(config=self.model.config, max_cache_len=self.static.tokens)
+        self._cache.reset()
+        return self._cache
+
+    def _generate_rows(self, rows, sampling, pictures=None, cache=None, min_new_tokens: int = 0) -> list[Generation]:
+        """One `generate` over `rows` (prompt ids): one Generation each. With `cache` (static), the batch is
+        padded to the cache's rows with copies of the first row that end at their first token."""
         from transformers import GenerationConfig
 
-        device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        rows = [p for p in prompts for _ in range(sampling.n)]
+        device = self.device
+        real = len(rows)
+        if cache is not None:
+            rows = rows + [rows[0]] * (self.static.slots - real)
+        width = max(len(p) for p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, p in enumerate(rows):
@@ -123,33 +179,80 @@ class HFEngine(RolloutEngine):
         greedy = sampling.temperature == 0
         sample = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
         config = GenerationConfig(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, **sample,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True)
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
+                                  min_new_tokens=min_new_tokens)
         chosen = _ChosenLogprobs(1.0 if greedy else sampling.temperature)
-        pictures = stack_images([im for im in images for _ in range(sampling.n)]) if images else {}
-        if pictures:  # a VLM: its 3-D rope positions need to know which ids are image placeholders
-            pictures["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
+        processors = [chosen] + ([_EndRows(real, self.stop_ids[0])] if len(rows) > real else [])
+        extra = stack_images(pictures) if pictures else {}
+        if extra:  # a VLM: its 3-D rope positions need to know which ids are image placeholders
+            extra["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
+        if cache is not None:
+            extra["past_key_values"] = cache
         start = time.time()
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=config, logits_processor=[chosen],
-                                  **{k: v.to(device) for k, v in pictures.items()})
+                                  generation_config=config, logits_processor=processors,
+                                  **{k: v.to(device) if torch.is_tensor(v) else v for k, v in extra.items()})
         self.busy_s += time.time() - start
-        new_tokens = out.sequences[:, width:].cpu()
-        logprobs = chosen.finish(out.sequences).cpu()
-        results: list[list[Generation]] = [[] for _ in prompts]
-        for i, p in enumerate(rows):
+        new_tokens = out.sequences[:real, width:].cpu()
+        logprobs = chosen.finish(out.sequences)[:real].cpu()
+        generations = []
+        for i, p in enumerate(rows[:real]):
             ids = new_tokens[i].tolist()
             length, finish = len(ids), "length"
             for j, t in enumerate(ids):
                 if t in self.stop_ids:
                     length, finish = j + 1, "stop"
                     break
-            results[i // sampling.n].append(Generation(
-                prompt_ids=list(p), response_ids=ids[:length], logprobs=logprobs[i, :length].tolist(),
-                finish_reason=finish))
-        return results
+            generations.append(Generation(prompt_ids=list(p), response_ids=ids[:length],
+                                          logprobs=logprobs[i, :length].tolist(), finish_reason=finish))
+        return generations
+
+    def warm_up(self, prompt: list[int], new_tokens: int = 4) -> float:
+        """Run the static path once over full slots (every row decoding `new_tokens` tokens) so that the decode
+        step is compiled and captured before the first rollout; returns the seconds it took (0: nothing to do)."""
+        if self.static is None or self.device.type != "cuda":
+            return 0.0
+        print(f"[tandem] HF engine: compiling the decode step for {self.static.slots} rows (once per run, about a "
+              "minute at 1.5B)...", flush=True)
+        start = time.time()
+        warm = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+        # no row stops early: every decode step runs at full slots, as the rollouts' will
+        self._generate_rows([prompt] * self.static.slots, warm, cache=self._static_cache(), min_new_tokens=new_tokens)
+        return time.time() - start
 
     def weight_buffers(self):
         return [(n, p) for n, p in self.model.named_parameters() if not is_frozen(n, self.freeze)]
+
+
+@dataclass(frozen=True)
+class StaticCacheSize:
+    """The HF engine's static KV cache: `slots` rows of `tokens` positions (prompt + response)."""
+    slots: int
+    tokens: int
+
+    @classmethod
+    def plan(cls, rows: int, sequence_tokens: int) -> "StaticCacheSize":
+        """For rollout batches of `rows` samples of at most `sequence_tokens` positions: rows rounded up to a
+        multiple of 8, positions to a multiple of 64 (what common/memory.py counts)."""
+        return cls(-(-max(rows, 1) // 8) * 8, -(-max(sequence_tokens, 1) // 64) * 64)
+
+
+def use_static_cache(hf_cache: str, device_type: str, vlm: bool) -> bool:
+    """--hf-cache auto: static on CUDA for text models (compiled decode), dynamic on the CPU (as fast there, and
+    nothing to compile) and for vision-language policies (their generate takes images the static path does not)."""
+    return hf_cache == "static" or (hf_cache == "auto" and device_type == "cuda" and not vlm)
+
+
+class _EndRows:
+    """A logits processor that ends the padding rows (index >= `first`) at their first token."""
+
+    def __init__(self, first: int, stop_id: int):
+        self.first, self.stop_id = first, stop_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[self.first:] = float("-inf")
+        scores[self.first:, self.stop_id] = 0.0
+        return scores
 
 
 class _ChosenLogprobs:

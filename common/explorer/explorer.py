@@ -16,11 +16,12 @@ from __future__ import annotations
 import time
 import torch
 
-from common.explorer.engine import HFEngine, RolloutEngine, SamplingConfig, resolve_engine
+from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, StaticCacheSize, resolve_engine,
+                                    use_static_cache)
 from common.experience import Experience
 from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline, peak_gpu_memory
-from common.model import DTYPES, load_model, load_tokenizer, resolve_model
+from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
 from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
 from common.tasks.processors import apply_task_processors
@@ -37,7 +38,11 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
     if args.engine == "vllm":
         return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
-    return HFEngine(model, tokenizer, freeze=args.freeze), tokenizer
+    static = None
+    if use_static_cache(args.hf_cache, torch.device(device).type, is_vlm(args.model, resolve_model(args.model))):
+        # positions: planned by common/memory.py before the run; explorers built directly (tests) guess
+        static = StaticCacheSize.plan(args.rollout_batch_size, args.hf_cache_tokens or args.max_new_tokens + 512)
+    return HFEngine(model, tokenizer, freeze=args.freeze, static_cache=static), tokenizer
 
 
 def build_vllm_engine(args, device, tokenizer):
@@ -67,6 +72,13 @@ class Explorer:
         self.args, self.timeline, self.index, self.device = args, timeline, index, device
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
+        if isinstance(self.engine, HFEngine):
+            print(f"[tandem] explorer{index}: {self.engine.describe()}", flush=True)
+            start = time.time()  # compiles the decode step, where there is one to compile, before the first rollout
+            if self.engine.warm_up(chat_prompt_ids(self.tokenizer, {"prompt": "warm up"})):
+                self.timeline.record("warm-up", start, time.time())
+                print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
+                      flush=True)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index,
                                                            args.task_sampling, args.curriculum,
