@@ -10,11 +10,11 @@ The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --
 - states: parameters P x b / S, gradients and AdamW's two moments 3 x P_trained x b / S (in the parameters'
   dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo);
 - activations of one micro-batch, linear in its tokens (packed micro-batches: attention runs per sequence,
-  `common.trainer.forward.packed_attention`, so nothing is N x N): what autograd keeps of every decoder layer per token
-  (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's working
-  set recomputed in the backward;
-- the log-probs: one chunk of common.trainer.forward.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the vocabulary, with
-  their softmax, entropy and gradients (`head_bytes`);
+  `common.trainer.forward.packed_attention`, so nothing is N x N): what autograd keeps of every decoder layer per
+  token (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's
+  working set recomputed in the backward;
+- the log-probs: one chunk of common.trainer.forward.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the
+  vocabulary, with their softmax, entropy and gradients (`head_bytes`);
 - the process itself: CUDA context, or on the CPU the interpreter with torch and transformers loaded.
 An explorer: its weights (in --dtype) plus, with vLLM on a GPU, --vllm-gpu-memory-utilization x the GPU's memory in
 all; with vLLM on the CPU --vllm-kv-cache-gb; with HF generate the KV cache of every sample of a rollout batch.
@@ -113,7 +113,8 @@ def layer_bytes_per_token(shape: ModelShape, b: int) -> float:
 def head_bytes(shape: ModelShape, chunk_tokens: int) -> float:
     """The log-prob chunk in the backward (the first thing it runs, while every layer's activations are alive):
     the recomputed logits in the head's dtype, their fp32 copy, the probabilities (an entropy bonus) and the
-    gradient in the head's dtype (common.trainer.forward._HeadLogprobs: at most 4 [chunk, vocab] fp32 tensors' bytes)."""
+    gradient in the head's dtype (common.trainer.forward._HeadLogprobs: at most 4 [chunk, vocab] fp32 tensors'
+    bytes)."""
     return 4 * 4 * chunk_tokens * shape.vocab
 
 
