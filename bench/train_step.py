@@ -213,6 +213,8 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         if isinstance(config, str):
             model_name = config
         else:
+            print(f"[bench] writing a {type(config).__name__} of random weights ({dtype_name})", file=sys.stderr,
+                  flush=True)
             model_name = random_model_folder(config, dtype, os.path.join(tmp, "model"))
         argv = ["--model", model_name, "--dtype", dtype_name, "--trainer-devices", str(device),
                 "--tasks-per-step", str(rows // 2), "--samples-per-task", "2", "--max-new-tokens", str(response_len),
@@ -251,6 +253,8 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
     flops = model_flops(model_config, all_tokens, trained)
+    if peak_flops is None:
+        print(f"[bench] measuring the {dtype_name} matmul rate on {device} (about 1 s)", file=sys.stderr, flush=True)
     peak = peak_flops or matmul_rate(device, dtype)
     cpu = {}
     if device.type == "cpu":  # the same figures per CPU-second: what a loaded machine's other jobs do not change
