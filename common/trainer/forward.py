@@ -18,9 +18,11 @@ import itertools
 from typing import Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 import common.vlm as vlm
 from common.experience import Batch
+from common.trainer.parallel import DataParallel
 
 
 LOGPROB_CHUNK_TOKENS = 1024
@@ -339,13 +341,14 @@ def logprobs_forward(model, input_ids, attention_mask, temperature, mask, with_e
 
 
 # ------------------------------------------------------------------------------------------------ micro-batches
-# Which rows one forward/backward pass runs, decided here for the policy, the reference model and the critic alike: a
-# group's samples sit together (rows that share a prompt run it once: `shared_prompt_layout`); data parallel: each
-# trainer runs its own contiguous share of the minibatch (`DataParallel.local_slice`); a fixed number of sequences
-# (--micro-batch-size) or whole sequences up to a token budget (--max-tokens-per-micro-batch, run padding-free);
-# FSDP: every pass is a collective, so each trainer runs as many as the busiest one (`DataParallel.even_out`), the
-# extra ones idle. Packing changes how the work is cut, not what is computed: each micro-batch's loss is still
-# weighted by its share of the minibatch's tokens (or sequences), so the summed gradient is that of padded ones.
+# Which rows one forward/backward pass runs, decided here for the policy, the reference model and the critic
+# alike: a group's samples sit together (rows that share a prompt run it once: `shared_prompt_layout`); data
+# parallel: each trainer runs its own contiguous share of the minibatch (neighbours share prompts; possibly empty:
+# it then adds zero gradient); a fixed number of sequences (--micro-batch-size) or whole sequences up to a token
+# budget (--max-tokens-per-micro-batch, run padding-free); FSDP: every pass is a collective, so each trainer runs as
+# many as the busiest one, the extra ones idle. Packing changes how the work is cut, not what is computed: each
+# micro-batch's loss is still weighted by its share of the minibatch's tokens (or sequences), so the summed gradient
+# is that of padded ones.
 
 def cut(idx: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int, max_tokens: int = 0) -> list[torch.Tensor]:
     """Index tensors, in order, covering `idx`: `micro_batch_size` sequences each, or (max_tokens > 0) as many
@@ -365,16 +368,19 @@ def cut(idx: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int, max_tok
     return out
 
 
-def micro_batches(batch: Batch, rows: torch.Tensor, args, dp=None) -> Iterator[tuple[torch.Tensor | None, Batch]]:
+def micro_batches(batch: Batch, rows: torch.Tensor, args,
+                  dp: DataParallel | None = None) -> Iterator[tuple[torch.Tensor | None, Batch]]:
     """(rows, the micro-batch of those rows) for each pass this trainer runs over `rows` of `batch`. With `dp` (a
     minibatch's update) only this trainer's share; an idle pass of a sharded trainer comes as (None, row 0 of the
     batch): run it, scale its loss by 0. Without `dp` (a whole-batch pass, the same on every trainer) every row."""
     rows = rows[torch.argsort(batch.group_ids[rows].cpu(), stable=True)]  # index lists stay on the CPU
     if dp is not None:
-        rows = dp.local_slice(rows)
+        rows = torch.tensor_split(rows, dp.size)[dp.rank]
     parts = cut(rows, batch.attention_mask.sum(-1).cpu(), args.micro_batch_size, args.max_tokens_per_micro_batch)
-    if dp is not None:
-        parts = dp.even_out(parts)
+    if dp is not None and dp.enabled and dp.sharded:
+        most = torch.tensor([len(parts)], device=dp.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=dp.group)
+        parts += [None] * (int(most.item()) - len(parts))
     for part in parts:
         yield part, batch.select(torch.zeros(1, dtype=torch.long) if part is None else part)
 

@@ -9,7 +9,7 @@ all-gathers one layer at a time in the forward and backward. Gradients are reduc
 1): the loss is already normalised by the whole minibatch, exactly as the replicas' all-reduce does
 (common/trainer/parallel.py). With `--dtype bfloat16` the parameters are bf16 and the reduction runs in fp32
 (MixedPrecisionPolicy). Sharded trainers must run the same number of forward/backward passes (every pass is a
-collective): `DataParallel.even_out` pads the shorter lists with idle passes.
+collective): common/trainer/forward.py `micro_batches` pads the shorter lists with idle passes.
 
 Checkpoints of sharded trainers are gathered into the same HF folder + trainer_state.pt as the replicas' (full
 state dicts, gathered into trainer 0's host memory, one tensor at a time on the device): final/ stays a plain HF
