@@ -33,7 +33,7 @@ from common.runtime.channel import Mailbox, StoreFlag
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
-from common.runtime.launcher import WorkerContext, stop_requested
+from common.runtime.worker import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
 from common.tasks.stream import mark_trained
 from common.run import launch

@@ -19,7 +19,7 @@ from common.runtime.channel import Mailbox
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
-from common.runtime.launcher import WorkerContext, stop_requested
+from common.runtime.worker import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
 from common.run import launch
 from common.weight_sync import make_weight_sync

@@ -71,7 +71,7 @@ def after_update(engine, tokenizer, prompts, sampling) -> dict:
     import torch
 
     from common.experience import Experience, collate
-    from common.model import sequence_logprobs
+    from common.trainer.forward import sequence_logprobs
 
     with torch.no_grad():
         for _, p in engine.weight_buffers():

@@ -193,18 +193,20 @@ def packing_throughput(model_name: str, repeats: int = 3, micro_batch_size: int 
     import torch
 
     from common.experience import collate
-    from common.model import load_model, sequence_logprobs
-    from common.trainer.packing import batch_micro_batches
+    from common.model import load_model
+    from common.trainer.forward import cut, sequence_logprobs, use_packed_attention
 
     model = load_model(model_name)
     model.config.use_cache = False
+    use_packed_attention(model)
     batch = collate(experiences(8, prompt_len, shortest, model.config.vocab_size), 0)
     tokens = batch.response_mask.sum().item()
     best = {False: float("inf"), True: float("inf")}
     for _ in range(repeats):
         for packed in (False, True):
             start = time.perf_counter()
-            for idx in batch_micro_batches(batch, micro_batch_size, pack_tokens if packed else 0):
+            lengths = batch.attention_mask.sum(-1)
+            for idx in cut(torch.arange(len(batch)), lengths, micro_batch_size, pack_tokens if packed else 0):
                 lp = sequence_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], 1.0,
                                        batch.response_mask[idx], packed=packed)
                 lp.sum().backward()

@@ -176,11 +176,11 @@ def _estimate_gib(args, config, device: torch.device, batch) -> float:
     """common/memory.py's peak for this trainer (its largest micro-batch), comparable with `_peak_memory_gib`: on
     a GPU without the CUDA context, which torch's allocator does not count."""
     from common.memory import CUDA_CONTEXT_BYTES, ModelShape, trainer_estimate
-    from common.trainer.packing import micro_batches
+    from common.trainer.forward import cut
 
     lengths = torch.tensor([len(e.prompt_ids) + len(e.response_ids) for e in batch])
     trained = torch.tensor([len(e.response_ids) for e in batch])
-    parts = micro_batches(torch.arange(len(batch)), lengths, args.micro_batch_size, args.max_tokens_per_micro_batch)
+    parts = cut(torch.arange(len(batch)), lengths, args.micro_batch_size, args.max_tokens_per_micro_batch)
     tokens = max(int(lengths[p].sum()) if args.max_tokens_per_micro_batch else len(p) * int(lengths.max())
                  for p in parts)
     est = trainer_estimate(ModelShape.from_config(config), args, device.type, tokens,
@@ -199,10 +199,10 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     tokens: tokens per micro-batch (--max-tokens-per-micro-batch when packed; else the rows of one micro-batch
     hold about that many real tokens, padded to the longest). peak_flops: the rate MFU is taken against (default:
     `matmul_rate` on the device in `dtype`, measured here). profile: after the timed steps, one more under
-    torch.profiler (`profile`: `profile_step`). packed_attention: common/model.py PACKED_ATTENTION for these steps
-    ("split": causal sdpa per sequence, also where flash attention's varlen kernel runs)."""
-    import common.model
+    torch.profiler (`profile`: `profile_step`). packed_attention: "split" gives the trainer's model causal sdpa per
+    sequence, also where flash attention's varlen kernel runs (common/trainer/forward.py `use_packed_attention`)."""
     from common.config import parse_args
+    from common.trainer.forward import use_packed_attention
     from common.trainer.trainer import Trainer
     from train_sync import Args
 
@@ -213,6 +213,8 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
         if isinstance(config, str):
             model_name = config
         else:
+            print(f"[bench] writing a {type(config).__name__} of random weights ({dtype_name})", file=sys.stderr,
+                  flush=True)
             model_name = random_model_folder(config, dtype, os.path.join(tmp, "model"))
         argv = ["--model", model_name, "--dtype", dtype_name, "--trainer-devices", str(device),
                 "--tasks-per-step", str(rows // 2), "--samples-per-task", "2", "--max-new-tokens", str(response_len),
@@ -221,34 +223,38 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
                   ["--micro-batch-size", str(max(1, rows // micro_batches))]),
                 *(["--gradient-checkpointing"] if gradient_checkpointing else []), *extra_args]
         args = parse_args(Args, argv)
+        print(f"[bench] building the trainer: {model_name} on {device} in {dtype_name}, {rows} rows, "
+              f"{'packed' if packed else 'padded'} micro-batches of ~{tokens} tokens", file=sys.stderr, flush=True)
         trainer = Trainer(args, device)
+    if packed_attention == "split":
+        use_packed_attention(trainer.model, split=True)
     model_config = trainer.model.config
     batch = synthetic_experiences(rows, prompt_len, response_len, model_config.vocab_size)
     all_tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
     trained = sum(len(e.response_ids) for e in batch)
     times, cpu_times = [], []
-    before, common.model.PACKED_ATTENTION = common.model.PACKED_ATTENTION, packed_attention
-    try:
-        for step in range(steps):
-            if step == 1:
-                _peak_memory_reset(device)
-            _sync(device)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            metrics = trainer.train_step(batch)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
-        peak_gib = _peak_memory_gib(device)
-        allocated = {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30} \
-            if device.type == "cuda" else {}
-        estimate_gib = _estimate_gib(args, model_config, device, batch)
-        extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
-    finally:
-        common.model.PACKED_ATTENTION = before
+    for step in range(steps):
+        if step == 1:
+            _peak_memory_reset(device)
+        _sync(device)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        metrics = trainer.train_step(batch)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        print(f"[bench] step {step + 1}/{steps}{' (warm-up)' if step == 0 else ''}: {times[-1]:.2f} s",
+              file=sys.stderr, flush=True)
+    peak_gib = _peak_memory_gib(device)
+    allocated = {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30} \
+        if device.type == "cuda" else {}
+    estimate_gib = _estimate_gib(args, model_config, device, batch)
+    extra = {"profile": profile_step(trainer, batch, device)} if profile else {}
     del trainer
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
     flops = model_flops(model_config, all_tokens, trained)
+    if peak_flops is None:
+        print(f"[bench] measuring the {dtype_name} matmul rate on {device} (about 1 s)", file=sys.stderr, flush=True)
     peak = peak_flops or matmul_rate(device, dtype)
     cpu = {}
     if device.type == "cpu":  # the same figures per CPU-second: what a loaded machine's other jobs do not change

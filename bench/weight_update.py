@@ -94,7 +94,7 @@ def _handoff_rank(rank, port, out_dir, shapes, device, dtype, methods, repeats, 
     import torch
     import torch.distributed as dist
 
-    from common.runtime.launcher import WorkerContext
+    from common.runtime.worker import WorkerContext
     from common.runtime.metrics import Timeline
     from common.weight_sync import METHODS
 

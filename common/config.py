@@ -404,7 +404,7 @@ class CommonArgs:
     default_reward: RewardKind = "math"
     """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
 
-    # --- memory: big models on one node (common/trainer/fsdp.py, common/trainer/packing.py, README "Big models") --------------
+    # --- memory: big models on one node (common/trainer/fsdp.py, common/trainer/forward.py, README "Big models") --------------
     trainer_shard: Literal["none", "fsdp"] = "none"
     """none: every data-parallel trainer holds the whole model, gradients and AdamW state (replicas); fsdp: FSDP2
     shards them over the trainers (each decoder layer and the root), policy, reference and critic alike."""

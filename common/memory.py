@@ -11,11 +11,11 @@ The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --
   dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo), the
   teacher's weights P_teacher x b / S (--algo distill);
 - activations of one micro-batch, linear in its tokens (packed micro-batches: attention runs per sequence,
-  `common.model._segment_sdpa`, so nothing is N x N): what autograd keeps of every decoder layer per token
-  (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's working
-  set recomputed in the backward;
-- the log-probs: one chunk of common.model.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the vocabulary, with
-  their softmax, entropy and gradients (`head_bytes`);
+  `common.trainer.forward.packed_attention`, so nothing is N x N): what autograd keeps of every decoder layer per
+  token (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's
+  working set recomputed in the backward;
+- the log-probs: one chunk of common.trainer.forward.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the
+  vocabulary, with their softmax, entropy and gradients (`head_bytes`);
 - the process itself: CUDA context, or on the CPU the interpreter with torch and transformers loaded.
 An explorer: its weights (in --dtype) plus, with vLLM on a GPU, --vllm-gpu-memory-utilization x the GPU's memory in
 all; with vLLM on the CPU --vllm-kv-cache-gb; with HF generate the KV cache of every sample of a rollout batch.
@@ -114,14 +114,15 @@ def layer_bytes_per_token(shape: ModelShape, b: int) -> float:
 def head_bytes(shape: ModelShape, chunk_tokens: int) -> float:
     """The log-prob chunk in the backward (the first thing it runs, while every layer's activations are alive):
     the recomputed logits in the head's dtype, their fp32 copy, the probabilities (an entropy bonus) and the
-    gradient in the head's dtype (common.model._HeadLogprobs: at most 4 [chunk, vocab] fp32 tensors' bytes)."""
+    gradient in the head's dtype (common.trainer.forward._HeadLogprobs: at most 4 [chunk, vocab] fp32 tensors'
+    bytes)."""
     return 4 * 4 * chunk_tokens * shape.vocab
 
 
 def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int, checkpointing: bool) -> float:
     """Peak bytes above the states while one micro-batch of `tokens` tokens (`trained_tokens` of them trained)
     runs forward and backward."""
-    from common.model import LOGPROB_CHUNK_TOKENS
+    from common.trainer.forward import LOGPROB_CHUNK_TOKENS
 
     layer = layer_bytes_per_token(shape, b) * tokens
     saved = (shape.layers * shape.hidden * b * tokens + layer) if checkpointing else shape.layers * layer
@@ -229,7 +230,7 @@ def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
 def worker_devices(args) -> tuple[list[str], list[str]]:
     """The device of every trainer and explorer, bare `cuda` resolved as the launcher does on one node (the rank's
     own GPU, modulo the GPUs there)."""
-    from common.runtime.launcher import plan_world, rank_device
+    from common.runtime.worker import plan_world, rank_device
 
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     devices = [rank_device(w.device, rank) for rank, w in enumerate(plan)]

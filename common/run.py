@@ -18,8 +18,8 @@ from common.explorer.engine import resolve_engine
 from common.preflight import check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
-from common.runtime.launcher import (WorkerContext, join_world, launch_local, plan_world, run_worker,
-                                     start_forkserver, under_elastic)
+from common.runtime.launcher import launch_local, start_forkserver
+from common.runtime.worker import WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline

@@ -11,6 +11,7 @@ from common.config import parse_args
 from common.experience import Experience, collate
 from common.trainer import checkpoints as ckpt
 from common.trainer.filters import PROCESSORS, build_processors, drop_stale, process
+from common.trainer.forward import batch_logprobs
 from common.trainer.trainer import Trainer
 from tests.conftest import TINY, assert_trained, run_script
 
@@ -32,7 +33,7 @@ def _experiences(trainer, rewards, finish_reasons=None, infos=None):
                                task_id=str(i // 2), policy_version=trainer.version,
                                reward_info=(infos or {}).get(i, {}),
                                finish_reason=(finish_reasons or {}).get(i, "stop")))
-    logprobs = trainer._logprobs(trainer.model, collate(exps, trainer.tokenizer.pad_token_id))
+    logprobs = batch_logprobs(trainer.model, collate(exps, trainer.tokenizer.pad_token_id), trainer.args)
     for i, e in enumerate(exps):
         p = len(e.prompt_ids)
         e.logprobs = logprobs[i, p - 1: p - 1 + len(e.response_ids)].tolist()

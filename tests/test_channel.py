@@ -23,9 +23,13 @@ def ranks(ctx, out_dir):
     queue, control = ExperienceQueue(mailbox), ControlChannel(mailbox)
     seen = {}
     if ctx.role == "trainer":
-        time.sleep(3)  # the explorers fill the buffer and block
+        # explorer0 sends its control message once a put has blocked on the full buffer: wait for that state
+        control_messages, deadline = [], time.monotonic() + 60
+        while not control_messages and time.monotonic() < deadline:
+            control_messages = [m.metrics for m in control.poll()]
+            time.sleep(0.05)
         seen["held_while_full"] = mailbox.batches.qsize()
-        seen["control_past_full_buffer"] = [m.metrics for m in control.poll()]
+        seen["control_past_full_buffer"] = control_messages
         seen["order"] = [(b.explorer, b.step) for b in (queue.get(30) for _ in range(2 * BATCHES))]
         stalls = []
         with pytest.raises(TimeoutError) as e:
@@ -58,7 +62,7 @@ def test_buffer_and_control_between_ranks(tmp_path):
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # the ranks import this file
     run_function("test_channel:ranks", 1, 2, str(tmp_path))
     trainer = json.loads((tmp_path / "trainer0.json").read_text())
-    assert trainer["held_while_full"] <= CAPACITY  # memory bounded: the rest waited at the explorers
+    assert trainer["held_while_full"] == CAPACITY  # full, and bounded: the rest waited at the explorers
     for e in (0, 1):
         assert [s for x, s in trainer["order"] if x == e] == list(range(1, BATCHES + 1))  # in order, each once
         blocked = json.loads((tmp_path / f"explorer{e}.json").read_text())["blocked"]

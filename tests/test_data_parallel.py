@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import ConfigError, check_placement
-from common.runtime.launcher import choose_backend
+from common.runtime.worker import choose_backend
 from common.model import load_model
 from conftest import TINY, assert_trained
 

@@ -5,7 +5,8 @@ import torch
 
 from common.explorer.engine import HFEngine, SamplingConfig, StaticCacheSize, use_static_cache
 from common.experience import Experience, collate
-from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
+from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model
+from common.trainer.forward import sequence_logprobs
 from tests.conftest import MaxTensor
 
 

@@ -52,7 +52,7 @@ def perturb(model, seed, scale=0.02):
 
 @torch.no_grad()
 def max_logprob_diff(model, groups, temperature):
-    from common.model import sequence_logprobs
+    from common.trainer.forward import sequence_logprobs
 
     worst = 0.0
     for gens in groups:
@@ -180,7 +180,7 @@ def test_weights_change_between_decode_steps(engine, folder):
     versions' weights (HF): it must equal the behaviour log-prob under its own version and not under the other
     (the KV cache of running requests is recomputed with the new weights, so the whole prefix counts as new)."""
     from common.explorer.engine import SamplingConfig
-    from common.model import sequence_logprobs
+    from common.trainer.forward import sequence_logprobs
     from common.weight_sync import weights_hash
 
     old, new = load_hf(folder), load_hf(folder)

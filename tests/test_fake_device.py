@@ -2,6 +2,7 @@
 they run on the CPU under tests/fake_device.py, which marks what a GPU run would hold on the GPU and raises where
 CUDA would (a CPU index tensor into a GPU tensor is fine, a GPU index into a CPU tensor is not, ...)."""
 
+import functools
 import json
 import os
 
@@ -31,16 +32,21 @@ def test_the_fake_device_raises_where_cuda_does():
 @pytest.mark.parametrize("micro_batches", [["--micro-batch-size", "2"], ["--max-tokens-per-micro-batch", "64"]],
                          ids=["padded", "packed"])
 def test_train_step_on_a_device(micro_batches, monkeypatch):
-    import common.model
+    import common.trainer.forward
     from common.trainer.trainer import Trainer
     from test_scale_trainer import uneven_experiences
     from train_sync import Args
 
-    if "--max-tokens-per-micro-batch" in micro_batches:  # packed: the GPU's varlen call, a reference for its kernel
+    packed, calls = "--max-tokens-per-micro-batch" in micro_batches, []
+    if packed:  # the GPU's varlen call, a reference for its kernel, counted
         from torch.nn.attention import varlen
 
-        monkeypatch.setattr(common.model, "_varlen_runs", lambda query, dropout: True)
-        monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
+        @functools.wraps(reference_varlen_attn)  # the same signature: the caller asks it which keywords it takes
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return reference_varlen_attn(*args, **kwargs)
+        monkeypatch.setattr(common.trainer.forward, "_varlen_runs", lambda query, dropout: True)
+        monkeypatch.setattr(varlen, "varlen_attn", counted)
     args = parse_args(Args, [*TINY, "--minibatch-size", "4", *micro_batches, "--kl-coef", "0.01"])
     torch.manual_seed(0)
     with FakeDevice():
@@ -50,6 +56,7 @@ def test_train_step_on_a_device(micro_batches, monkeypatch):
         metrics = trainer.train_step(uneven_experiences())
         assert all(on_device(p) for p in trainer.model.parameters())
     assert metrics["grad_norm"] > 0 and any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert bool(calls) == packed  # packed micro-batches ran tandem's packed attention, which the trainer gave its model
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

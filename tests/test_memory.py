@@ -108,7 +108,7 @@ def test_what_was_left_open_is_chosen_to_fit_and_a_given_flag_is_named(tmp_path)
 
 def _saved_bytes(model, rows: int, length: int) -> int:
     """Bytes autograd keeps for the backward of one packed forward of `rows` sequences of `length` tokens."""
-    from common.model import sequence_logprobs
+    from common.trainer.forward import sequence_logprobs
 
     total = 0
 
@@ -127,9 +127,11 @@ def test_packed_activations_grow_linearly_with_tokens():
     """Twice the sequences of a packed micro-batch keep twice the bytes for the backward (attention runs per
     sequence: nothing of size tokens x tokens), measured on what autograd saves."""
     from common.model import load_model
+    from common.trainer.forward import use_packed_attention
 
     model = load_model("tiny")
     model.config.use_cache = False
+    use_packed_attention(model)
     sizes = {rows: _saved_bytes(model, rows, 128) for rows in (4, 8, 16)}
     assert sizes[16] - sizes[8] == pytest.approx(2 * (sizes[8] - sizes[4]), rel=0.02), sizes
     assert sizes[16] / sizes[4] < 4.2, sizes
@@ -138,10 +140,12 @@ def test_packed_activations_grow_linearly_with_tokens():
 def test_packed_gradients_equal_padded_with_gradient_checkpointing():
     """The per-sequence attention of a packed micro-batch also holds where checkpointing recomputes each layer in
     the backward (outside the forward's call): same log-probs and gradients as padded rows."""
-    from common.model import load_model, sequence_logprobs
+    from common.model import load_model
+    from common.trainer.forward import sequence_logprobs, use_packed_attention
 
     model = load_model("tiny")
     model.config.use_cache = False
+    use_packed_attention(model)
     ids = torch.randint(0, model.config.vocab_size, (3, 40))
     attention = torch.ones_like(ids)
     attention[0, 30:] = 0

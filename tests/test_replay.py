@@ -7,7 +7,8 @@ import torch
 from common.explorer.engine import Generation, HFEngine, SamplingConfig
 from common.experience import Experience, collate
 from common.runtime.metrics import read_metrics
-from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model, sequence_logprobs
+from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model
+from common.trainer.forward import sequence_logprobs
 from common.explorer.groups import Response
 from common.explorer.rollouts import Context, Rollouts
 from common.trainer.filters import trained_version

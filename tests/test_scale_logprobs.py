@@ -1,4 +1,4 @@
-"""Chunked log-probs and padding-free packing (common/model.py): same numbers and gradients as the one-shot, padded
+"""Chunked log-probs and padding-free packing (common/trainer/forward.py): same numbers and gradients as the one-shot, padded
 computation, and no [tokens, vocab] tensor in either pass."""
 
 import functools
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from common.trainer.losses import entropy_from_logits
-from common.model import hidden_states, load_model, sequence_logprobs, token_logprobs_chunked
+from common.model import load_model
+from common.trainer.forward import hidden_states, sequence_logprobs, token_logprobs_chunked, use_packed_attention
 from tests.conftest import MaxTensor, reference_varlen_attn
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,7 +41,7 @@ def test_chunked_equals_one_shot_values_and_gradients():
     (ref_lp.sum() + ref_ent.sum()).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    import common.model as m
+    import common.trainer.forward as m
     old, m.LOGPROB_CHUNK_TOKENS = m.LOGPROB_CHUNK_TOKENS, 7  # many chunks, a ragged last one
     try:
         lp, ent = sequence_logprobs(model, ids, attn, 0.7, mask, with_entropy=True, entropy_grad=True)
@@ -71,6 +72,7 @@ def test_logprob_head_memory_does_not_grow_with_vocab_times_tokens():
 
 def test_packed_hidden_states_equal_padded_on_uneven_lengths():
     model = load_model("tiny", seed=2)
+    use_packed_attention(model)
     ids, attn, _ = _batch([3, 57, 5, 40, 2])  # very uneven
     with torch.no_grad():
         padded = hidden_states(model.base_model, ids, attn, packed=False)
@@ -87,7 +89,7 @@ def _packed_attention_runs(monkeypatch, device: str, dtype: torch.dtype, kernel=
     import transformers
     from torch.nn.attention import varlen
 
-    import common.model
+    from common.trainer.forward import use_packed_attention
 
     config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=256)
@@ -105,7 +107,7 @@ def _packed_attention_runs(monkeypatch, device: str, dtype: torch.dtype, kernel=
     monkeypatch.setattr(varlen, "varlen_attn", counted)
 
     def run(mode, packed=True):
-        monkeypatch.setattr(common.model, "PACKED_ATTENTION", mode)
+        use_packed_attention(model, split=mode == "split")
         model.zero_grad()
         hidden = hidden_states(model.base_model, ids, attn, packed=packed)
         (hidden.float() * weights).sum().backward()
@@ -135,9 +137,9 @@ def test_the_varlen_call_around_a_reference_kernel_equals_per_sequence(monkeypat
     """The CPU half of the GPU's packed attention: the kernel replaced by its contract computed per sequence
     (tests/conftest.py reference_varlen_attn), the call around it (layouts, offsets, grouped-query heads, the output's
     shape) gives the per-sequence path's hidden states and gradients to fp32 rounding."""
-    import common.model
+    import common.trainer.forward
 
-    monkeypatch.setattr(common.model, "_varlen_runs", lambda query, dropout: common.model.PACKED_ATTENTION == "auto")
+    monkeypatch.setattr(common.trainer.forward, "_varlen_runs", lambda query, dropout: True)
     ((varlen_h, varlen_g), (split_h, split_g), (padded_h, _)), real, per_layer = _packed_attention_runs(
         monkeypatch, "cpu", torch.float32, reference_varlen_attn)
     assert per_layer == 1
@@ -175,9 +177,9 @@ def _grouped_batch(seed=0, vocab=256):
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompts_run_once_with_the_same_numbers_and_gradients(attention):
-    """Rows that share a prompt run it once (common/model.py shared_prompt_layout): the packed sequence is shorter
+    """Rows that share a prompt run it once (common/trainer/forward.py shared_prompt_layout): the packed sequence is shorter
     than the padded batch, and log-probs, entropies and every parameter's gradient equal the one-shot computation."""
-    import common.model as m
+    import common.trainer.forward as m
 
     model = load_model("tiny", seed=4)
     model.set_attn_implementation(attention)

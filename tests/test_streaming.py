@@ -113,6 +113,21 @@ def test_resume_uses_every_task_position_once(explorer):
     lost = set(range(max(trained))) - set(trained) - set(again) - in_flight
     assert not lost, (trained, again, in_flight)  # the groups in flight at the checkpoint were started again
 
+@pytest.mark.timeout(300)
+def test_a_group_starts_only_within_max_staleness_of_the_weights(explorer):
+    """AReaL's admission rule: a group starts only while its stream position is below (version + --max-staleness
+    + 1) x --tasks-per-step, however many --inflight-groups are free; each new version admits one batch more."""
+    e = explorer()
+    e.args.max_staleness = 1  # at version 0: positions 0 and 1 (--inflight-groups 3 would start a third)
+    e.start_groups()
+    assert sorted(p for p, _ in e.position_of.values()) == [0, 1]
+    e.start_groups()
+    assert len(e.position_of) == 2  # no new version, no new group
+    e.version = 1
+    e.start_groups()
+    assert sorted(p for p, _ in e.position_of.values()) == [0, 1, 2]
+
+
 def test_ledger_of_trained_positions():
     assert mark_trained(None, [0, 2, 5]) == [1, [2, 5]]
     assert mark_trained([1, [2, 5]], [1, 3]) == [4, [5]]

@@ -9,7 +9,8 @@ import torch
 
 from common.experience import Experience, RolloutBatch, collate
 from common.explorer.engine import HFEngine, SamplingConfig
-from common.model import load_model, load_tokenizer, sequence_logprobs
+from common.model import load_model, load_tokenizer
+from common.trainer.forward import sequence_logprobs
 from common.runtime.metrics import read_metrics
 from common.tasks import build_tasksets
 from common.vlm import image_prompt, load_processor

@@ -4,6 +4,7 @@ with them."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -90,9 +91,23 @@ class _Buffers:
             self.torn.append((version, sorted(values)))
 
 
+class Watched:
+    """A store flag whose reads are counted where they find it set."""
+
+    def __init__(self, flag):
+        self.flag, self.seen_set = flag, 0
+
+    @property
+    def value(self):
+        v = self.flag.value
+        self.seen_set += bool(v)
+        return v
+
+
 def race(ctx, out_dir):
     """The trainer writes versions back to back while the explorer takes whatever is published (as between decode
-    steps): every version taken must be whole (each tensor filled with its version number), never half-written."""
+    steps, a few milliseconds apart): every version taken must be whole (each tensor filled with its version
+    number), never half-written; and takes that found a version being written were refused (counted)."""
     from common.runtime.metrics import Timeline
     from common.weight_sync import make_weight_sync
 
@@ -108,12 +123,14 @@ def race(ctx, out_dir):
                 t.fill_(version)
             weights.push(named, version, version)
         return
+    weights.writing = Watched(weights.writing)  # the explorer reads the flag only inside a take, to refuse it
     taken = [weights.pull(0)]
     while taken[-1] < last:
         if weights.poll(0):
             taken.append(weights.version)
+            time.sleep(0.005)  # a decode step: the trainer publishes meanwhile, and may be writing when it ends
     with open(os.path.join(out_dir, "race.json"), "w") as f:
-        json.dump({"taken": taken, "torn": engine.torn}, f)
+        json.dump({"taken": taken, "torn": engine.torn, "refused": weights.writing.seen_set}, f)
 
 
 def test_colocated_never_hands_over_a_half_written_version(tmp_path):
@@ -121,6 +138,7 @@ def test_colocated_never_hands_over_a_half_written_version(tmp_path):
     run_function("test_weight_sync_methods:race", 1, 1, str(tmp_path))
     got = json.load(open(tmp_path / "race.json"))
     assert got["torn"] == [] and got["taken"] == sorted(set(got["taken"])) and len(got["taken"]) > 2, got
+    assert got["refused"] > 0, got  # the race happened: a take met a version being written, and waited
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (run by make gpu-check)")

@@ -8,7 +8,8 @@ import torch
 from common.explorer.engine import HFEngine, SamplingConfig
 from common.envs import Env, ENVS, StepResult
 from common.experience import Experience, collate
-from common.model import default_model_dir, sequence_logprobs
+from common.model import default_model_dir
+from common.trainer.forward import sequence_logprobs
 from common.explorer.rollouts import Context, run_episodes
 from common.explorer.chat import ChatRenderer
 

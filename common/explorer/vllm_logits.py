@@ -2,7 +2,7 @@
 
 vLLM is started with `logprobs_mode="processed_logprobs"`: log-probs after temperature and after top-k/top-p. With
 top_p == 1 (tandem's default) that is exactly log_softmax(logits / temperature)[token], the quantity the trainer
-recomputes with `common.model.sequence_logprobs`. With top_p < 1 vLLM reports the truncated, renormalised
+recomputes with `common.trainer.forward.sequence_logprobs`. With top_p < 1 vLLM reports the truncated, renormalised
 distribution; `NormalizerProcessor` (changes no logits) records log(kept probability mass) per step in the worker,
 `TandemWorkerExtension.tandem_pop_logz` hands it over and the engine adds it back.
 """

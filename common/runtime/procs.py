@@ -1,7 +1,7 @@
 """Process-death handling, written once: a child dies with its parent, a process group is killed as a whole, and
 nothing a worker started outlives it (its group's guard: common/runtime/_group_guard.py).
 
-Used by the launcher's workers (common/runtime/launcher.py), the reward pool's verifier workers and RM servers (rewards/),
+Used by the launcher's workers (common/runtime/worker.py), the reward pool's verifier workers and RM servers (rewards/),
 and the sandbox (rewards/sandbox.py). The one exception is rewards/_sandbox_launch.py, which runs under `python -I`
 with the standard library only and so sets PR_SET_PDEATHSIG itself.
 """

@@ -5,15 +5,16 @@ optimizer, its update, and its part of a checkpoint (the critic/ subfolder).
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 
 import torch
 
 from common.experience import Batch
 from common.trainer.losses import clipped_value_loss, masked_mean
 from common.trainer.fsdp import full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state, prepare_model
-from common.model import hidden_states, load_model
+from common.model import load_model
+from common.trainer.forward import hidden_states, micro_batches
 from common.trainer.lr_schedule import build_optimizer
-from common.trainer.packing import batch_micro_batches, micro_batches
 from common.trainer.parallel import DataParallel
 from common.weight_sync import full_tensor
 
@@ -55,35 +56,33 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """V before this step's update at every position ([B, T-1]; 0 where the response mask is 0): the baseline of
         GAE and the anchor of value clipping."""
-        args, out = self.args, torch.zeros_like(batch.response_mask)
-        for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
-            out[idx] = self.model(batch.input_ids[idx], batch.attention_mask[idx], args.max_tokens_per_micro_batch > 0)
+        out = torch.zeros_like(batch.response_mask)
+        for rows, mb in micro_batches(batch, torch.arange(len(batch)), self.args):
+            out[rows] = self.model(mb.input_ids, mb.attention_mask, self.args.max_tokens_per_micro_batch > 0)
         return out * batch.response_mask
 
     # ALGO LOGIC: one critic optimizer step on a minibatch, micro-batched like the actor's (token-mean weighting).
-    def update(self, batch: Batch, idx: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, stats: dict):
-        args = self.args
+    def update(self, batch: Batch, idx: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor) -> dict:
+        """One optimizer step on minibatch `idx`; returns its metrics, a list of values each (one per micro-batch)."""
+        args, stats = self.args, defaultdict(list)
         total_tokens = batch.response_mask[idx].sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
-        local = self.dp.local_slice(idx)
-        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1), args.micro_batch_size,
-                                                     args.max_tokens_per_micro_batch)):
-            if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
-                (self.model(batch.input_ids[:1], batch.attention_mask[:1]).sum() * 0).backward()
+        for rows, mb in micro_batches(batch, idx, args, self.dp):  # this trainer's share (forward.py)
+            values = self.model(mb.input_ids, mb.attention_mask, args.max_tokens_per_micro_batch > 0)
+            if rows is None:  # sharded: an idle pass joins the busier trainers' collectives, adds zero
+                (values.sum() * 0).backward()
                 continue
-            mask = batch.response_mask[mb_idx]
-            values = self.model(batch.input_ids[mb_idx], batch.attention_mask[mb_idx],
-                                args.max_tokens_per_micro_batch > 0)
-            loss, clip_frac = clipped_value_loss(values, old_values[mb_idx], returns[mb_idx], mask,
+            loss, clip_frac = clipped_value_loss(values, old_values[rows], returns[rows], mb.response_mask,
                                                  args.value_clip_eps)
-            (loss * mask.sum() / total_tokens).backward()
-            stats.setdefault("value_loss", []).append(loss.item())
-            stats.setdefault("value_clip_frac", []).append(clip_frac.item())
-            stats.setdefault("value/mean", []).append(masked_mean(values.detach(), mask).item())
+            (loss * mb.response_mask.sum() / total_tokens).backward()
+            stats["value_loss"].append(loss.item())
+            stats["value_clip_frac"].append(clip_frac.item())
+            stats["value/mean"].append(masked_mean(values.detach(), mb.response_mask).item())
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("value_grad_norm", []).append(full_tensor(grad_norm).item())
+        stats["value_grad_norm"].append(full_tensor(grad_norm).item())
         self.optimizer.step()
+        return stats
 
     @torch.no_grad()
     def metrics(self, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor, actor_updated: bool) -> dict:

@@ -9,7 +9,7 @@ all-gathers one layer at a time in the forward and backward. Gradients are reduc
 1): the loss is already normalised by the whole minibatch, exactly as the replicas' all-reduce does
 (common/trainer/parallel.py). With `--dtype bfloat16` the parameters are bf16 and the reduction runs in fp32
 (MixedPrecisionPolicy). Sharded trainers must run the same number of forward/backward passes (every pass is a
-collective): `DataParallel.even_out` pads the shorter lists with idle passes.
+collective): common/trainer/forward.py `micro_batches` pads the shorter lists with idle passes.
 
 Checkpoints of sharded trainers are gathered into the same HF folder + trainer_state.pt as the replicas' (full
 state dicts, gathered into trainer 0's host memory, one tensor at a time on the device): final/ stays a plain HF
@@ -26,7 +26,7 @@ import types
 import torch
 
 from common.trainer.lora import add_lora
-from common.model import _sequence_logprobs, lm_body
+from common.trainer.forward import logprobs_forward, lm_body, use_packed_attention
 from common.vlm import freeze
 
 
@@ -66,14 +66,17 @@ def shard(model, dp, dtype: torch.dtype, cpu_offload: bool = False):
         # root, so FSDP gathers the root's parameters (embeddings, norm, head) around it.
         from torch.distributed.fsdp import register_fsdp_forward_method
 
-        model.tandem_sequence_logprobs = types.MethodType(_sequence_logprobs, model)
-        register_fsdp_forward_method(model, "tandem_sequence_logprobs")
+        model.tandem_logprobs_forward = types.MethodType(logprobs_forward, model)
+        register_fsdp_forward_method(model, "tandem_logprobs_forward")
     return model
 
 
 def prepare_model(model, args, dp=None, trainable: bool = True):
-    """The model as the trainer uses it: checkpointed when --gradient-checkpointing and with LoRA adapters when
-    --lora-rank (trainable models only), sharded over the trainers when --trainer-shard fsdp."""
+    """The model as the trainer uses it: packed attention when --max-tokens-per-micro-batch (common/trainer/forward.py
+    `use_packed_attention`), checkpointed when --gradient-checkpointing and with LoRA adapters when --lora-rank
+    (trainable models only), sharded over the trainers when --trainer-shard fsdp."""
+    if args.max_tokens_per_micro_batch > 0:
+        use_packed_attention(model)
     if trainable and args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if trainable and args.freeze != "none":

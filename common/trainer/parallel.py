@@ -2,9 +2,10 @@
 
 Trainer rank 0 takes each rollout batch from the queue and `share_batch` hands it to the other trainers, so every
 rank sees the same batch, computes the same advantages and walks the same minibatch order. Within a minibatch each
-rank runs forward/backward on its own slice only (`local_slice`), with the loss normalised by the whole minibatch,
-so `all_reduce_gradients` (a sum) yields exactly the gradient one trainer would have computed. Every rank then takes
-the same optimizer step and the replicas stay identical; rank 0 holds the full weights for the weight sync.
+rank runs forward/backward on its own slice only (common/trainer/forward.py `micro_batches`), with the loss
+normalised by the whole minibatch, so `all_reduce_gradients` (a sum) yields exactly the gradient one trainer would
+have computed. Every rank then takes the same optimizer step and the replicas stay identical; rank 0 holds the full
+weights for the weight sync.
 Unlike DDP, the reduction runs after the backward pass (no overlap) in a few flat buckets: simple to read, and the
 communication is small next to the backward pass at the model sizes one node trains here.
 """
@@ -37,11 +38,6 @@ class DataParallel:
     def enabled(self) -> bool:
         return self.size > 1
 
-    def local_slice(self, idx: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a minibatch's sample indices, a contiguous run (neighbours share prompts; possibly
-        empty: it then contributes zero gradient)."""
-        return torch.tensor_split(idx, self.size)[self.rank]
-
     def share_batch(self, batch):
         """Rank 0's object reaches every trainer (pickled; rollout batches are CPU data)."""
         if not self.enabled:
@@ -71,12 +67,3 @@ class DataParallel:
             flat = pack(bucket, self.device)
             dist.all_reduce(flat, group=self.group)
             unpack(flat, bucket)
-
-    def even_out(self, micro_batches: list) -> list:
-        """Sharded trainers: every forward/backward pass is a collective, so each trainer runs as many as the busiest
-        one; the missing ones are None (an idle pass that contributes zero gradient)."""
-        if not (self.enabled and self.sharded):
-            return micro_batches
-        most = torch.tensor([len(micro_batches)], device=self.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-        return micro_batches + [None] * (int(most.item()) - len(micro_batches))

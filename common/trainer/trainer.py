@@ -2,13 +2,22 @@
 common/trainer/critic.py), one train step over a rollout batch, and the run's bookkeeping around it (TrainerRun).
 Entry scripts decide *when* it trains and syncs; this decides *how*. *What* is optimised is --algo's entry in
 common/trainer/losses.py ALGOS (a loss function and an advantage estimator); the experience filters are
-common/trainer/filters.py, checkpoints (save, resume) common/trainer/checkpoints.py.
+common/trainer/filters.py, the forward and its micro-batches common/trainer/forward.py, checkpoints
+common/trainer/checkpoints.py.
+
+`Trainer.train_step` reads top to bottom. Its simplifications, on purpose:
+- advantages are computed once per step, before any update (also with several epochs, as PPO does);
+- the reference model never trains (reset to the policy every --ref-reset-every steps, no EMA);
+- data-parallel gradients are summed after the backward, not overlapped with it (common/trainer/parallel.py);
+- a minibatch is one optimizer step; no gradient accumulation across rollout batches;
+- the critic and the policy are updated on the same minibatches, each with its own optimizer; no shared body.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import defaultdict
 import os
 import sys
 import time
@@ -18,15 +27,15 @@ import torch
 
 from common.trainer import checkpoints as ckpt
 from common.trainer.critic import Critic
-from common.experience import Batch, Experience, collate
-from common.runtime.launcher import in_step, stop_requested
+from common.experience import Experience, collate
+from common.runtime.worker import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
 from common.trainer.losses import (ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate,
                                    kl_penalized_rewards, masked_mean, mismatch_stats)
 from common.trainer.fsdp import prepare_model
 from common.trainer.lora import merged_named_weights
-from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
-from common.trainer.packing import batch_micro_batches, micro_batches
+from common.model import DTYPES, load_model, load_tokenizer
+from common.trainer.forward import batch_logprobs, micro_batches, sequence_logprobs
 from common.trainer.filters import build_processors, drop_stale, process
 from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
@@ -61,7 +70,7 @@ class Trainer:
         self.teacher = load_teacher(args, device, self.dp)  # --algo distill (common/trainer/teacher.py), else None
         self.loss_kwargs = config_kwargs(self.algo.loss, args, skip=1)
         self.advantage_kwargs = config_kwargs(self.algo.advantages, args, skip=2, critic=self.critic,
-                                              teacher_logprobs=lambda batch: self._logprobs(self.teacher, batch))
+                                              teacher_logprobs=lambda batch: batch_logprobs(self.teacher, batch, args))
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
@@ -69,76 +78,114 @@ class Trainer:
 
     # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
     def train_step(self, experiences: list[Experience]) -> dict:
-        args = self.args
-        filtered = self._incoming_metrics(experiences)  # what the explorers sent, before any filter
+        """filters -> collate -> proximal and reference log-probs -> advantages -> per epoch and minibatch: the
+        critic's update, then the policy's (per micro-batch: forward, loss, backward; then one optimizer step).
+        Returns the step's metrics."""
+        args, model, dp = self.args, self.model, self.dp
+        metrics = incoming_metrics(experiences)  # what the explorers sent, before any filter
         experiences, counts = process(experiences, args, self.processors)  # common/trainer/filters.py
-        filtered.update(counts)
+        metrics |= counts
         if not experiences:  # every sample was filtered out: nothing to learn from, the step still counts
-            return {**self.skip_step(), **filtered}
+            return {**self.skip_step(), **metrics}
         batch = collate(experiences, self.tokenizer.pad_token_id).to(self.device)
-        ref_logprobs = self._logprobs(self.ref_model, batch) if self.ref_model is not None else None
-        stats: dict[str, list] = {}  # metric -> a value per micro-batch (floats, or device tensors: `step_means`)
-        rewards = batch.rewards  # [B], or [B, T] per token once the KL is subtracted from the reward
-        if ref_logprobs is not None and args.kl_mode == "reward":
-            kl = kl_estimate(batch.old_logprobs, ref_logprobs, args.kl_estimator) * batch.response_mask
-            rewards = kl_penalized_rewards(batch.rewards, kl, batch.response_mask, args.kl_coef)
-            stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
-            ref_logprobs = None  # no KL loss term
-        adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, GAE, the teacher's
-        stats.update({k: [v] for k, v in adv.metrics.items()})
-        per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
-        # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
-        stats["advantage/abs_mean"] = [masked_mean(per_token.abs().expand_as(batch.response_mask),
-                                                   batch.response_mask).item()]
+        n, mask, packed = len(batch), batch.response_mask, args.max_tokens_per_micro_batch > 0
+        stats = defaultdict(list)  # metric -> a value per micro-batch (floats, or device tensors: `step_means`)
+
         update_actor = self.step >= args.critic_warmup_steps  # critic warm-up: the policy waits
         # Off-policy correction: the proximal policy is this model before the update (AReaL / verl TIS). With one
         # epoch of one minibatch no sample is seen after an update, so the detached current log-probs are exactly
         # the proximal ones and the extra forward pass is skipped.
-        n = len(batch)
-        correcting = args.off_policy_correction not in ("none", "bypass")
+        correcting = args.off_policy_correction not in ("none", "bypass")  # bypass: the behaviour log-probs are
+        # the proximal policy, as with none
         single_update = args.ppo_epochs == 1 and n <= args.minibatch_size
-        prox_logprobs = (self._logprobs(self.model, batch)
-                         if correcting and not single_update and update_actor else None)
+        prox_logprobs = (batch_logprobs(model, batch, args) if correcting and not single_update and update_actor
+                         else None)
+        ref_logprobs = batch_logprobs(self.ref_model, batch, args) if self.ref_model is not None else None
+        rewards = batch.rewards  # [B], or [B, T] per token once the KL is subtracted from the reward
+        if ref_logprobs is not None and args.kl_mode == "reward":
+            kl = kl_estimate(batch.old_logprobs, ref_logprobs, args.kl_estimator) * mask
+            rewards = kl_penalized_rewards(batch.rewards, kl, mask, args.kl_coef)
+            stats["kl"].append(masked_mean(kl, mask).item())
+            ref_logprobs = None  # no KL loss term
+        adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, GAE, the teacher's
+        stats |= {k: [v] for k, v in adv.metrics.items()}
+        per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
+        # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
+        stats["advantage/abs_mean"].append(masked_mean(per_token.abs().expand_as(mask), mask).item())
         # Train-inference mismatch, before any update: over the whole batch where the proximal pass ran, else over
         # the first minibatch (a random share, measured from its own forward passes at no extra cost).
-        fresh = None if prox_logprobs is not None else []
         if prox_logprobs is not None:
-            stats.update({k: [v] for k, v in mismatch_stats(prox_logprobs, batch.old_logprobs,
-                                                            batch.response_mask).items()})
+            stats |= {k: [v] for k, v in mismatch_stats(prox_logprobs, batch.old_logprobs, mask).items()}
+        before_update = [] if prox_logprobs is None else None  # (rows, log-probs) of the first minibatch
+        # the critic's figures before its update (explained variance of the returns by the values GAE used)
+        critic_metrics = {} if self.critic is None else self.critic.metrics(adv.returns, adv.values, mask, update_actor)
         # Seeded by step: every data-parallel trainer walks the same order, and a resumed run the same as before.
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + self.step)
         for _ in range(args.ppo_epochs):
             order = torch.randperm(n, generator=shuffle)
-            for start in range(0, n, args.minibatch_size):
-                idx = order[start: start + args.minibatch_size]
-                if update_actor:
-                    self._minibatch_update(batch, adv.advantages, ref_logprobs, correcting, prox_logprobs, idx, stats,
-                                           fresh)
-                if fresh is not None and update_actor:  # the first minibatch ran on the weights before the update
-                    if fresh:  # (a data-parallel trainer may have had no rows in it)
-                        rows = torch.cat([i for i, _ in fresh])
-                        stats.update({k: [v] for k, v in mismatch_stats(torch.cat([lp for _, lp in fresh]),
-                                                                        batch.old_logprobs[rows],
-                                                                        batch.response_mask[rows]).items()})
-                    fresh = None
+            for idx in order.split(args.minibatch_size):
                 if self.critic is not None:
-                    self.critic.update(batch, idx, adv.values, adv.returns, stats)
+                    for k, v in self.critic.update(batch, idx, adv.values, adv.returns).items():
+                        stats[k] += v
+                if not update_actor:
+                    continue
+                minibatch_tokens = mask[idx].sum().clamp(min=1)  # each micro-batch's loss is its share of these
+                self.optimizer.zero_grad(set_to_none=True)
+                total = 0.0
+                for rows, mb in micro_batches(batch, idx, args, dp):  # this trainer's share (forward.py)
+                    logprobs, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, args.temperature,
+                                                          mb.response_mask, with_entropy=True, packed=packed,
+                                                          entropy_grad=args.entropy_coef > 0, images=mb.images)
+                    if rows is None:  # sharded: an idle pass joins the busier trainers' collectives, adds zero
+                        (logprobs.sum() * 0).backward()
+                        continue
+                    if before_update is not None:
+                        before_update.append((rows, logprobs.detach()))
+                    old, weights = mb.old_logprobs, None
+                    if correcting:
+                        old = prox_logprobs[rows] if prox_logprobs is not None else logprobs.detach()
+                        weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction,
+                                                    args.correction_cap, mb.response_mask, args.correction_floor,
+                                                    args.correction_k3_max)
+                        stats["correction/weight_mean"].append(masked_mean(weights, mb.response_mask))
+                    loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, adv.advantages[rows],
+                                                                 mb.response_mask, weights, minibatch_tokens,
+                                                                 len(idx)), **self.loss_kwargs)
+                    token_share = lambda x: (x * mb.response_mask).sum() / minibatch_tokens  # noqa: E731
+                    loss = loss - args.entropy_coef * token_share(entropy)
+                    if ref_logprobs is not None:
+                        kl = kl_estimate(logprobs, ref_logprobs[rows], args.kl_estimator)
+                        loss = loss + args.kl_coef * token_share(kl)
+                        stats["kl"].append(masked_mean(kl, mb.response_mask).detach())
+                    if loss.requires_grad:  # --freeze language: a micro-batch without images has nothing to train
+                        loss.backward()
+                    total = total + loss.detach()
+                    with torch.no_grad():  # kept on the device: read once per step (no host sync per micro-batch)
+                        for k, v in algo_stats.items():
+                            stats[k].append(v.detach() if torch.is_tensor(v) else float(v))
+                        stats["entropy"].append(masked_mean(entropy, mb.response_mask))
+                        ratio = torch.exp(logprobs - mb.old_logprobs)
+                        stats["ratio/mean"].append(masked_mean(ratio, mb.response_mask))
+                if before_update:  # the first minibatch, on the weights before the update (a data-parallel
+                    rows = torch.cat([r for r, _ in before_update])  # trainer may have had no rows in it)
+                    stats |= {k: [v] for k, v in mismatch_stats(torch.cat([lp for _, lp in before_update]),
+                                                                batch.old_logprobs[rows], mask[rows]).items()}
+                before_update = None
+                stats["loss"].append(dp.sum_scalar(total))  # the minibatch's loss, all trainers
+                dp.all_reduce_gradients(list(model.parameters()), args.sync_bucket_mb)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                stats["grad_norm"].append(full_tensor(grad_norm).detach())
+                self.optimizer.step()
+
         lr = self._next_step()
         if args.ref_reset_every and self.step % args.ref_reset_every == 0:  # Kimi k1.5 / ProRL reference reset
-            self.ref_model.load_state_dict(self.model.state_dict())  # sharded: shard to shard, same layout
-            stats["ref_reset"] = [1.0]
-        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **filtered}  # a step without an update
-        out.update(step_means(stats))
-        if self.critic is not None:
-            out.update(self.critic.metrics(adv.returns, adv.values, batch.response_mask, update_actor))
-        out["response/tokens_mean"] = batch.response_mask.sum().item() / n
-        out.update(peak_gpu_memory(self.device, "trainer"))
+            self.ref_model.load_state_dict(model.state_dict())  # sharded: shard to shard, same layout
+            stats["ref_reset"].append(1.0)
+        out = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "lr": lr, **metrics}  # a step without an update
+        out |= step_means(stats) | critic_metrics
+        out["response/tokens_mean"] = mask.sum().item() / n
+        out |= peak_gpu_memory(self.device, "trainer")
         return out
-
-    def _incoming_metrics(self, experiences: list[Experience]) -> dict:
-        """Reward (finite ones) of a rollout batch, before any filter."""
-        rewards = [e.reward for e in experiences if np.isfinite(e.reward)]
-        return {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))} if rewards else {}
 
     def skip_step(self) -> dict:
         """A step with nothing to train (partial rollouts: no group has finished yet; every sample filtered out). It
@@ -155,76 +202,17 @@ class Trainer:
         self.version += 1
         return lr
 
-    def _minibatch_update(self, batch: Batch, advantages, ref_logprobs, correcting, prox_logprobs, idx, stats,
-                          fresh=None):
-        """One optimizer step on minibatch `idx`: the algorithm's loss per micro-batch (each returns its share of the
-        minibatch loss, so the summed gradients are the minibatch's), plus the entropy bonus and the KL term.
-        `fresh`, where given, gets (rows, log-probs) of each micro-batch, computed before the step (train-inference
-        mismatch)."""
-        args = self.args
-        minibatch_tokens = batch.response_mask[idx].sum().clamp(min=1)
-        self.optimizer.zero_grad(set_to_none=True)
-        # A group's samples in one micro-batch, where they run their shared prompt once (common/model.py
-        # shared_prompt_layout); the sum of gradients is the same. Index lists stay on the CPU, the batch may not.
-        idx = idx[torch.argsort(batch.group_ids[idx].cpu(), stable=True)]
-        local = self.dp.local_slice(idx)  # data parallel: this trainer's share; normalised by the whole minibatch
-        total = 0.0
-        for mb_idx in self.dp.even_out(micro_batches(local, batch.attention_mask.sum(-1).cpu(), args.micro_batch_size,
-                                                     args.max_tokens_per_micro_batch)):
-            if mb_idx is None:  # sharded: another trainer has a micro-batch more; join its collectives, add zero
-                (sequence_logprobs(self.model, batch.input_ids[:1], batch.attention_mask[:1],
-                                   images=batch.row_images([0])).sum() * 0).backward()
-                continue
-            mb = batch.select(mb_idx)
-            logprobs, entropy = sequence_logprobs(self.model, mb.input_ids, mb.attention_mask, args.temperature,
-                                                  mb.response_mask, with_entropy=True,
-                                                  entropy_grad=args.entropy_coef > 0,
-                                                  packed=args.max_tokens_per_micro_batch > 0, images=mb.images)
-            if fresh is not None:
-                fresh.append((mb_idx, logprobs.detach()))
-            old, weights = mb.old_logprobs, None
-            if correcting:
-                old = prox_logprobs[mb_idx] if prox_logprobs is not None else logprobs.detach()
-                weights = behaviour_weights(old, mb.old_logprobs, args.off_policy_correction, args.correction_cap,
-                                            mb.response_mask, args.correction_floor, args.correction_k3_max)
-                stats.setdefault("correction/weight_mean", []).append(masked_mean(weights, mb.response_mask))
-            loss, algo_stats = self.algo.loss(MicroBatch(logprobs, old, advantages[mb_idx], mb.response_mask, weights,
-                                                         minibatch_tokens, len(idx)), **self.loss_kwargs)
-            token_share = lambda x: (x * mb.response_mask).sum() / minibatch_tokens  # noqa: E731
-            loss = loss - args.entropy_coef * token_share(entropy)
-            if ref_logprobs is not None:
-                kl = kl_estimate(logprobs, ref_logprobs[mb_idx], args.kl_estimator)
-                loss = loss + args.kl_coef * token_share(kl)
-                stats.setdefault("kl", []).append(masked_mean(kl, mb.response_mask).detach())
-            if loss.requires_grad:  # --freeze language: a micro-batch without images has nothing to train
-                loss.backward()
-            total = total + loss.detach()
-            with torch.no_grad():  # kept on the device: read once per step (no host sync per micro-batch)
-                for k, v in algo_stats.items():
-                    stats.setdefault(k, []).append(v.detach() if torch.is_tensor(v) else float(v))
-                stats.setdefault("entropy", []).append(masked_mean(entropy, mb.response_mask))
-                ratio = torch.exp(logprobs - mb.old_logprobs)
-                stats.setdefault("ratio/mean", []).append(masked_mean(ratio, mb.response_mask))
-        stats.setdefault("loss", []).append(self.dp.sum_scalar(total))  # the minibatch's loss, all trainers
-        self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        stats.setdefault("grad_norm", []).append(full_tensor(grad_norm).detach())
-        self.optimizer.step()
-
-    @torch.no_grad()
-    def _logprobs(self, model, batch: Batch) -> torch.Tensor:
-        args, out = self.args, torch.zeros_like(batch.response_mask)
-        for idx in batch_micro_batches(batch, args.micro_batch_size, args.max_tokens_per_micro_batch):
-            out[idx] = sequence_logprobs(model, batch.input_ids[idx], batch.attention_mask[idx], args.temperature,
-                                         batch.response_mask[idx], packed=args.max_tokens_per_micro_batch > 0,
-                                         images=batch.row_images(idx))
-        return out
-
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What the explorers get, in HF names: the parameters (DTensor shards when sharded: the sync gathers
         them), or with LoRA the base weights with the adapters merged in."""
         named = merged_named_weights(self.model) if self.args.lora_rank else self.model.named_parameters()
         return [(n, t) for n, t in named if not is_frozen(n, self.args.freeze)]  # --freeze: the explorers have them
+
+
+def incoming_metrics(experiences: list[Experience]) -> dict:
+    """Reward (finite ones) of a rollout batch, before any filter."""
+    rewards = [e.reward for e in experiences if np.isfinite(e.reward)]
+    return {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards))} if rewards else {}
 
 
 def step_means(stats: dict[str, list]) -> dict[str, float]:
