@@ -159,7 +159,8 @@ def _function_rank(target: str, trainers: str, explorers: str, timeout_s: str, *
     import importlib
 
     module, function = target.split(":")
-    ctx = join_world(plan_world(["cpu"] * int(trainers), ["cpu"] * int(explorers)), float(timeout_s), 15.0, 1)
+    torch.set_num_threads(1)  # every rank on the same cores, as the tests that use this run them
+    ctx = join_world(plan_world(["cpu"] * int(trainers), ["cpu"] * int(explorers)), float(timeout_s), 15.0)
     getattr(importlib.import_module(module), function)(ctx, *args)
     ctx.close(float(timeout_s))
 
