@@ -27,7 +27,7 @@ from common.trainer.fsdp import prepare_model
 from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer, sequence_logprobs
 from common.trainer.packing import batch_micro_batches, micro_batches
-from common.trainer.filters import build_processors, drop_stale, process
+from common.trainer.filters import build_processors, check_finite, drop_stale, process
 from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
@@ -82,6 +82,7 @@ class Trainer:
             stats["kl"] = [masked_mean(kl, batch.response_mask).item()]
             ref_logprobs = None  # no KL loss term
         adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, or GAE (critic)
+        check_finite(self.step + 1, advantages=adv.advantages, returns=adv.returns)  # never a silent NaN update
         per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
         # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
         stats["advantage/abs_mean"] = [masked_mean(per_token.abs().expand_as(batch.response_mask),
@@ -205,6 +206,7 @@ class Trainer:
         self.dp.all_reduce_gradients(list(self.model.parameters()), args.sync_bucket_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
         stats.setdefault("grad_norm", []).append(full_tensor(grad_norm).detach())
+        check_finite(self.step + 1, loss=stats["loss"][-1], grad_norm=stats["grad_norm"][-1])
         self.optimizer.step()
 
     @torch.no_grad()
