@@ -44,6 +44,8 @@ def strip_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</th
     `</think>` (nested blocks counted, a block may be re-opened later in the turn), and everything after a
     `<think>` that never closes. A turn whose first tag is `</think>` began inside reasoning (its template opened
     it): the text before that tag is reasoning too. Any other `</think>` that closes nothing is dropped."""
+    if open_tag not in text and close_tag not in text:
+        return text
     depth, visible = 0, []
     for i, part in enumerate(re.split(f"({re.escape(open_tag)}|{re.escape(close_tag)})", text)):
         if part == open_tag:
