@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from common.envs import Env, EnvSettings, StepResult
-from common.envs.boundary import EpisodeEnv
+from common.envs.boundary import EnvFailure, EpisodeEnv
 
 
 @dataclass
@@ -166,7 +166,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise NotFound(f"no route {self.path} (POST /reset, /step, /close)")
             status, answer = 200, routes[self.path](body)
         except Exception as e:  # noqa: BLE001  (the environment's error goes back to the client as one line)
-            status, answer = (404 if isinstance(e, NotFound) else 500), {"error": f"{type(e).__name__}: {e}"}
+            status = 404 if isinstance(e, NotFound) else 500
+            answer = {"error": str(e) if isinstance(e, EnvFailure) else f"{type(e).__name__}: {e}"}
         data = json.dumps(answer, default=str).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
