@@ -62,7 +62,7 @@ class Faulty(Env):
             return StepResult([], "high", True, {})
         if self.fault == "none_result":
             return None
-        return StepResult([], float(len(action) % 2), True, {})
+        return StepResult([], len(action) % 7 / 6, True, {})
 
     def step(self, action):
         result = self.outcome(action)
@@ -128,7 +128,7 @@ def test_a_fault_ends_its_own_episode_with_its_reason(faulty_envs, server, kind,
     tasks = [{"id": "bad", "env": env, "fault": fault}, {"id": "ok", "env": env}]
     groups, _ = run_episodes(Scripted(tok, ["1", "22"]), ctx, tasks, SamplingConfig(n=1))
     (g_bad, bad), (g_ok, ok) = [(g, e) for g in groups for e in g.responses]
-    assert ok.end_reason == "done" and ok.turn_rewards == [0.5, 0.0] and not ok.failed, (ok.end_reason, ok.error)
+    assert ok.end_reason == "done" and ok.turn_rewards == [0.5, 2 / 6] and not ok.failed, (ok.end_reason, ok.error)
     reason = FAULTS[fault][kind == "http"]
     assert bad.failed and bad.failure == reason, (bad.end_reason, bad.failure, bad.error)
     assert SAYS[fault] in bad.error and f"environment {env!r}" in bad.error, bad.error
@@ -208,14 +208,16 @@ def test_a_tool_that_exits_is_a_counted_tool_error():
 def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path):
     """A real run (over an environment server, so the faulty environments reach its workers): turn-level GRPO
     (an intermediate NaN would reach every advantage of its group), faults in half the tasks, and it trains."""
-    rows = [{"id": f"ok{i}", "env": "http", "remote_env": "faulty"} for i in range(2)]
+    rows = [{"id": f"ok{i}", "env": "http", "remote_env": "faulty"} for i in range(4)]
     rows += [{"id": f, "env": "http", "remote_env": "faulty", "fault": f}
              for f in ("base_exception", "malformed", "none_result", "nonfinite_reward")]
-    taskset = tmp_path / "faulty.jsonl"
+    taskset, held_out = tmp_path / "faulty.jsonl", tmp_path / "eval.jsonl"
     taskset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out.write_text(json.dumps(rows[0]) + "\n")
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--taskset", str(taskset), "--env-setting", f"http.url={server}",
-                      "--algo", "grpo_turn", "--steps", "2", "--batch-size", "6", "--max-turns", "3",
+    proc = run_script("train_sync.py", *TINY, "--taskset", str(taskset), "--eval-taskset", str(held_out),
+                      "--eval-size", "1", "--env-setting", f"http.url={server}",
+                      "--algo", "grpo_turn", "--steps", "2", "--tasks-per-step", "8", "--max-turns", "3",
                       "--episode-token-budget", "400", "--truncated-turns", "continue", "--out-dir", str(out),
                       timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
