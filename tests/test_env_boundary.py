@@ -207,7 +207,7 @@ def test_a_tool_that_exits_is_a_counted_tool_error():
 @pytest.mark.timeout(900)
 def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path):
     """A real run (over an environment server, so the faulty environments reach its workers): turn-level GRPO
-    (an intermediate NaN would reach every advantage of its group), faults in half the tasks, and it trains."""
+    with the last step's reward (an intermediate NaN would reach the advantages), faults in half the tasks, and it trains."""
     rows = [{"id": f"ok{i}", "env": "http", "remote_env": "faulty"} for i in range(4)]
     rows += [{"id": f, "env": "http", "remote_env": "faulty", "fault": f}
              for f in ("base_exception", "malformed", "none_result", "nonfinite_reward")]
@@ -217,7 +217,7 @@ def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path)
     out = tmp_path / "run"
     proc = run_script("train_sync.py", *TINY, "--taskset", str(taskset), "--eval-taskset", str(held_out),
                       "--eval-size", "1", "--env-setting", f"http.url={server}",
-                      "--algo", "grpo_turn", "--steps", "2", "--tasks-per-step", "8", "--max-turns", "3",
+                      "--algo", "grpo_turn", "--env-reward", "last", "--steps", "2", "--tasks-per-step", "8", "--max-turns", "3",
                       "--episode-token-budget", "400", "--truncated-turns", "continue", "--out-dir", str(out),
                       timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
