@@ -1,5 +1,6 @@
-"""The boundary around an environment: everything an environment, its tools or an environment server does passes
-through one `EpisodeEnv` (rewards/THREATS.md "Environments are untrusted"; docs/USAGE.md "Environments").
+"""The boundary around an environment: every call to it, bounded and checked. Everything an environment, its tools
+or an environment server does passes through one `EpisodeEnv` (rewards/THREATS.md "Environments are untrusted";
+docs/USAGE.md "The boundary").
 
 An environment is someone else's code and its results are untrusted input. Each call (building it, reset, step,
 close) runs in a thread of its own: a plain function in a daemon thread, an `async def` one on the episode's event
