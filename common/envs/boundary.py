@@ -179,23 +179,17 @@ class EpisodeEnv:
         raises is ever re-raised here."""
         outcome: concurrent.futures.Future = concurrent.futures.Future()
 
-        def settle(value_or_exc, failed: bool):
-            if failed:
-                exc = value_or_exc
-                settled = ("invalid" if isinstance(exc, InvalidResult) else "raised", describe(exc))
-            else:
-                settled = ("ok", value_or_exc)
-            outcome.set_result(settled)
+        def failed(exc: BaseException) -> tuple[str, str]:
+            return ("invalid" if isinstance(exc, InvalidResult) else "raised"), describe(exc)
 
         if inspect.iscoroutinefunction(fn):
             async def run():
                 try:
                     value = await fn(*args)
-                    value = check(value) if check else value
+                    settled = ("ok", check(value) if check else value)
                 except BaseException as exc:  # noqa: BLE001  (the environment's, CancelledError included)
-                    settle(exc, True)
-                    return
-                settle(value, False)
+                    settled = failed(exc)
+                outcome.set_result(settled)
 
             task = asyncio.run_coroutine_threadsafe(run(), self._episode_loop())
             thread = self._loop_thread
@@ -203,11 +197,10 @@ class EpisodeEnv:
             def target():
                 try:
                     value = fn(*args)
-                    value = check(value) if check else value
+                    settled = ("ok", check(value) if check else value)
                 except BaseException as exc:  # noqa: BLE001  (the environment's: SystemExit, KeyboardInterrupt...)
-                    settle(exc, True)
-                    return
-                settle(value, False)
+                    settled = failed(exc)
+                outcome.set_result(settled)
 
             task = None
             thread = threading.Thread(target=target, daemon=True, name=f"env-call-{getattr(fn, '__name__', 'fn')}")

@@ -153,9 +153,12 @@ class Episode(Sample):
         self.versions += versions[:len(ids)] if versions else [version] * len(ids)  # per token, if mid-generation
 
     def fail(self, failure: EnvFailure):
-        """End the episode on an environment failure (its first one is the reason kept)."""
-        self.error, self.failure = self.error or str(failure), self.failure or failure.metric
+        """End the episode on an environment failure."""
+        self._note(failure)
         self._end(failure.reason)
+
+    def _note(self, failure: EnvFailure):
+        self.error, self.failure = self.error or str(failure), self.failure or failure.metric  # the first one counts
 
     def _end(self, reason: str):
         self.end_reason = reason
@@ -164,7 +167,7 @@ class Episode(Sample):
             try:
                 env.close()
             except EnvFailure as exc:  # fails this episode, counted; not the run
-                self.error, self.failure = self.error or str(exc), self.failure or exc.metric
+                self._note(exc)
                 self.end_reason = exc.reason
         self.finish_reason = "length" if self.end_reason in CUT or self.cut_turns else "stop"
         if self.end_reason in CUT or self.failed:
