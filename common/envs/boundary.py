@@ -120,8 +120,9 @@ def check_step(result) -> StepResult:
         raise InvalidResult(f"info is {_short(result.info)}, not a dict")
     info = dict(result.info)
     calls = info.get("tool_calls", 0)
-    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+    if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 0:
         raise InvalidResult(f"info['tool_calls'] is {_short(calls)}, not a count")
+    info["tool_calls"] = int(calls)
     errors = info.get("tool_errors", [])
     if not isinstance(errors, list) or not all(isinstance(x, str) for x in errors):
         raise InvalidResult(f"info['tool_errors'] is {_short(errors)}, not a list of strings")
