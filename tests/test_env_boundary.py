@@ -201,13 +201,15 @@ def test_a_tool_that_exits_is_a_counted_tool_error():
             raise SystemExit("bye")
 
     out = Exits().step('<tool_call>{"name": "leave", "arguments": {}}</tool_call>')
-    assert out.info["tool_errors"] == ["exception"] and out.messages[0]["content"] == "error: exception: SystemExit: bye"
+    assert out.info["tool_errors"] == ["exception"]
+    assert out.messages[0]["content"] == "error: exception: SystemExit: bye"
 
 
 @pytest.mark.timeout(900)
 def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path):
     """A real run (over an environment server, so the faulty environments reach its workers): turn-level GRPO
-    with the last step's reward (an intermediate NaN would reach the advantages), faults in half the tasks, and it trains."""
+    with the last step's reward (an intermediate NaN would reach the advantages), faults in half the tasks, and it
+    trains."""
     rows = [{"id": f"ok{i}", "env": "http", "remote_env": "faulty"} for i in range(4)]
     rows += [{"id": f, "env": "http", "remote_env": "faulty", "fault": f}
              for f in ("base_exception", "malformed", "none_result", "nonfinite_reward")]
@@ -217,8 +219,9 @@ def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path)
     out = tmp_path / "run"
     proc = run_script("train_sync.py", *TINY, "--taskset", str(taskset), "--eval-taskset", str(held_out),
                       "--eval-size", "1", "--env-setting", f"http.url={server}",
-                      "--algo", "grpo_turn", "--env-reward", "last", "--steps", "2", "--tasks-per-step", "8", "--max-turns", "3",
-                      "--episode-token-budget", "400", "--truncated-turns", "continue", "--out-dir", str(out),
+                      "--algo", "grpo_turn", "--env-reward", "last", "--steps", "2", "--tasks-per-step", "8",
+                      "--max-turns", "3", "--episode-token-budget", "400", "--truncated-turns", "continue",
+                      "--out-dir", str(out),
                       timeout=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
@@ -233,7 +236,8 @@ WRITE = {  # format: the turn calling `add` with these arguments (JSON text), as
     "hermes": lambda a: '<tool_call>{"name": "add", "arguments": %s}</tool_call>' % a,
     "llama3_json": lambda a: '<|python_tag|>{"name": "add", "parameters": %s}' % a,
     "mistral": lambda a: '[TOOL_CALLS] [{"name": "add", "arguments": %s}]' % a,
-    "qwen3_coder": lambda a: "<tool_call>\n<function=add>\n<parameter=a>\n%s\n</parameter>\n</function>\n</tool_call>" % a,
+    "qwen3_coder": lambda a: ("<tool_call>\n<function=add>\n<parameter=a>\n%s\n</parameter>\n</function>\n"
+                              "</tool_call>") % a,
 }
 
 

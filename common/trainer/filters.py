@@ -56,10 +56,10 @@ def drop_stale(experiences: list[Experience], args, version: int) -> tuple[list[
 
 
 def drop_invalid_rewards(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
-    """Non-finite rewards (the sample's, or any turn's credit) are always dropped; failed samples (reward_info["failed"]: a verifier's error, timeout or
-    crash, an episode that ended in an environment error, timeout or template failure) too when
-    --drop-failed-rewards (instead of training on their floor score), counted per reason as
-    filter/failed_dropped/<reason> (an episode's end reason, or "verifier")."""
+    """Non-finite rewards (the sample's, or any turn's credit) are always dropped; failed samples
+    (reward_info["failed"]: a verifier's error, timeout or crash, an episode that ended in an environment error,
+    timeout or template failure) too when --drop-failed-rewards (instead of training on their floor score), counted per
+    reason as filter/failed_dropped/<reason> (an episode's end reason, or "verifier")."""
     kept, failed = [], Counter()
     for e in experiences:
         if args.drop_failed_rewards and e.reward_info.get("failed"):
