@@ -335,3 +335,18 @@ def test_non_finite_values_never_train():
         check_finite(3, advantages=torch.tensor([0.0, float("nan")]))
     with pytest.raises(NonFinite, match="in the loss"):
         check_finite(7, grad_norm=torch.tensor(1.0), loss=torch.tensor(float("inf")))
+
+
+def nan_loss(mb) -> tuple:
+    """A --loss-fn with a numerical fault: the surrogate times NaN."""
+    return (mb.logprobs * mb.mask).sum() * float("nan"), {}
+
+
+@pytest.mark.timeout(600)
+def test_a_non_finite_loss_stops_the_run_before_the_update(tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("train_sync.py", *TINY, "--steps", "2", "--loss-fn", "tests.test_env_boundary:nan_loss",
+                      "--out-dir", str(out), timeout=500)
+    assert proc.returncode != 0
+    assert "NonFinite: step 1: 1 non-finite value(s) in the loss: the update was not applied" in proc.stderr, \
+        proc.stderr[-2000:]
