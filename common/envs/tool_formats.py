@@ -176,9 +176,11 @@ def split_qwen3_coder(text: str, schemas=None) -> tuple[str, list | None]:
         kinds = types.get(name, {})
         parameters = PARAMETER.findall(function.group(2))
         try:
-            _check_bounds(body)
-            for _, v in parameters:
-                _check_bounds(v)
+            if len(body) > MAX_CALL_CHARS:
+                raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
+            for k, v in parameters:
+                if kinds.get(k.strip()) != "string":  # the values _typed parses as JSON
+                    _check_bounds(v)
         except ValueError as e:
             calls.append(ToolError("malformed", f"tool call beyond the limits ({e})"))
             continue
