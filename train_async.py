@@ -78,8 +78,8 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    weights = make_weight_sync(args, ctx, timeline, explorer.engine)
-    explorer.version = weights.pull(step=0)
+    explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
+    explorer.pull(step=0)
     explorer.resume_stream(trained_ledger(ctx), explorer.version)  # groups in flight at the checkpoint: again
     evaluates = ctx.index == 0  # one explorer measures held-out accuracy for the run
     undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
@@ -90,25 +90,24 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         undecided = explorer.version + 2
         explorer.start_groups()  # up to --inflight-groups generating
         explorer.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
-        if args.mid_generation_updates and weights.poll(sent):  # between two engine steps
-            explorer.version = weights.version
+        if args.mid_generation_updates:  # between two engine steps
+            explorer.poll(sent)
         batch = explorer.take_batch()  # --tasks-per-step groups, once that many are scored
         if batch is None:
             continue
         sent += 1
         with timeline.phase("wait", put=f"{ctx.index}-{sent}"):  # blocks only while the queue is full
-            put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, weights,
+            put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, explorer,
                                args)
-        weights.poll(sent)
-        explorer.version = weights.version
+        explorer.poll(sent)
     explorer.stop_stream()  # groups still in flight are given up (a resumed run starts them again)
-    explorer.version = weights.take_final(sent)  # every send still owed, up to the trainer's final weights
+    explorer.take_final(sent)  # every send still owed, up to the trainer's final weights
     if evaluates:
         control.send("final", explorer.final_evaluation(sent + 1), ctx.index)
     explorer.close()
 
 
-def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, weights, args: Args):
+def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, explorer: Explorer, args: Args):
     """Put with backpressure; give the batch up once the trainer has finished (it will never be trained).
 
     While the queue is full the trainer may be waiting for this explorer to join a weight broadcast (it is one
@@ -120,7 +119,7 @@ def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, weights
         try:
             return queue.put(item, timeout=0.5)
         except TimeoutError:
-            weights.poll(item.step)
+            explorer.poll(item.step)
     raise TimeoutError(f"explorer: experience queue stayed full for {args.timeout_s:.0f}s (trainer stalled?)")
 
 

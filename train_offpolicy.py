@@ -39,8 +39,8 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    weights = make_weight_sync(args, ctx, timeline, explorer.engine)
-    explorer.version = weights.pull(step=0)
+    explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
+    explorer.pull(step=0)
     explorer.skip_to(explorer.version)
     for step in range(explorer.version + 1, args.steps + 1):
         if explorer.eval_due(step):
@@ -49,10 +49,10 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         if step > explorer.first_step:
             # SYNC: the weights trained on batch step-1, taken before batch step is handed over: the trainer cannot
             # train batch step (and replace them) before that, so batch step+1 is exactly one version behind.
-            explorer.version = weights.pull(step)
+            explorer.pull(step)
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
-    explorer.version = weights.pull(args.steps)  # the weights trained on the last batch
+    explorer.pull(args.steps)  # the weights trained on the last batch
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 

@@ -44,8 +44,8 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    weights = make_weight_sync(args, ctx, timeline, explorer.engine)
-    explorer.version = weights.pull(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
+    explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
+    explorer.pull(step=0)  # the trainer's weights (fresh or resumed) before anything is generated
     explorer.skip_to(explorer.version)  # one version per step: the version says how many steps are done
     for step in range(explorer.version + 1, args.steps + 1):
         if explorer.eval_due(step):
@@ -53,7 +53,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         experiences, metrics = explorer.rollout(step)
         with timeline.phase("wait", put=f"0-{step}"):
             queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
-        explorer.version = weights.pull(step)  # SYNC: no generation until the new weights are here
+        explorer.pull(step)  # SYNC: no generation until the new weights are here
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 

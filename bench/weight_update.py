@@ -77,6 +77,8 @@ def model_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
 class _Receiver:
     """An explorer's engine as a weight-sync method sees it: its weight buffers (on its device) and a commit."""
 
+    maps_shared_file = False  # (common/explorer/engine.py RolloutEngine) the buffers are copied into
+
     def __init__(self, named):
         self.named = named
 

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from common.explorer.engine import RolloutEngine
 from common.runtime.launcher import run_function
 from common.weight_sync import METHODS
 from tests.conftest import ROOT, TINY
@@ -75,8 +76,11 @@ def test_each_method_hands_over_exact_versions_that_generate(tmp_path, method):
     assert len({h for _, h, _ in sent["seen"]}) == VERSIONS and len({str(o) for _, _, o in sent["seen"]}) > 1
 
 
-class _Buffers:
+class _Buffers(RolloutEngine):
     """The engine side a weight-sync method needs: buffers to write into, and a commit (here: checked at once)."""
+
+    def generate(self, prompts, sampling):
+        raise NotImplementedError("weights only")
 
     def __init__(self):
         self.buffers = [("w", torch.zeros(4, 1 << 20)), ("b", torch.zeros(1 << 20))]

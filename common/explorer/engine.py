@@ -1,7 +1,7 @@
 """Rollout engines behind one small interface: HF `generate` here (CPU and GPU); vLLM in common/explorer/engine_vllm.py.
 
 Behaviour log-probs are log_softmax(logits / temperature) of the sampled token, the same quantity the trainer
-recomputes with `common.model.sequence_logprobs` (top-p truncation is not part of it, as in verl/OpenRLHF).
+recomputes with `common.trainer.forward.sequence_logprobs` (top-p truncation is not part of it, as in verl/OpenRLHF).
 """
 
 from __future__ import annotations
@@ -38,9 +38,14 @@ class Generation:
 
 
 class RolloutEngine(ABC):
-    """What an explorer needs from an inference engine."""
+    """What an explorer needs from an inference engine: `generate` (a batch, each request to its end) and its
+    weights. An engine that batches continuously (`streams`: vLLM) also takes requests one at a time into its
+    running batch (`add`, `step`, `running`, `abort`: the streaming explorer); an engine whose worker can map a
+    shared-memory file itself (`maps_shared_file`: vLLM on the CPU) loads weights from one (`commit_shared_file`)."""
 
     busy_s = 0.0  # seconds spent generating so far (rollout/engine_busy_frac)
+    streams = False
+    maps_shared_file = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
@@ -77,6 +82,29 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Free what the engine holds outside this process (vLLM: its engine core, shared memory)."""
+
+    # ------------------------------------------------------------------ where `streams`
+    def add(self, owner, key, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
+            stepwise: bool = True) -> None:
+        """Queue one request of `owner` under `key`; it joins the running batch at the next engine step."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def running(self, owner) -> int:
+        """Requests of `owner` still generating, or finished and not yet taken by `step`."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def step(self, owner) -> list[tuple[object, Generation]]:
+        """One engine step; (key, Generation) of `owner`'s requests finished by now."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def abort(self, owner) -> None:
+        """Drop every request of `owner`."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    # ------------------------------------------------------------------ where `maps_shared_file`
+    def commit_shared_file(self, path: str, layout: list, version: int | None = None) -> None:
+        """Load weights laid out in a shared-memory file (`common.buckets.flat_layout`, HF names)."""
+        raise NotImplementedError(f"{type(self).__name__} does not map shared files")
 
 
 def default_stop_ids(tokenizer, generation_config=None) -> list[int]:

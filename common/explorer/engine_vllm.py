@@ -81,6 +81,9 @@ class VLLMEngine(RolloutEngine):
         like the HF engine.
     """
 
+    streams = True  # add / step / running / abort: requests join the running batch
+    maps_shared_file = True  # its worker maps the colocated sync's /dev/shm slot itself
+
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
                  stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):

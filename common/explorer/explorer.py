@@ -91,7 +91,8 @@ class Explorer:
                                   rm_model=args.rm_model, judge_model=args.judge_model,
                                   memory_mb=args.reward_memory_mb)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
-        self.version = 0
+        self.version = 0  # of the weights the engine holds: set by `pull` / `poll` / `take_final`
+        self.weights = None  # the weight sync (`connect`)
         self.next_group = 0
         self.first_step = 1
         # streaming (train_async.py): tasks drawn and not started, groups being scored and scored, the stream
@@ -108,6 +109,27 @@ class Explorer:
         self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
         self.batch_tokens, self.batch_busy = 0, 0.0
         self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
+
+    # ------------------------------------------------------------------ weights: the explorer's version is its sync's
+    def connect(self, weights) -> None:
+        """Take weights through `weights` (common/weight_sync: make_weight_sync for this explorer's engine)."""
+        self.weights = weights
+
+    def pull(self, step: int) -> int:
+        """Wait for the next weights the trainer sends (common/weight_sync `pull`); returns their version."""
+        self.version = self.weights.pull(step)
+        return self.version
+
+    def poll(self, step: int) -> bool:
+        """Take new weights if some are waiting, without waiting; whether any were taken."""
+        took = self.weights.poll(step)
+        self.version = self.weights.version
+        return took
+
+    def take_final(self, step: int) -> int:
+        """At the end of the run: every send still owed, up to the trainer's final weights."""
+        self.version = self.weights.take_final(step)
+        return self.version
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
@@ -331,7 +353,7 @@ class Explorer:
 
     def stop_stream(self) -> None:
         """Give up the groups in flight (their requests leave the engine)."""
-        if hasattr(self.engine, "abort"):
+        if self.engine.streams:
             self.engine.abort(self.in_flight)
 
     def resume_stream(self, trained: tuple[int, list[int]] | None, step: int) -> None:

@@ -176,7 +176,7 @@ class Rollouts:
         newer weights may land there and each token's version is reported."""
         continued = sum(s.segments > 0 for s in self.unfinished())
         tokens = self.tokens
-        if hasattr(engine, "step") and not self.ctx.token_budget:
+        if engine.streams and not self.ctx.token_budget:
             while self._stepping or any(not w.finished() for w in self.workflows):
                 self.step(engine, sampling, version, stepwise=between_steps is not None)
                 if between_steps is not None:
@@ -227,7 +227,7 @@ class Rollouts:
         for workflow in [w for w in self._new if not w.starting()]:  # set up (multi_turn: environments reset)
             self._ready += [(workflow, *request) for request in workflow.requests()]
             self._new.remove(workflow)
-        stepping = hasattr(engine, "step")
+        stepping = engine.streams
         busy = bool(self._ready) or stepping and engine.running(self) > 0
         if self._stepping:  # a quick environment step rejoins at once; an idle engine waits for one
             newest = max(t for *_, t in self._stepping.values())

@@ -176,7 +176,7 @@ class ColocatedSync(WeightSync):
             self._attach()
         # An engine that can read the slot's file itself (vLLM: its worker maps it) loads straight from it, within
         # the reading window; others get the weights copied into their buffers, then commit.
-        direct = getattr(self.engine, "commit_shared_file", None) if self.path else None
+        direct = self.engine.commit_shared_file if self.path and self.engine.maps_shared_file else None
         mine = self.reading[self.ctx.index]
         mine.value = 1
         try:
