@@ -11,13 +11,15 @@ import os
 
 import torch
 
+from common.envs import ENVS, env_class
+from common.envs.tools import check_tools
 from common.explorer.engine import vllm_available
 from common.explorer.multi_turn import cannot_start
 from common.explorer.rollouts import WORKFLOWS, Context, workflow_name
 from common.knobs import ConfigError
 from common.memory import plan_memory
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model
-from common.tasks.named import taskset_has_envs
+from common.tasks.named import env_taskset, taskset_has_envs
 from common.tasks.validate import WHERE
 from common.trainer.losses import ALGOS
 from common.vlm import is_vlm, load_processor
@@ -106,10 +108,17 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
 
 def check_episode_prompts(args, tasks: list[dict]) -> None:
     """An environment task whose first prompt (the environment's reset, tools and chat template applied) leaves
-    no room for a turn in --episode-token-budget is rejected with file:line, before any compute."""
+    no room for a turn in --episode-token-budget is rejected with file:line, before any compute; so is a tool
+    environment with a tool whose schema cannot be built."""
 
     if not (taskset_has_envs(args.taskset) or any("env" in t for t in tasks)):
         return
+    named = [env_taskset(part) for part in args.taskset.split("+")]
+    for name in sorted({t["env"] for t in tasks if t.get("env") in ENVS} | {n[0] for n in named if n}):
+        try:
+            check_tools(env_class(name))
+        except ValueError as e:
+            raise ConfigError(f"--taskset {args.taskset}: {e}") from None
     ctx = Context.from_args(load_tokenizer(args.model, args.chat_template), args)
     try:
         ctx.renderer

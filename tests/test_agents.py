@@ -401,7 +401,7 @@ def test_a_hung_step_ends_its_episode_and_the_run_goes_on(monkeypatch, env_worke
     metrics = rollout_metrics(flat)
     assert metrics["rollout/end/timeout"] == 6
     # Nothing left behind: close() released the sync step's thread, the async step was cancelled.
-    from common.envs import abandoned_threads
+    from common.envs.boundary import abandoned_threads
 
     deadline = time.monotonic() + 10
     while abandoned_threads() and time.monotonic() < deadline:

@@ -64,7 +64,9 @@ def test_a_tool_environment_over_http_and_its_failures(server):
     assert '"name":"calculate"' in e.messages[0]["content"]  # the schemas came from the server
     # The environment's own error (a row without its field) ends the episode with the server's one-line reason.
     (g,), _ = run_episodes(Scripted(tok, ["1"]), ctx, [{"id": "bad", "env": "guess_number"}], SamplingConfig(n=1))
-    assert g.responses[0].end_reason == "error" and "HTTP 500: KeyError: 'secret'" in g.responses[0].error
+    error = g.responses[0].error
+    assert g.responses[0].end_reason == "error" and "HTTP 500: reset of environment 'guess_number': KeyError: " \
+        "'secret'" in error
     # No server: a bounded number of tries, then that episode fails (counted); nothing hangs.
     env = make_env("guess_number", {"env_server": "http://127.0.0.1:9", "http.retries": 1,
                                     "http.retry_backoff_s": 0.1})

@@ -5,9 +5,10 @@
     result = env.step(action_text)                  # StepResult(messages, reward, done, info)
 
 An environment is one class in one file of this folder plus one line in `ENVS` below. `reset`, `step` and `close`
-may be `async def` (I/O-bound environments: a web service, a container); each call runs under
---env-step-timeout-s (`call_bounded`): an async one is cancelled at the limit, a synchronous one is abandoned in its
-daemon thread (Python cannot stop a thread), and either way the episode ends with reason "timeout". Its typed settings are a
+may be `async def` (I/O-bound environments: a web service, a container). The workflow never calls an environment
+directly: every call goes through the boundary (common/envs/boundary.py `EpisodeEnv`), which bounds it by
+--env-step-timeout-s, catches whatever it raises and checks what it returns; any of these ends that episode alone,
+with its reason counted. Its typed settings are a
 `Settings` dataclass on the class (subclassing `EnvSettings`); `make_env(name, overrides)` is the one way in: the
 config's `--env-setting NAME.FIELD=VALUE` (and --tool-timeout-s for every tool environment) fill it, checked
 against the dataclass before any compute (`parse_env_settings`). A procedural environment also names its task
@@ -22,12 +23,8 @@ when a task uses it.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib
-import inspect
-import threading
-import weakref
 from dataclasses import dataclass, field
 
 ENVS = {
@@ -90,50 +87,6 @@ class Env:
 
     def close(self) -> None:
         """Free what the environment holds (called once the episode ended)."""
-
-
-class EnvTimeout(Exception):
-    """An environment call that did not return within its bound."""
-
-
-ABANDONED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # threads of calls given up on (tools too)
-
-
-def abandoned_threads() -> int:
-    """Threads of timed-out synchronous environment and tool calls that are still running (rollout metrics show it:
-    such a thread cannot be killed, so an environment should let `close` end its own hung call)."""
-    return sum(t.is_alive() for t in list(ABANDONED))
-
-
-def call_bounded(fn, *args, timeout_s: float, loop: asyncio.AbstractEventLoop | None = None):
-    """fn(*args), waited on for at most `timeout_s` (EnvTimeout past it). A coroutine function runs on `loop` (the
-    episode's own event loop, so what the environment binds to it lives across its steps) and is cancelled at the
-    limit; a plain function runs in a daemon thread that is abandoned at the limit (it cannot be killed: an
-    environment whose calls can hang on I/O should be async, or let `close` release them)."""
-    if inspect.iscoroutinefunction(fn):
-        if loop is None:
-            raise ValueError("an async environment call needs the episode's event loop")
-        try:
-            return loop.run_until_complete(asyncio.wait_for(fn(*args), timeout_s))
-        except asyncio.TimeoutError:
-            raise EnvTimeout(f"{getattr(fn, '__qualname__', fn)} did not return within {timeout_s:g}s") from None
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread below)
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True, name=f"env-call-{getattr(fn, '__name__', 'fn')}")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        ABANDONED.add(thread)
-        raise EnvTimeout(f"{getattr(fn, '__qualname__', fn)} did not return within {timeout_s:g}s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def env_class(name: str):

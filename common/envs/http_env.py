@@ -20,7 +20,10 @@ episodes are the in-process ones (tests/test_http_env.py checks the same observa
 waits at most `request_timeout_s` (and the whole call --env-step-timeout-s, like any environment call); a request
 that could not be sent (connection refused or reset) is retried at most `retries` times, `retry_backoff_s` apart;
 a step that reached the server is never retried (it may have changed the game), and an error ends the episode
-("error"). The server runs each request in its own thread and serves episodes independently.
+("error"). The server runs each request in its own thread and serves episodes independently, each behind the
+same boundary as in process (common/envs/boundary.py: whatever the environment raises or returns wrong is a 500
+with one line, each call bounded by the server's --step-timeout-s); what comes back is checked again by the
+client's boundary (the server is untrusted too).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from common.envs import Env, EnvSettings, StepResult, make_env
+from common.envs import Env, EnvSettings, StepResult
+from common.envs.boundary import EnvFailure, EpisodeEnv
 
 
 @dataclass
@@ -92,13 +96,13 @@ class HttpEnv(Env):
     def reset(self, task: dict) -> list[dict]:
         self.remote = self.remote or str(task.get("remote_env", ""))  # a task row {"env": "http", "remote_env": ...}
         out = self._post("/reset", {"env": self.remote, "task": task, "settings": self.remote_settings}, resend=True)
-        self.episode, self.schemas = out["episode"], list(out.get("tools") or [])
-        self.worst_reward = float(out.get("worst_reward", 0.0))
+        self.episode, self.schemas = out["episode"], out.get("tools") or []
+        self.worst_reward = out.get("worst_reward", 0.0)  # checked by the boundary, like what follows
         return out["messages"]
 
     def step(self, action: str) -> StepResult:
         out = self._post("/step", {"episode": self.episode, "action": action}, resend=False)
-        return StepResult(out["messages"], float(out["reward"]), bool(out["done"]), dict(out.get("info") or {}))
+        return StepResult(out.get("messages"), out.get("reward"), out.get("done"), out.get("info", {}))
 
     def tool_schemas(self) -> list[dict]:
         return self.schemas
@@ -115,25 +119,28 @@ class EnvServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int]):
+    def __init__(self, address: tuple[str, int], step_timeout_s: float = 300.0):
         super().__init__(address, Handler)
-        self.episodes: dict[str, Env] = {}
+        self.step_timeout_s = step_timeout_s
+        self.episodes: dict[str, EpisodeEnv] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
 
     def reset(self, body: dict) -> dict:
-        env = make_env(body["env"], body.get("settings") or {})
-        messages = env.reset(body["task"])
+        env = EpisodeEnv(body["env"], body.get("settings") or {}, self.step_timeout_s)
+        try:
+            messages, tools = env.reset(body["task"])
+        except Exception:  # the episode never started: free what the environment holds
+            env.close()
+            raise
         with self.lock:
             episode = f"ep{next(self.ids)}"
             self.episodes[episode] = env
-        return {"episode": episode, "messages": messages, "tools": env.tool_schemas(),
-                "worst_reward": float(env.worst_reward)}
+        return {"episode": episode, "messages": messages, "tools": tools, "worst_reward": env.worst_reward}
 
     def step(self, body: dict) -> dict:
         result = self._episode(body).step(str(body["action"]))
-        return {"messages": result.messages, "reward": float(result.reward), "done": bool(result.done),
-                "info": result.info}
+        return {"messages": result.messages, "reward": result.reward, "done": result.done, "info": result.info}
 
     def close_episode(self, body: dict) -> dict:
         with self.lock:
@@ -142,7 +149,7 @@ class EnvServer(ThreadingHTTPServer):
             env.close()
         return {}
 
-    def _episode(self, body: dict) -> Env:
+    def _episode(self, body: dict) -> EpisodeEnv:
         with self.lock:
             env = self.episodes.get(body.get("episode"))
         if env is None:
@@ -159,7 +166,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise NotFound(f"no route {self.path} (POST /reset, /step, /close)")
             status, answer = 200, routes[self.path](body)
         except Exception as e:  # noqa: BLE001  (the environment's error goes back to the client as one line)
-            status, answer = (404 if isinstance(e, NotFound) else 500), {"error": f"{type(e).__name__}: {e}"}
+            status = 404 if isinstance(e, NotFound) else 500
+            answer = {"error": str(e) if isinstance(e, EnvFailure) else f"{type(e).__name__}: {e}"}
         data = json.dumps(answer, default=str).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -175,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve every registered environment over HTTP (see the docstring).")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0: a free port (printed)")
+    parser.add_argument("--step-timeout-s", type=float, default=300.0, help="longest one environment call may take")
     args = parser.parse_args(argv)
-    server = EnvServer((args.host, args.port))
+    server = EnvServer((args.host, args.port), args.step_timeout_s)
     print(f"listening on http://{args.host}:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

@@ -17,6 +17,10 @@ renders a call with each template and parses it back):
 `--tool-call-format auto` (the default) picks the format whose marker the model's chat template contains
 (`detect`), else hermes. `close` is the text that completes one call (in-turn tools cut the turn right after it);
 formats whose call runs to the end of the turn (llama3_json, mistral) have none: the turn ends at the call anyway.
+
+The text parsed is the policy's, so it is bounded input: a call longer than MAX_CALL_CHARS or whose JSON nests
+deeper than MAX_DEPTH is a malformed call (the error observation the policy pays for, rollout/tool_error/malformed),
+never a parser's RecursionError.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+MAX_CALL_CHARS = 32_000  # the text of one call (llama3_json, mistral: of all the turn's calls)
+MAX_DEPTH = 16           # nesting of [ and { in a call's JSON
 
 
 class ToolError(Exception):
@@ -37,6 +43,37 @@ class ToolError(Exception):
         self.reason = reason
 
 
+def _nesting(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text, outside strings (a linear scan: no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_bounds(text: str) -> None:
+    """A ValueError when `text` is beyond the parser's limits (the caller's malformed call)."""
+    if len(text) > MAX_CALL_CHARS:
+        raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
+    if _nesting(text) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+
+
+def _json(text: str):
+    """json.loads within the limits (a ValueError beyond them, as for text that is not JSON)."""
+    _check_bounds(text)
+    return json.loads(text)
+
+
 def _call(obj, args_key: str = "arguments") -> dict | ToolError:
     """{"name", "arguments"} from a decoded JSON call, or a ToolError naming what is wrong with it."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -44,8 +81,8 @@ def _call(obj, args_key: str = "arguments") -> dict | ToolError:
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = _json(args)
+        except ValueError:
             pass
     if not isinstance(args, dict):
         return ToolError("malformed", "tool call arguments must be a JSON object")
@@ -58,16 +95,18 @@ def split_hermes(text: str, schemas=None) -> tuple[str, list | None]:
     calls: list = []
     for body in TOOL_CALL.findall(text):
         try:
-            calls.append(_call(json.loads(body.strip())))
-        except json.JSONDecodeError as e:
-            calls.append(ToolError("malformed", f"tool call is not valid JSON ({e.msg})"))
+            calls.append(_call(_json(body.strip())))
+        except ValueError as e:
+            calls.append(ToolError("malformed", f"tool call is not valid JSON within the limits ({e})"))
     if not calls or text.count("<tool_call>") > len(calls):  # an opened block that never closed
         calls.append(ToolError("malformed", "<tool_call> without a closing </tool_call>"))
     return TOOL_CALL.sub("", text).split("<tool_call>")[0].strip(), calls
 
 
 def _json_values(text: str, sep: str) -> list:
-    """The JSON values of `text`, one after another, separated by whitespace or `sep` (a ValueError otherwise)."""
+    """The JSON values of `text`, one after another, separated by whitespace or `sep` (a ValueError otherwise, or
+    beyond the limits)."""
+    _check_bounds(text)
     decoder, out, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(text) and (text[i].isspace() or text[i] == sep):
@@ -113,7 +152,7 @@ def _typed(value: str, kind: str | None):
     if kind == "string":
         return value
     try:
-        parsed = json.loads(value)
+        parsed = json.loads(value)  # bounded by split_qwen3_coder
     except json.JSONDecodeError:
         return value
     if kind is None or (kind, type(parsed)) in {("integer", int), ("number", int), ("number", float),
@@ -135,8 +174,17 @@ def split_qwen3_coder(text: str, schemas=None) -> tuple[str, list | None]:
             continue
         name = function.group(1).strip()
         kinds = types.get(name, {})
-        calls.append({"name": name, "arguments": {k.strip(): _typed(v, kinds.get(k.strip()))
-                                                  for k, v in PARAMETER.findall(function.group(2))}})
+        parameters = PARAMETER.findall(function.group(2))
+        try:
+            if len(body) > MAX_CALL_CHARS:
+                raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
+            for k, v in parameters:
+                if kinds.get(k.strip()) != "string":  # the values _typed parses as JSON
+                    _check_bounds(v)
+        except ValueError as e:
+            calls.append(ToolError("malformed", f"tool call beyond the limits ({e})"))
+            continue
+        calls.append({"name": name, "arguments": {k.strip(): _typed(v, kinds.get(k.strip())) for k, v in parameters}})
     if not calls or text.count("<tool_call>") > len(calls):
         calls.append(ToolError("malformed", "<tool_call> without a closing </tool_call>"))
     return TOOL_CALL.sub("", text).split("<tool_call>")[0].strip(), calls

@@ -29,7 +29,8 @@ import json
 import threading
 import time
 
-from common.envs import ABANDONED, Env, StepResult
+from common.envs import Env, StepResult
+from common.envs.boundary import ABANDONED, describe
 from common.envs.tool_formats import ToolError, split_hermes, tool_format
 
 def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
@@ -60,8 +61,10 @@ class ToolThread:
                 self.box["value"] = fn(**kwargs)
         except asyncio.TimeoutError:
             self.box["error"] = ToolError("timeout", f"tool did not answer within {self.timeout_s:g}s")
-        except Exception as e:  # noqa: BLE001  (a tool's failure is the model's observation, not our crash)
+        except ToolError as e:  # the tool's own verdict (e.g. the sandbox's timeout)
             self.box["error"] = e
+        except BaseException as e:  # noqa: BLE001  (SystemExit too: a tool's failure is an observation, not our end)
+            self.box["error"] = ToolError("exception", describe(e))
 
     def result(self):
         self.thread.join(max(0.0, self.deadline - time.monotonic()) + 0.5)  # + the cancellation of an async one
@@ -69,11 +72,8 @@ class ToolThread:
             ABANDONED.add(self.thread)
             raise ToolError("timeout", f"tool did not answer within {self.timeout_s:g}s")
         if "error" in self.box:
-            e = self.box["error"]
-            if isinstance(e, ToolError):  # the tool's own verdict (e.g. the sandbox's timeout)
-                raise e
-            raise ToolError("exception", f"{type(e).__name__}: {e}")
-        return self.box.get("value")
+            raise self.box["error"]
+        return self.box["value"]
 
 
 SANDBOX_SLOTS = threading.BoundedSemaphore(4)  # sandboxed programs of this process's tools at once (--sandbox-procs)
@@ -111,13 +111,12 @@ def tool_schema(fn) -> dict:
 
 
 class ToolEnv(Env):
-    """An environment whose public methods (those named in `tools`, default: all public methods that are not part
-    of the Env API) are the model's tools. Subclasses write `reset`, the tool methods and `answer`."""
+    """An environment whose tools are the methods named in `tools`, by default every public method the subclass
+    defines (what ToolEnv and Env define, `reset` and `answer` included, is never a tool). Subclasses write
+    `reset`, the tool methods and `answer`. `check_tools(cls)` builds every schema once before a run starts."""
 
     tools: tuple[str, ...] | None = None
     calls_made = 0  # this episode's calls so far: their ids
-    API = {"reset", "step", "answer", "tool_schemas", "close", "tools", "tool_timeout_s", "max_tool_output_chars",
-           "API", "settings", "Settings", "make_task", "task_list", "required_fields", "worst_reward", "calls_made"}
 
     @property
     def tool_timeout_s(self) -> float:
@@ -131,7 +130,7 @@ class ToolEnv(Env):
         if self.tools is not None:
             return list(self.tools)
         return [n for n, m in inspect.getmembers(type(self), inspect.isfunction)
-                if not n.startswith("_") and n not in self.API]
+                if not n.startswith("_") and not hasattr(ToolEnv, n)]
 
     def tool_schemas(self) -> list[dict]:
         return [tool_schema(getattr(self, n)) for n in self.tool_names()]
@@ -199,6 +198,21 @@ class ToolEnv(Env):
         if isinstance(started, ToolError):
             raise started
         return self._clip(str(started.result()))
+
+
+def check_tools(cls) -> None:
+    """A one-line ValueError naming the environment and the tool when one of a tool environment's tools has no
+    buildable schema (a missing type hint or docstring); for the checks before a run."""
+    if not (isinstance(cls, type) and issubclass(cls, ToolEnv)):
+        return
+    env = cls()
+    for name in env.tool_names():
+        if not callable(getattr(cls, name, None)):
+            raise ValueError(f"environment {cls.__name__}: tool {name!r} is not a method")
+        try:
+            tool_schema(getattr(env, name))
+        except Exception as e:  # noqa: BLE001  (transformers' schema errors are of several types)
+            raise ValueError(f"environment {cls.__name__}: no JSON schema for tool {name!r} ({describe(e)})") from None
 
 
 def tools_system_prompt(schemas: list[dict]) -> str:

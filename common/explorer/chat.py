@@ -25,6 +25,7 @@ gives TemplateMismatch: that episode ends with reason "template" (counted), neve
 
 from __future__ import annotations
 
+import re
 import threading
 
 import jinja2
@@ -38,14 +39,24 @@ class TemplateMismatch(Exception):
 
 
 def strip_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> str:
-    """The reasoning parser: the text after the last `</think>`; a turn that opened `<think>` and never closed
-    it is all reasoning (""). What the environment and the tool parser see, so a tool call or an answer written
-    while thinking counts for nothing."""
-    if close_tag in text:
-        return text.rsplit(close_tag, 1)[1].lstrip()
-    if open_tag in text:
-        return text.split(open_tag, 1)[0].strip()
-    return text
+    """The reasoning parser: what the environment and the tool parser see of a turn, so that a tool call or an
+    answer written while thinking counts for nothing. Reasoning is everything between `<think>` and its matching
+    `</think>` (nested blocks counted, a block may be re-opened later in the turn), and everything after a
+    `<think>` that never closes. A turn whose first tag is `</think>` began inside reasoning (its template opened
+    it): the text before that tag is reasoning too. Any other `</think>` that closes nothing is dropped."""
+    if open_tag not in text and close_tag not in text:
+        return text
+    depth, visible = 0, []
+    for i, part in enumerate(re.split(f"({re.escape(open_tag)}|{re.escape(close_tag)})", text)):
+        if part == open_tag:
+            depth += 1
+        elif part == close_tag:
+            if i == 1:  # the turn's first tag closes reasoning: the turn began inside it
+                visible = []
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            visible.append(part)
+    return "".join(visible).strip()
 
 
 def as_user_message(observation: list[dict]) -> list[dict]:

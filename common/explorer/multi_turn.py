@@ -13,8 +13,10 @@ appended as masked tokens and generation goes on in the same turn.
 An episode ends (`end_reason`, counted as rollout/end/<reason>) when the environment says done ("done"), after
 --max-turns turns ("max_turns"), when a turn is cut at --max-new-tokens ("truncated"; with --truncated-turns
 continue the environment steps the cut turn and the episode goes on, still marked cut) or the next turn would not
-fit in --episode-token-budget ("budget"), when an environment call (reset, step, close) raises ("error") or runs past
---env-step-timeout-s ("timeout"), or the chat template cannot render its messages ("template"). Only the episodes cut by
+fit in --episode-token-budget ("budget"), when an environment call (reset, step, close) raises anything, returns
+something invalid ("error") or runs past --env-step-timeout-s ("timeout"), all through the one boundary
+(common/envs/boundary.py; the finer reason is counted as rollout/env_failure/<call>_<kind>), or the chat template
+cannot render its messages ("template"). Only the episodes cut by
 a token limit (truncated, budget, or a cut turn that went on) carry finish reason "length", like a truncated
 single-turn response, so --mask-truncated and rollout/truncated_frac see exactly them; running out of turns is a legitimate ending.
 The failures (error, timeout, template) are marked failed and score the environment's `worst_reward` whatever
@@ -25,12 +27,10 @@ episode failed (an earlier turn's text never counts).
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.envs import EnvTimeout, call_bounded, make_env
+from common.envs.boundary import EnvFailure, EpisodeEnv
 from common.explorer.chat import TemplateMismatch, strip_reasoning
 from common.explorer.workflow import Group, Sample, Workflow
 from rewards import Reward
@@ -57,6 +57,7 @@ class Episode(Sample):
     final_text: str = ""                      # the last turn's answer (what a verifier scores)
     format_ok: bool | None = None             # the environment's verdict on the answer's format, if it gives one
     error: str = ""
+    failure: str = ""                         # an environment failure's reason: <call>_<kind> (boundary.py)
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     env: object = None
@@ -65,7 +66,6 @@ class Episode(Sample):
     cut_turns: int = 0                        # turns cut at --max-new-tokens (--truncated-turns continue)
     worst_reward: float = 0.0                 # the environment's: what the episode scores if it fails
     timeout_s: float = 300.0                  # --env-step-timeout-s, for every environment call
-    loop: object = None                       # the episode's event loop, for an environment written with async def
 
     @property
     def failed(self) -> bool:
@@ -134,6 +134,7 @@ class Episode(Sample):
         metrics divide it by the episodes) and rollout/tool_error/<reason>."""
         return {"rollout/episodes": 1, "rollout/tool_calls": self.tool_calls, f"rollout/end/{self.end_reason}": 1,
                 "rollout/episode_truncated": int(self.finish_reason == "length"),
+                **({f"rollout/env_failure/{self.failure}": 1} if self.failure else {}),
                 **{f"rollout/tool_error/{k}": v for k, v in Counter(self.tool_errors).items()}}
 
     def spans(self) -> list[tuple[int, int, int]]:
@@ -151,18 +152,23 @@ class Episode(Sample):
         self.mask += [trained] * len(ids)
         self.versions += versions[:len(ids)] if versions else [version] * len(ids)  # per token, if mid-generation
 
+    def fail(self, failure: EnvFailure):
+        """End the episode on an environment failure."""
+        self._note(failure)
+        self._end(failure.reason)
+
+    def _note(self, failure: EnvFailure):
+        self.error, self.failure = self.error or str(failure), self.failure or failure.metric  # the first one counts
+
     def _end(self, reason: str):
         self.end_reason = reason
         if self.env is not None:
             env, self.env = self.env, None
             try:
-                call_bounded(env.close, timeout_s=self.timeout_s, loop=self.loop)
-            except Exception as exc:  # noqa: BLE001  (an environment bug fails this episode, counted; not the run)
-                self.error = self.error or f"close: {type(exc).__name__}: {exc}"
-                self.end_reason = "timeout" if isinstance(exc, EnvTimeout) else "error"
-        if self.loop is not None:
-            self.loop.close()
-            self.loop = None
+                env.close()
+            except EnvFailure as exc:  # fails this episode, counted; not the run
+                self._note(exc)
+                self.end_reason = exc.reason
         self.finish_reason = "length" if self.end_reason in CUT or self.cut_turns else "stop"
         if self.end_reason in CUT or self.failed:
             self.final_text = ""  # a cut turn is no answer, a failed episode has none; an earlier turn's is not one
@@ -217,19 +223,15 @@ class MultiTurn(Workflow):
         """Start episode `e`: its environment built and reset (under --env-step-timeout-s), its first prompt
         rendered; an episode that cannot start has no tokens to train (an empty response) and its reason counted."""
         renderer = self.ctx.renderer
+        e.env = EpisodeEnv(task["env"], self.ctx.env_settings, e.timeout_s)
         try:
-            e.env = make_env(task["env"], self.ctx.env_settings)
-            e.worst_reward = float(e.env.worst_reward)
-            if any(inspect.iscoroutinefunction(getattr(e.env, m)) for m in ("reset", "step", "close")):
-                e.loop = asyncio.new_event_loop()
-            first = call_bounded(e.env.reset, task, timeout_s=e.timeout_s, loop=e.loop)
-            e.worst_reward = float(e.env.worst_reward)  # a remote environment's arrives with its reset
-            messages, tools = renderer.with_tools(first, e.env.tool_schemas())
-        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
-            e.error = f"reset: {type(exc).__name__}: {exc}"
-            e._end("timeout" if isinstance(exc, EnvTimeout) else "error")
+            first, schemas = e.env.reset(task)
+        except EnvFailure as exc:
+            e.fail(exc)
             return
+        e.worst_reward = e.env.worst_reward
         try:
+            messages, tools = renderer.with_tools(first, schemas)
             prompt = renderer.prompt_ids(messages, tools)
         except TemplateMismatch as exc:
             e.error = str(exc)
@@ -245,13 +247,12 @@ class MultiTurn(Workflow):
         return strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
 
     def _step(self, e: Episode, action: str):
-        """env.step(action) under --env-step-timeout-s; None when it failed (the episode then has ended)."""
+        """env.step(action) through the boundary (bounded, checked); None when it failed (the episode then ended)."""
         try:
-            return call_bounded(e.env.step, action, timeout_s=e.timeout_s, loop=e.loop)
-        except Exception as exc:  # noqa: BLE001  (an environment bug ends this episode, counted; not the run)
-            e.error = f"step: {type(exc).__name__}: {exc}"
+            return e.env.step(action)
+        except EnvFailure as exc:
             e.turn_rewards.append(0.0)
-            e._end("timeout" if isinstance(exc, EnvTimeout) else "error")
+            e.fail(exc)
             return None
 
     def _cap(self, e: Episode) -> int:
@@ -269,7 +270,7 @@ class MultiTurn(Workflow):
         stopped = generation.finish_reason == "stop" and len(generation.response_ids) <= cap
         decode = self.ctx.renderer.decode
         close = self.ctx.tool_format.close
-        if self.ctx.in_turn_tools and close and e.env is not None and e.env.tool_schemas():
+        if self.ctx.in_turn_tools and close and e.env is not None and e.env.tools:
             cut = tool_call_end(ids, decode, self._visible, close)
             if cut is not None:
                 return self._in_turn_call(e, ids[:cut], logprobs[:cut], version, generation.versions)
@@ -290,11 +291,11 @@ class MultiTurn(Workflow):
         result = self._step(e, action)
         if result is None:
             return len(ids)
-        e.turn_rewards.append(float(result.reward))
+        e.turn_rewards.append(result.reward)
         if result.info.get("calls"):  # OpenAI-shaped: the text beside the calls, and the calls themselves
             e.messages[-1] = {"role": "assistant", "content": result.info.get("content", ""),
                               "tool_calls": result.info["calls"]}
-        calls = int(result.info.get("tool_calls", 0))
+        calls = result.info.get("tool_calls", 0)
         e.tool_calls += calls
         e.tool_errors += list(result.info.get("tool_errors", []))
         e.final_text = "" if calls or not stopped else action  # a tool-call turn or a cut turn is no answer
@@ -328,13 +329,14 @@ class MultiTurn(Workflow):
         e._append(ids, logprobs, 1, version, versions)
         if not e.in_turn:
             e.turns += 1
+        e.final_text = ""  # this turn called a tool: an earlier turn's answer is not its answer
         action = self._visible(self.ctx.renderer.decode(ids))  # tool_call_end found the call in this part
         close = self.ctx.tool_format.close
         result = self._step(e, action[:action.rindex(close) + len(close)])
         if result is None:
             e.turn_ends.append(len(e.response_ids))
             return len(ids)
-        e.tool_calls += int(result.info.get("tool_calls", 0))
+        e.tool_calls += result.info.get("tool_calls", 0)
         e.tool_errors += list(result.info.get("tool_errors", []))
         results = "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>" for m in result.messages) + "\n"
         obs = self.ctx.renderer.ids(results)

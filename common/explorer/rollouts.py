@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.envs import abandoned_threads, parse_env_settings
+from common.envs import parse_env_settings
+from common.envs.boundary import abandoned_threads, late_results
 
 if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
     from common.explorer.engine import RolloutEngine, SamplingConfig
@@ -363,7 +364,8 @@ def rollout_metrics(flat: list) -> dict:
         counts.update(s.counts())
     if "rollout/episode_truncated" in counts:
         counts["rollout/episode_truncated_frac"] = counts.pop("rollout/episode_truncated") / counts["rollout/episodes"]
-        counts["rollout/env_threads_abandoned"] = abandoned_threads()  # timed-out sync env/tool calls still running
+        counts["rollout/env_threads_abandoned"] = abandoned_threads()  # timed-out env/tool calls still running
+        counts["rollout/env_late_results"] = late_results()  # results that came past their limit (discarded)
     return {**out, **counts}
 
 

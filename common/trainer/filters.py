@@ -23,6 +23,8 @@ import math
 from collections import Counter
 from typing import Callable
 
+import torch
+
 from common.experience import Experience, zero_signal_groups
 from common.runtime.plugins import load_object
 from common.trainer.losses import ALGOS
@@ -54,15 +56,15 @@ def drop_stale(experiences: list[Experience], args, version: int) -> tuple[list[
 
 
 def drop_invalid_rewards(experiences: list[Experience], args) -> tuple[list[Experience], dict]:
-    """Non-finite rewards are always dropped; failed samples (reward_info["failed"]: a verifier's error, timeout or
-    crash, an episode that ended in an environment error, timeout or template failure) too when
-    --drop-failed-rewards (instead of training on their floor score), counted per reason as
-    filter/failed_dropped/<reason> (an episode's end reason, or "verifier")."""
+    """Non-finite rewards (the sample's, or any turn's credit) are always dropped; failed samples
+    (reward_info["failed"]: a verifier's error, timeout or crash, an episode that ended in an environment error,
+    timeout or template failure) too when --drop-failed-rewards (instead of training on their floor score), counted per
+    reason as filter/failed_dropped/<reason> (an episode's end reason, or "verifier")."""
     kept, failed = [], Counter()
     for e in experiences:
         if args.drop_failed_rewards and e.reward_info.get("failed"):
             failed[e.reward_info.get("failed_reason", "verifier")] += 1
-        elif math.isfinite(e.reward):
+        elif math.isfinite(e.reward) and all(math.isfinite(r) for r in e.turn_rewards):
             kept.append(e)
     return kept, {"filter/invalid_dropped": len(experiences) - len(kept),
                   **{f"filter/failed_dropped/{k}": v for k, v in failed.items()}}
@@ -89,6 +91,22 @@ def drop_zero_signal_groups(experiences: list[Experience], args) -> tuple[list[E
     zero = zero_signal_groups(experiences)
     kept = [e for e in experiences if e.group_id not in zero]
     return kept, {"filter/zero_signal_frac": 1 - len(kept) / len(experiences)}
+
+
+class NonFinite(RuntimeError):
+    """A non-finite value the update would have trained on."""
+
+
+def check_finite(step: int, **values) -> None:
+    """Stop the run, with one line naming the step and the source, where any of `values` (tensors or numbers:
+    advantages, returns, the loss, the gradient norm; None is skipped) is not finite. Non-finite rewards were
+    dropped before (drop_invalid_rewards), so one here is a numerical fault, and no update may train on it."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        bad = (~torch.isfinite(torch.as_tensor(value).detach())).sum().item()
+        if bad:
+            raise NonFinite(f"step {step}: {bad} non-finite value(s) in the {name}: the update was not applied")
 
 
 PROCESSORS: dict[str, Processor] = {

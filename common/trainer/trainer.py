@@ -36,7 +36,7 @@ from common.trainer.fsdp import prepare_model
 from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer
 from common.trainer.forward import batch_logprobs, micro_batches, sequence_logprobs
-from common.trainer.filters import build_processors, drop_stale, process
+from common.trainer.filters import build_processors, check_finite, drop_stale, process
 from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
@@ -108,6 +108,7 @@ class Trainer:
             stats["kl"].append(masked_mean(kl, mask).item())
             ref_logprobs = None  # no KL loss term
         adv = self.algo.advantages(batch, rewards, **self.advantage_kwargs)  # group-normalised, GAE, the teacher's
+        check_finite(self.step + 1, advantages=adv.advantages, returns=adv.returns)  # never a silent NaN update
         stats |= {k: [v] for k, v in adv.metrics.items()}
         per_token = adv.advantages if adv.advantages.dim() == 2 else adv.advantages[:, None]
         # what the policy gradient has to work with (0: only the entropy and KL terms could move the weights)
@@ -175,6 +176,7 @@ class Trainer:
                 dp.all_reduce_gradients(list(model.parameters()), args.sync_bucket_mb)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 stats["grad_norm"].append(full_tensor(grad_norm).detach())
+                check_finite(self.step + 1, loss=stats["loss"][-1], grad_norm=stats["grad_norm"][-1])
                 self.optimizer.step()
 
         lr = self._next_step()
