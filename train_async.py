@@ -28,7 +28,9 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config import CommonArgs, ConfigError, parse_args
+from common.cli import parse_args
+from common.config import CommonArgs
+from common.knobs import ConfigError, Range
 from common.runtime.channel import Mailbox, StoreFlag
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
@@ -60,8 +62,8 @@ class Args(CommonArgs):
     their KV cache recomputed; each token keeps the version that sampled it, in Experience.segment_versions)
     instead of only when a batch has been put in the queue."""
 
-    RANGES: ClassVar[dict[str, tuple]] = {"num_explorers": (1, True, None, False, ""),  # with CommonArgs.RANGES
-                                          "sync_interval": (1, True, None, False, "")}
+    RANGES: ClassVar[dict[str, Range]] = {"num_explorers": Range(ge=1),  # with CommonArgs.RANGES
+                                          "sync_interval": Range(ge=1)}
 
     def validate(self):
         super().validate()

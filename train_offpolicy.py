@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import CommonArgs, ConfigError, parse_args
+from common.cli import parse_args
+from common.config import CommonArgs
+from common.knobs import ConfigError
 from common.runtime.channel import Mailbox
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch

@@ -76,7 +76,7 @@ def worker(ctx, argv, steps, prompt_len, shortest, result_dir, setting, threads)
 
     argv, steps, prompt_len, shortest = json.loads(argv), int(steps), int(prompt_len), int(shortest)
     torch.set_num_threads(int(threads))
-    from common.config import parse_args
+    from common.cli import parse_args
     from common.trainer.parallel import DataParallel
     from common.trainer.trainer import Trainer
     from train_sync import Args
@@ -143,7 +143,7 @@ def estimate_table(tokens: int = 16384, gpu_gib: float = 80) -> str:
     one packed micro-batch of `tokens` tokens, for a few placements."""
     import transformers
 
-    from common.config import parse_args
+    from common.cli import parse_args
     from common.memory import GIB, ModelShape, trainer_estimate
     from train_sync import Args
 

@@ -201,7 +201,7 @@ def measure(config, device: str | torch.device = "cpu", dtype: torch.dtype = tor
     `matmul_rate` on the device in `dtype`, measured here). profile: after the timed steps, one more under
     torch.profiler (`profile`: `profile_step`). packed_attention: "split" gives the trainer's model causal sdpa per
     sequence, also where flash attention's varlen kernel runs (common/trainer/forward.py `use_packed_attention`)."""
-    from common.config import parse_args
+    from common.cli import parse_args
     from common.trainer.forward import use_packed_attention
     from common.trainer.trainer import Trainer
     from train_sync import Args

@@ -1,46 +1,22 @@
-"""Command-line configuration: `@dataclass Args` + tyro, with `--config X.yaml` supplying defaults (CLI wins).
-
-Entry scripts subclass `CommonArgs` with their schedule's own fields. Unknown keys and impossible combinations
-are one-line errors that name the field.
+"""The flag table: `@dataclass CommonArgs`, every field with its docstring (its --help text, through tyro), every
+choice a `Literal`, each numeric field's `Range`. Entry scripts subclass it with their schedule's own fields; loading
+is common/cli.py, the cross-field rules common/checks.py, what needs the machine, model or tasks common/preflight.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from common.cli import check_choice, choices, cli
-from common.explorer.engine import vllm_available
-from common.runtime.plugins import load_object
-from common.knobs import ConfigError, check_numeric_ranges, coerce_value, field_types, read_utf8_lines
-
-from common.envs import parse_env_settings
-from common.tasks.named import taskset_has_envs
-from common.trainer.losses import ALGOS, CORRECTIONS, config_kwargs
+import common.checks
+from common.knobs import Range
+from common.trainer.losses import ALGOS, CORRECTIONS
 from common.weight_sync import METHODS
 from rewards.base import KINDS
-from common.tasks.processors import TASK_PROCESSORS
 
 AlgoName = Literal[tuple(ALGOS)]  # --algo's choices: the registry's names
 SyncMethod = Literal[("auto", *METHODS)]  # --sync-method's choices: common/weight_sync's registry
 RewardKind = Literal[tuple(KINDS)]  # --default-reward's choices: the verifiers of rewards/base.py
-
-
-def check_chat_template(path: str) -> None:
-    """--chat-template FILE must be a readable Jinja template: a one-line error naming file:line otherwise."""
-    import jinja2
-
-    try:
-        text = open(path).read()
-    except OSError as e:
-        raise ConfigError(f"--chat-template {path}: {e.strerror}") from None
-    try:
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"--chat-template {path}:{e.lineno}: {e.message}") from None
 
 
 @dataclass
@@ -427,49 +403,29 @@ class CommonArgs:
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     """Comma-separated module names that get LoRA adapters."""
 
-    # --- checks: ranges here, cross-field rules in validate() ----------------------------------------------------
-    # field -> (low, low_inclusive, high, high_inclusive, why); None = unbounded. A numeric field not listed must be
-    # a finite number >= 0 (common/knobs.py). A schedule's Args lists its own fields in its own RANGES.
-    RANGES: ClassVar[dict[str, tuple]] = {
-        "steps": (1, True, None, False, ""),
-        "timeout_s": (0, False, None, False, "a wait of 0 s fails at once"),
-        "peer_timeout_s": (2, True, None, False, "a live worker may be silent for a second between its beats"),
-        "stall_log_s": (0, False, None, False, ""),
-        "vllm_gpu_memory_utilization": (0, False, 1, True, ""),
-        "vllm_kv_cache_gb": (0, False, None, False, ""),
-        "difficulty": (1, True, 4, True, "the arith levels"),
-        "eval_size": (1, True, None, False, ""),
-        "tasks_per_step": (1, True, None, False, ""),
-        "samples_per_task": (1, True, None, False, ""),
-        "temperature": (0, False, None, False, "sampling needs a positive temperature"),
-        "top_p": (0, False, 1, True, ""),
-        "max_new_tokens": (1, True, None, False, ""),
-        "max_turns": (1, True, None, False, ""),
-        "tool_timeout_s": (0, False, None, False, ""),
-        "max_tool_calls_per_turn": (1, True, None, False, ""),
-        "sandbox_procs": (1, True, None, False, ""),
-        "env_step_timeout_s": (0, False, None, False, ""),
-        "reward_workers": (1, True, None, False, ""),
-        "reward_timeout_s": (0, False, None, False, ""),
-        "reward_memory_mb": (256, True, None, False, "a worker needs ~150 MB for its imports"),
-        "lr": (0, False, None, False, ""),
-        "ppo_epochs": (1, True, None, False, ""),
-        "minibatch_size": (1, True, None, False, ""),
-        "micro_batch_size": (1, True, None, False, ""),
-        "clip_eps": (0, False, None, False, "0 clips every update away"),
-        "max_grad_norm": (0, False, None, False, "a negative norm flips the gradient"),
-        "correction_cap": (1, True, None, False, "a cap below 1 cuts even on-policy weights"),
-        "clip_eps_low": (0, False, 1, True, "1 - eps is the ratio's floor"),
-        "clip_eps_high": (0, False, None, False, "0 clips every update away"),
-        "correction_floor": (0, False, 1, True, "the band holds the on-policy weight 1"),
-        "correction_k3_max": (0, False, None, False, ""),
-        "critic_lr": (0, False, None, False, ""),
-        "gamma": (0, True, 1, True, ""),
-        "lam": (0, True, 1, True, ""),
-        "sync_bucket_mb": (1, True, None, False, ""),
-        "max_reuse": (1, True, None, False, "1 = no replay"),
-        "keep_checkpoints": (0, True, None, False, "0 = keep every one"),
-        "lora_alpha": (0, False, None, False, ""),
+    # --- ranges: a numeric field not listed must be a finite number >= 0 (common/knobs.py) -------------------------
+    RANGES: ClassVar[dict[str, Range]] = {
+        "steps": Range(ge=1), "timeout_s": Range(gt=0, why="a wait of 0 s fails at once"),
+        "peer_timeout_s": Range(ge=2, why="a live worker may be silent for a second between its beats"),
+        "stall_log_s": Range(gt=0), "keep_checkpoints": Range(ge=0, why="0 = keep every one"),
+        "vllm_gpu_memory_utilization": Range(gt=0, le=1), "vllm_kv_cache_gb": Range(gt=0),
+        "difficulty": Range(ge=1, le=4, why="the arith levels"), "eval_size": Range(ge=1),
+        "tasks_per_step": Range(ge=1), "samples_per_task": Range(ge=1), "max_new_tokens": Range(ge=1),
+        "temperature": Range(gt=0, why="sampling needs a positive temperature"), "top_p": Range(gt=0, le=1),
+        "max_turns": Range(ge=1), "tool_timeout_s": Range(gt=0), "max_tool_calls_per_turn": Range(ge=1),
+        "sandbox_procs": Range(ge=1), "env_step_timeout_s": Range(gt=0),
+        "reward_workers": Range(ge=1), "reward_timeout_s": Range(gt=0),
+        "reward_memory_mb": Range(ge=256, why="a worker needs ~150 MB for its imports"),
+        "lr": Range(gt=0), "ppo_epochs": Range(ge=1), "minibatch_size": Range(ge=1), "micro_batch_size": Range(ge=1),
+        "clip_eps": Range(gt=0, why="0 clips every update away"),
+        "max_grad_norm": Range(gt=0, why="a negative norm flips the gradient"),
+        "correction_cap": Range(ge=1, why="a cap below 1 cuts even on-policy weights"),
+        "clip_eps_low": Range(gt=0, le=1, why="1 - eps is the ratio's floor"),
+        "clip_eps_high": Range(gt=0, why="0 clips every update away"),
+        "correction_floor": Range(gt=0, le=1, why="the band holds the on-policy weight 1"),
+        "correction_k3_max": Range(gt=0), "critic_lr": Range(gt=0), "gamma": Range(ge=0, le=1),
+        "lam": Range(ge=0, le=1), "sync_bucket_mb": Range(ge=1), "max_reuse": Range(ge=1, why="1 = no replay"),
+        "lora_alpha": Range(gt=0),
     }
 
     # --- derived helpers ---------------------------------------------------------------------------------------
@@ -486,292 +442,5 @@ class CommonArgs:
         return self.tasks_per_step * self.samples_per_task
 
     def validate(self) -> None:
-        """Impossible combinations, each a one-line error naming the field (and the fix); coupled fields with one
-        obvious value are filled in first (resolve_coupled)."""
-        self.resolve_coupled()
-        check_numeric_ranges(self)  # every numeric field: finite and in range (common/knobs.py)
-        if self.samples_per_task < 2 and not ALGOS[self.algo].critic:
-            raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
-        for name in ("rm_model", "judge_model"):
-            path = getattr(self, name)
-            if path and path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
-                raise ConfigError(f"--{name.replace('_', '-')} {path}: no such folder")
-        self._validate_algo_extras()
-        # vLLM reads its log level when it is first imported, in this process and in the workers spawned from it.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if self.verbose else "WARNING")
-        if self.engine in ("auto", "vllm"):
-            if self.engine == "vllm":
-                ok, why = vllm_available()
-                if not ok:
-                    raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
-                                      "CPU: make install-vllm)")
-        if self.micro_batch_size > self.minibatch_size:
-            raise ConfigError(f"--micro-batch-size ({self.micro_batch_size}) > --minibatch-size ({self.minibatch_size}): "
-                              f"pass --micro-batch-size {self.minibatch_size} or less")
-        if self.minibatch_size > self.rollout_batch_size:
-            raise ConfigError(f"--minibatch-size ({self.minibatch_size}) > rollout batch "
-                              f"(--tasks-per-step x --samples-per-task = {self.rollout_batch_size}): pass "
-                              f"--minibatch-size {self.rollout_batch_size} or less, or leave it out (= the rollout batch)")
-        self._validate_partial_rollouts_and_sampling()
-        self._validate_plugins()
-        self._validate_datasets()
-        self._validate_memory()
-        self._validate_workflows()
-        check_placement(self.explorer_device_list, self.trainer_device_list)
-
-    def resolve_coupled(self) -> None:
-        """Fields whose value follows from others when not given: the minibatch is the rollout batch, a micro-batch
-        is 8 sequences or the whole minibatch if that is smaller."""
-        if self.minibatch_size is None:
-            self.minibatch_size = self.rollout_batch_size
-        if self.micro_batch_size is None:
-            self.micro_batch_size = min(8, self.minibatch_size)
-        if self.clip_eps_low is None:
-            self.clip_eps_low = self.clip_eps
-        if self.clip_eps_high is None:
-            self.clip_eps_high = self.clip_eps
-
-    def _validate_datasets(self) -> None:
-        if self.answer_regex is not None:
-            import re
-
-            try:
-                if re.compile(self.answer_regex).groups < 1:
-                    raise ConfigError(f"--answer-regex {self.answer_regex!r} needs a group: (...) marks the answer")
-            except re.error as e:
-                raise ConfigError(f"--answer-regex {self.answer_regex!r}: not a valid regular expression ({e})") from None
-        if "{prompt}" not in self.prompt_template:
-            raise ConfigError(f"--prompt-template {self.prompt_template!r} must contain {{prompt}}")
-
-    def _validate_partial_rollouts_and_sampling(self) -> None:
-        if not 0 <= self.rollout_token_budget < self.max_new_tokens:
-            raise ConfigError(f"--rollout-token-budget must be 0 (off) or in 1..--max-new-tokens - 1 "
-                              f"(got {self.rollout_token_budget} with --max-new-tokens {self.max_new_tokens})")
-        if self.task_sampling == "prioritized" and self.taskset in ("arith", "parity", "shapes"):
-            raise ConfigError("--task-sampling prioritized needs a finite --taskset (.jsonl or dataset): "
-                              f"{self.taskset} never repeats a task")
-        if self.curriculum and self.taskset in ("arith", "parity", "shapes") and self.difficulty < 2:
-            raise ConfigError(f"--curriculum with --taskset {self.taskset} needs --difficulty >= 2 "
-                              "(levels 1..difficulty)")
-
-    def _validate_plugins(self) -> None:
-        """--loss-fn, --reward-fn, --processors: import them now, so a bad reference is a one-line error before any
-        process starts (each worker imports them again itself)."""
-        for flag, specs in (("--loss-fn", [self.loss_fn]), ("--reward-fn", [self.reward_fn]),
-                            ("--processors", list(self.processors))):
-            for spec in specs:
-                if spec:
-                    fn = load_object(spec, flag)
-                    if flag == "--loss-fn":
-                        try:
-                            config_kwargs(fn, self, skip=1)
-                        except ValueError as e:
-                            raise ConfigError(f"--loss-fn {spec}: {e}") from None
-
-    def _validate_workflows(self) -> None:
-        """Multi-turn workflows, environments and task processors."""
-        if self.episode_token_budget <= self.max_new_tokens:
-            raise ConfigError(f"--episode-token-budget ({self.episode_token_budget}) must exceed --max-new-tokens "
-                              f"({self.max_new_tokens}): a whole episode must hold more than one turn")
-        try:
-            parse_env_settings(self.env_setting)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if self.chat_template is not None:
-            check_chat_template(self.chat_template)
-        for name in filter(None, (n.strip() for n in self.task_processors.split(","))):
-            if name not in TASK_PROCESSORS:
-                raise ConfigError(f"--task-processors: unknown processor {name!r} (one of {', '.join(TASK_PROCESSORS)})")
-        if self.rollout_token_budget and taskset_has_envs(self.taskset):
-            raise ConfigError(f"--rollout-token-budget (partial rollouts) works with single-turn tasks only, and "
-                              f"--taskset {self.taskset} has multi-turn (env) tasks")
-
-    def _validate_memory(self) -> None:
-        """Sharding, packing and LoRA fields (one-line errors naming the field)."""
-        if self.fsdp_cpu_offload and self.trainer_shard != "fsdp":
-            raise ConfigError("--fsdp-cpu-offload needs --trainer-shard fsdp")
-        if self.fsdp_cpu_offload and not all(d.startswith("cuda") for d in self.trainer_device_list):
-            raise ConfigError("--fsdp-cpu-offload needs cuda --trainer-devices (CPU trainers hold everything in "
-                              "CPU memory already)")
-        if self.lora_rank and not [m for m in self.lora_target_modules.split(",") if m.strip()]:
-            raise ConfigError("--lora-target-modules must name at least one module")
-        if self.lora_rank and self.trainer_shard == "fsdp":
-            raise ConfigError("--lora-rank with --trainer-shard fsdp is not supported (LoRA trains replicas: the "
-                              "frozen base is small next to full fine-tuning's gradients and AdamW state)")
-        if self.lora_rank and self.ref_reset_every:
-            raise ConfigError("--ref-reset-every with --lora-rank is not supported (the reference is the base model)")
-
-    def _validate_algo_extras(self) -> None:
-        """--- ALGO LOGIC: PPO / critic, reference model, experience filters (one-line errors naming the field)."""
-        if not ALGOS[self.algo].critic:
-            if self.critic_model is not None:
-                raise ConfigError(f"--critic-model: --algo {self.algo} has no critic")
-            if self.critic_warmup_steps:
-                raise ConfigError(f"--critic-warmup-steps: --algo {self.algo} has no critic")
-        if self.kl_mode == "reward" and self.kl_coef <= 0:
-            raise ConfigError("--kl-mode reward needs --kl-coef > 0 (there is no KL to subtract otherwise)")
-        if self.ref_reset_every and self.kl_coef <= 0:
-            raise ConfigError("--ref-reset-every needs --kl-coef > 0 (there is no reference model otherwise)")
-        self._validate_this_years_algos()
-
-    def _validate_this_years_algos(self) -> None:
-        """DAPO's refill and overlong shaping, on-policy distillation's teacher."""
-        if self.overlong_buffer >= self.max_new_tokens:
-            raise ConfigError(f"--overlong-buffer ({self.overlong_buffer}) must be below --max-new-tokens "
-                              f"({self.max_new_tokens}): the punishment ramps over the last tokens before it")
-        if self.overlong_buffer and taskset_has_envs(self.taskset):
-            raise ConfigError(f"--overlong-buffer works with single-turn tasks only (--max-new-tokens bounds each "
-                              f"turn of an episode), and --taskset {self.taskset} has multi-turn (env) tasks")
-        if self.refill_rounds and (not self.drop_zero_signal_groups or not ALGOS[self.algo].group_signal):
-            raise ConfigError("--refill-rounds replaces zero-signal groups: it needs --drop-zero-signal-groups and "
-                              f"an algorithm whose signal is the group's rewards (not --algo {self.algo})")
-        if self.refill_rounds and self.rollout_token_budget:
-            raise ConfigError("--refill-rounds with --rollout-token-budget (partial rollouts) is not supported")
-        if ALGOS[self.algo].teacher != bool(self.teacher):
-            raise ConfigError("--teacher MODEL is needed by --algo distill, and only by it" if self.teacher else
-                              "--algo distill needs --teacher MODEL (the model whose log-probs the student learns)")
-        if self.teacher:
-            from common.model import load_tokenizer
-
-            path = self.teacher
-            if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
-                raise ConfigError(f"--teacher {path}: no such folder")
-            if load_tokenizer(self.teacher).get_vocab() != load_tokenizer(self.model).get_vocab():
-                raise ConfigError(f"--teacher {self.teacher}: its tokenizer differs from --model {self.model}'s "
-                                  "(on-policy distillation compares log-probs token by token)")
-
-
-def check_placement(explorers: list[str], trainers: list[str]) -> None:
-    """Impossible device placements, before any process starts. Explorer and trainer may share a GPU (colocated:
-    their weight sync then goes through the CPU over gloo, as NCCL cannot connect two ranks on one GPU)."""
-    if not explorers or not trainers:
-        raise ConfigError("--explorer-devices and --trainer-devices each need at least one device")
-    for d in explorers + trainers:
-        if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
-            raise ConfigError(f"device {d!r} in --explorer-devices/--trainer-devices is neither cpu nor cuda[:N]")
-    kinds = {d.split(":")[0] for d in trainers}
-    if len(kinds) > 1:
-        raise ConfigError(f"--trainer-devices {','.join(trainers)}: data-parallel trainers must be all cpu or all cuda")
-    if "cuda" in kinds:
-        seen = [d for d in trainers if d != "cuda"]  # bare cuda: each rank's own GPU (LOCAL_RANK)
-        twice = next((d for d in seen if seen.count(d) > 1), None)
-        if twice:
-            raise ConfigError(f"--trainer-devices lists {twice} twice: each data-parallel trainer needs its own GPU")
-    for d in explorers + trainers:
-        if d.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices: CUDA is not available here")
-            if (torch.device(d).index or 0) >= torch.cuda.device_count():
-                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices does not exist here "
-                                  f"({torch.cuda.device_count()} GPU(s))")
-
-
-def parse_args(cls, argv: list[str] | None = None):
-    """tyro over `cls` (common/cli.py: --help grouped by concern, choices checked), then `validate()`. Defaults,
-    lowest first: the fields' own, the run's saved config.json (with `--resume`: only flags given again change it),
-    `--config file.yaml`, the command line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = cls()
-    saved = load_saved_config(cls, argv) if "--resume" in argv else {}
-    if saved:
-        defaults = dataclasses.replace(defaults, **saved)
-    config_path = _flag_value(argv, "--config")
-    if config_path:
-        defaults = load_yaml_defaults(cls, config_path, base=defaults)
-    args = cli(cls, argv, defaults)
-    if saved:
-        check_frozen_on_resume(saved, args)
-    args.given_fields = given_fields(cls, argv, args)
-    args.validate()
-    return args
-
-
-def given_fields(cls, argv: list[str], args) -> frozenset:
-    """Fields the user set: named on the command line (--x, --no-x), or set by --config or a resumed run to a value
-    other than the field's default. The memory check (common/memory.py) chooses only the others."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    flags = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
-    flags |= {f[3:] for f in flags if f.startswith("no_")}
-    default = cls()
-    return frozenset(n for n in names if n in flags or getattr(args, n) != getattr(default, n))
-
-
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    """The value of `--flag X` / `--flag=X` (dashes or underscores) in argv, the last one winning."""
-    names = {flag, flag.replace("-", "_").replace("__", "--", 1)}
-    value = None
-    for i, a in enumerate(argv):
-        if a in names and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif "=" in a and a.split("=", 1)[0] in names:
-            value = a.split("=", 1)[1]
-    return value
-
-
-# Fields a run cannot change when it is resumed: the checkpoint's weights, optimizer and critic depend on them.
-FROZEN_ON_RESUME = ("model", "critic_model", "algo", "dtype")
-NOT_RESUMED = ("schedule", "config", "resume", "overwrite", "out_dir")
-
-
-def load_saved_config(cls, argv: list[str]) -> dict:
-    """--resume: the fields of out_dir/config.json (written when the run started), type-checked."""
-    out_dir = _flag_value(argv, "--out-dir")
-    if not out_dir:
-        raise ConfigError("--resume needs --out-dir (the run to continue)")
-    path = os.path.join(out_dir, "config.json")
-    if not os.path.isdir(out_dir):
-        raise ConfigError(f"--resume: --out-dir {out_dir}: no such folder")
-    if not os.path.exists(path):
-        raise ConfigError(f"--resume: {path}: no such file: --out-dir holds no tandem run, so no checkpoint to resume")
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--resume: {path}: not a readable config ({e})") from None
-    types_ = field_types(cls)
-    unknown = sorted(k for k in values if k not in types_ and k not in NOT_RESUMED)
-    if unknown:
-        raise ConfigError(f"--resume: {path} was written by another schedule ({values.get('schedule')}; fields "
-                          f"{', '.join(unknown[:3])}): continue it with the script that started it")
-    return {k: coerce_value(v, types_[k], f"{path}: {k}") for k, v in values.items()
-            if k in types_ and k not in NOT_RESUMED}
-
-
-def check_frozen_on_resume(saved: dict, args) -> None:
-    for name in FROZEN_ON_RESUME:
-        if name in saved and getattr(args, name) != saved[name]:
-            raise ConfigError(f"--{name.replace('_', '-')} cannot change when resuming (the run in {args.out_dir} "
-                              f"uses {saved[name]!r}); start a new run in another --out-dir instead")
-
-
-def load_yaml_defaults(cls, path: str, base=None):
-    """`base` (default: the field defaults) updated with the YAML file's values, each checked against its field's
-    type; unknown keys, invalid YAML and non-UTF-8 bytes are one-line errors naming the file."""
-    import yaml
-
-    if not os.path.exists(path):
-        raise ConfigError(f"--config {path}: no such file")
-    text = "".join(read_utf8_lines(path))
-    try:
-        values = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of field: value")
-    types_, allowed = field_types(cls), choices(cls)
-    clean = {}
-    for key, value in values.items():
-        name = str(key).replace("-", "_")
-        if name not in types_:
-            raise ConfigError(f"--config {path}: unknown key {key!r} (not a field of {cls.__name__})")
-        if name in allowed:
-            check_choice(name, value, allowed[name], where=f"--config {path}: ")
-        clean[name] = coerce_value(value, types_[name], f"--config {path}: {key}")
-    try:
-        return dataclasses.replace(base if base is not None else cls(), **clean)
-    except TypeError as e:
-        raise ConfigError(f"--config {path}: {e}") from None
+        """The cross-field rules (common/checks.py); a schedule's Args adds its own after them."""
+        common.checks.validate(self)

@@ -1,7 +1,7 @@
 """Generic checks of every configuration knob, before any worker starts (one line naming the field, no traceback).
 
 - `check_numeric_ranges(args)`: every int/float field must be finite (no NaN, no infinities) and inside its range.
-  Each config class lists in its own `RANGES` the fields whose range is not the default `>= 0` (the classes of
+  Each config class lists in its own `RANGES` the fields whose `Range` is not the default `>= 0` (the classes of
   its MRO merged); a numeric field that is not listed (a new one included) must be a finite number >= 0.
 - `coerce_value(value, type)`: a YAML / saved-config value checked against the field's annotated type (int, float,
   bool, str, `X | None`, `Literal[...]`); a YAML string that spells a number ('1e-5') is taken as that number.
@@ -22,18 +22,39 @@ class ConfigError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
 
-# A config class's RANGES: field -> (low, low_inclusive, high, high_inclusive, why). None = unbounded on that side.
-DEFAULT_RANGE = (0, True, None, False, "")
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed values, one line of a config class's `RANGES`: `ge` or `gt` bounds it below
+    (included or not), `le` or `lt` above, an end left out is open; `why` is said in the error."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    why: str = ""
+
+    def __contains__(self, value) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def __str__(self) -> str:
+        """How the error says it: '>= 1', '> 0', 'in (0, 1]'."""
+        low = self.ge if self.ge is not None else self.gt
+        high = self.le if self.le is not None else self.lt
+        if high is None:
+            return f"{'>=' if self.ge is not None else '>'} {low}"
+        if low is None:
+            return f"{'<=' if self.le is not None else '<'} {high}"
+        return f"in {'[' if self.ge is not None else '('}{low}, {high}{']' if self.le is not None else ')'}"
+
+
+DEFAULT_RANGE = Range(ge=0)
+"""The range of a numeric field that no `RANGES` lists."""
 
 
 def _flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
-
-
-def _describe(lo, lo_inc, hi, hi_inc) -> str:
-    if hi is None:
-        return f"{'>=' if lo_inc else '>'} {lo}"
-    return f"in {'[' if lo_inc else '('}{lo}, {hi}{']' if hi_inc else ')'}"
 
 
 def field_types(cls) -> dict[str, object]:
@@ -46,9 +67,9 @@ def _numeric(tp) -> bool:
     return tp in (int, float) or any(a in (int, float) for a in typing.get_args(tp) if a is not type(None))
 
 
-def declared_ranges(cls) -> dict[str, tuple]:
+def declared_ranges(cls) -> dict[str, Range]:
     """The `RANGES` of `cls` and of the classes it derives from (a subclass's entry wins)."""
-    out: dict[str, tuple] = {}
+    out: dict[str, Range] = {}
     for klass in reversed(cls.__mro__):
         out.update(vars(klass).get("RANGES", {}))
     return out
@@ -65,11 +86,10 @@ def check_numeric_ranges(args) -> None:
             raise ConfigError(f"{_flag(name)} must be a number (got {value!r})")
         if not math.isfinite(value):
             raise ConfigError(f"{_flag(name)} must be a finite number (got {value})")
-        lo, lo_inc, hi, hi_inc, why = ranges.get(name, DEFAULT_RANGE)
-        ok = (value >= lo if lo_inc else value > lo) and (hi is None or (value <= hi if hi_inc else value < hi))
-        if not ok:
-            raise ConfigError(f"{_flag(name)} must be {_describe(lo, lo_inc, hi, hi_inc)} (got {value}"
-                             f"{'; ' + why if why else ''})")
+        allowed = ranges.get(name, DEFAULT_RANGE)
+        if value not in allowed:
+            why = f"; {allowed.why}" if allowed.why else ""
+            raise ConfigError(f"{_flag(name)} must be {allowed} (got {value}{why})")
 
 
 def coerce_value(value, tp, where: str):

@@ -1,13 +1,19 @@
-"""The checks of a run that need the model or the tasks, in one place: `check_tasks` runs once the tasksets are
-built and before any worker starts or any model loads (common/run.py prepare_run). Each failure is one line naming
-the task (file:line) or the flag; the memory check (common/memory.py) may instead choose what the user left open.
-Field ranges and cross-field rules that need neither are the config's
-(common/config.py)."""
+"""The checks of a run that need the machine, the model or the tasks, in one place: `check_machine` runs first, in
+every process before it loads anything (common/run.py launch), `check_tasks` once the tasksets are built and before
+any worker starts or any model loads (common/run.py prepare_run). Each failure is one line naming the task
+(file:line) or the flag; the memory check (common/memory.py) may instead choose what the user left open. Field
+ranges and cross-field rules that need none of these are common/knobs.py's and common/checks.py's.
+"""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from common.envs import ENVS, env_class
 from common.envs.tools import check_tools
+from common.explorer.engine import vllm_available
 from common.explorer.multi_turn import cannot_start
 from common.explorer.rollouts import WORKFLOWS, Context, workflow_name
 from common.knobs import ConfigError
@@ -18,6 +24,29 @@ from common.tasks.validate import WHERE
 from common.trainer.losses import ALGOS
 from common.vlm import is_vlm, load_processor
 from rewards.vision import load_images
+
+
+def check_machine(args) -> None:
+    """What the configuration asks of this machine: vLLM importable for --engine vllm, every cuda device present."""
+    # vLLM reads its log level when it is first imported, in this process and in the workers spawned from it.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if args.verbose else "WARNING")
+    if args.engine == "vllm":
+        ok, why = vllm_available()
+        if not ok:
+            raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+                              "CPU: make install-vllm)")
+    check_devices(args.explorer_device_list + args.trainer_device_list)
+
+
+def check_devices(devices: list[str]) -> None:
+    """Every cuda device of the placement exists here (common/checks.py check_placement: what is possible at all)."""
+    for d in devices:
+        if d.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices: CUDA is not available here")
+            if (torch.device(d).index or 0) >= torch.cuda.device_count():
+                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices does not exist here "
+                                  f"({torch.cuda.device_count()} GPU(s))")
 
 
 def check_tasks(args, model_path: str, tasks: list[dict]) -> None:

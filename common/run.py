@@ -13,9 +13,9 @@ import time
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from common.config import ConfigError
 from common.explorer.engine import resolve_engine
-from common.preflight import check_tasks
+from common.knobs import ConfigError
+from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
 from common.runtime.launcher import launch_local, start_forkserver
@@ -75,6 +75,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
     take the prepared configuration from rank 0, run `worker(ctx, args)`, and on rank 0 write the wrap-up once every
     rank is done."""
     check_torch()
+    check_machine(args)  # before anything imports vLLM or touches CUDA, in every process
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
         start_forkserver(args.trainer_device_list + args.explorer_device_list)  # imports while prepare_run checks

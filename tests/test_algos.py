@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import parse_args
+from common.cli import parse_args
 from common.experience import Experience, collate
 from common.trainer import checkpoints as ckpt
 from common.trainer.filters import PROCESSORS, build_processors, drop_stale, process

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from common.config import parse_args
+from common.cli import parse_args
 from common.knobs import field_types
 from conftest import TINY, run_script
 

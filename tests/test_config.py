@@ -10,8 +10,8 @@ from typing import Literal
 import pytest
 import yaml
 
-from common.cli import choices
-from common.config import CommonArgs, parse_args
+from common.cli import choices, parse_args
+from common.config import CommonArgs
 from tests.conftest import ROOT, run_script
 
 # The text fields whose value is open (a path, a name, a list, a template): every other text field of a schedule's

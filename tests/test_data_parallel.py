@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import ConfigError, check_placement
+from common.checks import check_placement
+from common.knobs import ConfigError
+from common.preflight import check_devices
 from common.runtime.worker import choose_backend
 from common.model import load_model
 from conftest import TINY, assert_trained
@@ -90,11 +92,11 @@ def test_impossible_placements_are_one_line_errors():
         check_placement([], ["cpu"])
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="cuda:0 in --explorer-devices/--trainer-devices: CUDA is not available"):
-            check_placement(["cuda:0"], ["cpu"])
+            check_devices(["cuda:0", "cpu"])
     else:
         n = torch.cuda.device_count()
         with pytest.raises(ConfigError, match=f"cuda:{n} .* does not exist here"):
-            check_placement([f"cuda:{n}"], ["cpu"])
+            check_devices([f"cuda:{n}", "cpu"])
 
 
 def test_bad_placement_fails_before_anything_starts(run, tmp_path):

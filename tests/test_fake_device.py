@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from common.config import parse_args
+from common.cli import parse_args
 from conftest import ROOT, TINY, reference_varlen_attn
 from fake_device import FAKE, FakeDevice, on_device
 

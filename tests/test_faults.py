@@ -142,7 +142,7 @@ def test_failed_checkpoint_write_leaves_no_partial_folder(tmp_path, monkeypatch)
     import torch
 
     from common.trainer import checkpoints
-    from common.config import parse_args
+    from common.cli import parse_args
     from common.trainer.trainer import Trainer
     from train_sync import Args
 
@@ -167,7 +167,7 @@ def test_resume_reads_saved_config_and_refuses_frozen_changes(tmp_path):
     import dataclasses
 
     import train_async
-    from common.config import parse_args
+    from common.cli import parse_args
     from train_sync import Args
 
     out = tmp_path / "run"

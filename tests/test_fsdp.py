@@ -21,7 +21,7 @@ STEPS, SYNC = 3, {1: "broadcast", 2: "checkpoint", 3: "broadcast"}
 
 
 def _args(out_dir, *flags):
-    from common.config import parse_args
+    from common.cli import parse_args
     from train_sync import Args
 
     return parse_args(Args, [*TINY, "--minibatch-size", "8", "--micro-batch-size", "3", "--out-dir", str(out_dir),

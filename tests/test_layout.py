@@ -20,7 +20,7 @@ LAYERS = [
     ("common.envs",),
     ("common.tasks",),
     ("common.explorer", "common.trainer"),
-    ("common.cli", "common.config", "common.memory", "common.preflight", "common.run"),
+    ("common.checks", "common.cli", "common.config", "common.memory", "common.preflight", "common.run"),
     ("train_sync", "train_offpolicy", "train_async"),
 ]
 # The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).
@@ -231,8 +231,9 @@ def test_no_module_knows_an_algorithm_by_name():
         source = open(os.path.join(ROOT, path)).read()
         for name in ALGOS:
             assert not re.search(rf"""["']{name}["']""", source), f"{path} names {name!r}"
-    config = open(os.path.join(ROOT, "common", "config.py")).read()
-    assert not re.search(r"""(==|!=|\bin)\s*\(?["'](""" + "|".join(ALGOS) + ")", config), "config.py compares --algo"
+    for path in ("common/config.py", "common/checks.py"):
+        source = open(os.path.join(ROOT, path)).read()
+        assert not re.search(r"""(==|!=|\bin)\s*\(?["'](""" + "|".join(ALGOS) + ")", source), f"{path} compares --algo"
 
 
 def test_each_algorithm_is_one_registered_function():

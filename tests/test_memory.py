@@ -4,7 +4,7 @@ what the user left open is chosen to fit; a packed micro-batch's activations gro
 import pytest
 import torch
 
-from common.config import parse_args
+from common.cli import parse_args
 from common.knobs import ConfigError
 from common.memory import GIB, ModelShape, model_config, plan_memory, trainer_estimate
 from conftest import TINY, run_script

@@ -4,7 +4,7 @@ HF engine and the trainer with the same fp32 weights agree to < 1e-4; perturbed 
 import pytest
 import torch
 
-from common.config import parse_args
+from common.cli import parse_args
 from common.experience import Experience
 from conftest import TINY
 

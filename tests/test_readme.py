@@ -135,7 +135,7 @@ def test_every_flag_line_is_valid_for_every_schedule(script, tmp_path, monkeypat
     fails here."""
     import importlib
 
-    from common.config import parse_args
+    from common.cli import parse_args
 
     with open(os.path.join(ROOT, "README.md")) as f:
         lines = flag_lines(f.read())

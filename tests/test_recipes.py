@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from common.config import parse_args
+from common.cli import parse_args
 from tests.conftest import TINY, assert_trained, run_script
 from tests.test_algos import _args, _experiences
 

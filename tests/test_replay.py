@@ -169,7 +169,8 @@ def test_async_partial_rollouts_with_replay_end_to_end(tmp_path):
     (["--curriculum"], "--curriculum"),
 ])
 def test_kimi_config_errors_name_the_field(flags, fragment):
-    from common.config import ConfigError, parse_args
+    from common.cli import parse_args
+    from common.knobs import ConfigError
     from train_sync import Args
 
     with pytest.raises(ConfigError, match=fragment):

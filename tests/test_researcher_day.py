@@ -15,7 +15,7 @@ from tests.test_train_sync import _one_line_error
 
 # ----------------------------------------------------------------------------------------------- coupled flags
 def test_coupled_flags_resolve_themselves():
-    from common.config import parse_args
+    from common.cli import parse_args
     from train_sync import Args
 
     args = parse_args(Args, ["--tasks-per-step", "4"])  # was: an error about --minibatch-size
@@ -34,7 +34,8 @@ def test_coupled_flags_resolve_themselves():
     (["--answer-regex", "####"], "needs a group"),
 ])
 def test_remaining_errors_name_the_fix(argv, fix):
-    from common.config import ConfigError, parse_args
+    from common.cli import parse_args
+    from common.knobs import ConfigError
     from train_sync import Args
 
     with pytest.raises(ConfigError, match=fix):

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from common.config import CommonArgs, parse_args
+from common.cli import parse_args
+from common.config import CommonArgs
 from rewards import Reward
 from rewards.shaping import shape_batch
 from rewards.testing import build_tiny_rm

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from common.config import parse_args
+from common.cli import parse_args
 from common.experience import Experience
 from common.trainer.trainer import Trainer
 from conftest import TINY

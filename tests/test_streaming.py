@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common.config import parse_args
+from common.cli import parse_args
 from common.envs import ENVS, Env, StepResult, env_class
 from common.tasks.stream import mark_trained
 

@@ -115,7 +115,7 @@ def test_unknown_config_key_is_one_line_error(tmp_path):
 
 
 def test_config_file_supplies_defaults_and_cli_wins(tmp_path):
-    from common.config import parse_args
+    from common.cli import parse_args
     from train_sync import Args
 
     cfg = tmp_path / "ok.yaml"

@@ -19,7 +19,7 @@ PROMPT = [[5, 17, 42, 99, 7]]
 
 
 def _args(out_dir, method):
-    from common.config import parse_args
+    from common.cli import parse_args
     from train_sync import Args
 
     return parse_args(Args, [*TINY, "--out-dir", out_dir, "--sync-method", method, "--verify-sync"])

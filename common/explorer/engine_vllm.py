@@ -51,7 +51,7 @@ from common.model import DTYPES
 # The engine core child must not be forked from a process that runs gloo/NCCL threads (its own worker is forked on
 # CPU: common/explorer/vllm_worker.py, TandemExecutor).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-# vLLM's own logging: warnings and errors only (--verbose sets INFO before vLLM is imported; see common/config.py).
+# vLLM's own logging: warnings and errors only (--verbose sets INFO before vLLM is imported: common/preflight.py).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

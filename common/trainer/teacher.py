@@ -1,6 +1,6 @@
 """On-policy distillation's teacher (--algo distill --teacher MODEL): a frozen model on the trainer's device whose
 per-token log-probs on the student's own samples become the student's advantages (common/trainer/losses.py
-distilled). It shares the student's tokenizer (common/config.py refuses another) and is counted by the memory
+distilled). It shares the student's tokenizer (common/checks.py refuses another) and is counted by the memory
 planner (common/memory.py); it is never trained, synced or checkpointed.
 """
 
