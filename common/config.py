@@ -185,6 +185,15 @@ class CommonArgs:
     in_turn_tools: bool = False
     """Tool calls inside one assistant turn (ReTool / Search-R1): generation stops at a complete
     <tool_call>...</tool_call>, the result is appended as masked tokens and the same turn goes on."""
+    agent: str | None = None
+    """Train your own agent: `path/to/file.py:fn` or `module:fn`, `async def fn(task, base_url, api_key) -> float |
+    str`, run for every task (samples-per-task episodes), calling the policy through the explorer's
+    OpenAI-compatible endpoint at base_url with api_key (common/explorer/agent.py); it returns the episode's reward
+    or an answer for the task's verifier."""
+    agent_timeout_s: float = 300.0
+    """Wall-clock limit of one agent episode: past it the episode ends with reason 'timeout' (failed, scores 0)."""
+    agent_max_calls: int = 16
+    """Most calls to the endpoint per agent episode; one more is refused (400) and the episode marked cut."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the model's (as TRL's chat_template_path), for every prompt."""
     task_processors: str = ""
@@ -449,6 +458,8 @@ class CommonArgs:
         "max_tool_calls_per_turn": (1, True, None, False, ""),
         "sandbox_procs": (1, True, None, False, ""),
         "env_step_timeout_s": (0, False, None, False, ""),
+        "agent_timeout_s": (0, False, None, False, ""),
+        "agent_max_calls": (1, True, None, False, ""),
         "reward_workers": (1, True, None, False, ""),
         "reward_timeout_s": (0, False, None, False, ""),
         "reward_memory_mb": (256, True, None, False, "a worker needs ~150 MB for its imports"),
@@ -555,10 +566,10 @@ class CommonArgs:
                               "(levels 1..difficulty)")
 
     def _validate_plugins(self) -> None:
-        """--loss-fn, --reward-fn, --processors: import them now, so a bad reference is a one-line error before any
-        process starts (each worker imports them again itself)."""
+        """--loss-fn, --reward-fn, --agent, --processors: import them now, so a bad reference is a one-line error
+        before any process starts (each worker imports them again itself)."""
         for flag, specs in (("--loss-fn", [self.loss_fn]), ("--reward-fn", [self.reward_fn]),
-                            ("--processors", list(self.processors))):
+                            ("--agent", [self.agent]), ("--processors", list(self.processors))):
             for spec in specs:
                 if spec:
                     fn = load_object(spec, flag)
