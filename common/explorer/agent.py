@@ -145,6 +145,7 @@ class Agent(Workflow):
         self.lock = threading.Lock()
         self._arrived: list = []   # (sample, prompt ids, cap, future, request) not yet handed to the runner
         self._out: dict = {}       # id(sample) -> (future, request, cap) in the engine
+        self._no_prompt = ctx.renderer.ids(ctx.renderer.glue_text)[:1] or [0]  # an empty sample's one-token prompt
         self.episodes = [self._launch(task) for _ in range(n)]
 
     def _launch(self, task: dict) -> AgentEpisode:
@@ -174,7 +175,8 @@ class Agent(Workflow):
                 self._arrived.remove(call)
                 call[0].busy = False
                 call[3].set_exception(BadRequest("the episode has ended", None, "episode_ended"))
-            e.samples = [s for s in e.samples if s.response_ids or s.busy]
+            # an episode with no answered call keeps one empty sample: its end is counted, and it trains nothing
+            e.samples = [s for s in e.samples if s.response_ids or s.busy] or [AgentSample(e, self._no_prompt)]
             self.group.responses = [s for s in self.group.responses if s.episode is not e] + e.samples
             for s in e.samples:
                 s.finish_reason = "length" if e.cut else "stop"
