@@ -2,8 +2,9 @@
 real `openai` client against the real endpoint on localhost: bad requests each get a clear OpenAI-shaped error and
 the episode goes on; an episode's key dies with it; the token ids a sample trains are exactly those the engine was
 fed and sampled, a continued call's observation masked, a rewritten context a second sample of the same episode;
-tool calls come back OpenAI-shaped and the example agent's tool loop continues one sample; a raising, hanging or
-misbehaving agent ends its own episode, failed; examples/agents/openai_calculator.py trains end to end."""
+tool calls come back OpenAI-shaped and the example agent's tool loop continues one sample, streamed too; a client
+that hangs up costs its own reply; a raising, hanging or misbehaving agent ends its own episode, failed;
+examples/agents/openai_calculator.py trains end to end."""
 
 import asyncio
 import json
@@ -67,7 +68,8 @@ async def bad_requests(task, base_url, api_key):
     log.append(("unknown", *await _status(create(model="m", messages=hi, extra_body={"foo": 1}))))
     log.append(("content", *await _status(create(model="m", messages=[{"role": "user", "content": 5}]))))
     log.append(("max_tokens", *await _status(create(model="m", messages=hi, max_tokens="x"))))
-    log.append(("stream", *await _status(create(model="m", messages=hi, stream=True))))
+    log.append(("stream_options", *await _status(create(model="m", messages=hi,
+                                                        extra_body={"stream_options": {"include_usage": True}}))))
     log.append(("long", *await _status(create(model="m", messages=[{"role": "user", "content": "x " * 600}]))))
     stranger = openai.AsyncOpenAI(base_url=base_url, api_key="tandem-guessed", max_retries=0)
     log.append(("key", *await _status(stranger.chat.completions.create(model="m", messages=hi))))
@@ -89,7 +91,8 @@ def test_bad_requests_get_openai_shaped_errors_naming_the_field_and_the_episode_
                       temperature=1.0)
     got = {entry[0]: entry[1:] for entry in log}
     for name, param in [("n", "n"), ("temperature", "temperature"), ("unknown", "foo"),
-                        ("content", "messages[0].content"), ("max_tokens", "max_tokens"), ("stream", "stream"),
+                        ("content", "messages[0].content"), ("max_tokens", "max_tokens"),
+                        ("stream_options", "stream_options"),
                         ("long", "messages")]:
         status, body = got[name]
         assert status == 400 and body["param"] == param, (name, status, body)
@@ -157,6 +160,60 @@ def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_con
     observation = tok.decode([t for t, m in zip(sample.response_ids, sample.mask) if not m])
     assert observation == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"  # the tool's result, masked
     assert sample.reward(None, "sum").score == 0.0  # an answer is the verifier's to score
+
+
+async def streaming(task, base_url, api_key):
+    """The example agent's tool loop over stream=True: the tool calls and the answer rebuilt from the chunks."""
+    from examples.agents.openai_calculator import TOOLS, calculate
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(2):
+        text, calls, usage = "", {}, None
+        async for chunk in await client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                                                stream=True, stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                for c in choice.delta.tool_calls or []:
+                    calls.setdefault(c.index, {"id": c.id, "type": "function",
+                                               "function": {"name": c.function.name, "arguments": ""}})
+                    calls[c.index]["function"]["arguments"] += c.function.arguments or ""
+        task["log"].append(usage.completion_tokens)
+        if not calls:
+            return text
+        messages.append({"role": "assistant", "content": text or None, "tool_calls": list(calls.values())})
+        messages += [{"role": "tool", "tool_call_id": c["id"],
+                      "content": calculate(json.loads(c["function"]["arguments"])["expression"])}
+                     for c in calls.values()]
+    return ""
+
+
+async def hanging_up(task, base_url, api_key):
+    """A client that goes away before its streamed reply is read, then a call that is answered."""
+    hi = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(f"{base_url}/chat/completions", json={"model": "m", "messages": hi, "stream": True},
+                            headers={"Authorization": f"Bearer {api_key}"})
+        r.close()  # drops the connection without reading the stream
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model="m", messages=hi + [{"role": "user", "content": "again"}])
+    return reply.choices[0].message.content
+
+
+def test_streamed_replies_carry_the_same_tool_calls_and_a_client_that_hangs_up_costs_its_own_reply(tiny):
+    tok, model = tiny
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "6*7"}}</tool_call>'
+    log = []
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, agent=f"{HERE}:streaming")
+    groups, _ = run_episodes(Scripted(tok, [call, "It is 42"]), ctx, [{"id": "s", "prompt": "6*7?", "log": log}],
+                             SamplingConfig(max_new_tokens=128))
+    (sample,) = groups[0].responses
+    assert sample.episode.end_reason == "done" and sample.episode.result == "It is 42", sample.episode.error
+    assert sample.turns == 2 and log == [len(tok(call)["input_ids"]) + 1, len(tok("It is 42")["input_ids"]) + 1]
+    groups = episodes(HFEngine(model, tok), tok, "hanging_up", [{"id": "h", "prompt": "hi"}])
+    episode = groups[0].responses[0].episode
+    assert episode.end_reason == "done" and episode.calls == 2, episode.error
 
 
 async def raising(task, base_url, api_key):

@@ -9,8 +9,9 @@ ended: `close`) is refused with 401. The port is picked by the system and bound 
 
 Sampling stays the run's: the trainer assumes the behaviour policy is the run's `--temperature` / `--top-p`, so a
 request may name them only with those values (else 400 naming the field). `max_tokens` / `max_completion_tokens`
-cap the reply below the run's `--max-new-tokens`; `n` must be 1; `stream`, `logprobs`, penalties and unknown fields
-are refused, naming the field.
+cap the reply below the run's `--max-new-tokens`; `n` must be 1; `logprobs`, penalties and unknown fields are
+refused, naming the field. `stream: true` gets the same reply as server-sent chunks (`chat.completion.chunk`, then
+`data: [DONE]`), sent once the call is sampled: the engine answers whole calls, so nothing arrives token by token.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from aiohttp import web
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")  # no effect on sampling
-REFUSED_UNLESS = {"n": (None, 1), "stream": (None, False), "logprobs": (None, False), "top_logprobs": (None,),
+REFUSED_UNLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None,),
                   "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None,),
-                  "seed": (None,), "response_format": (None,), "stream_options": (None,)}
+                  "seed": (None,), "response_format": (None,)}
 FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
-          "stop", *IGNORED, *REFUSED_UNLESS}
+          "stop", "stream", "stream_options", *IGNORED, *REFUSED_UNLESS}
 
 
 class BadRequest(Exception):
@@ -55,6 +56,8 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     call_tools: bool = True                   # tool_choice "none": the reply is text
+    stream: bool = False
+    stream_usage: bool = False                # stream_options.include_usage: a last chunk with the usage
 
 
 def _fail(message: str, param: str) -> BadRequest:
@@ -169,8 +172,15 @@ def parse_chat(body, temperature: float, top_p: float) -> ChatRequest:
     if choice not in (None, "auto", "none"):
         raise BadRequest("tool_choice must be 'auto' or 'none' (a sampled policy cannot be forced to call a tool)",
                          "tool_choice", "unsupported_value")
+    stream, options = body.get("stream") or False, body.get("stream_options")
+    if not isinstance(stream, bool):
+        raise _fail("stream must be a boolean", "stream")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise _fail("stream_options must be {'include_usage': bool}, with stream true", "stream_options")
     return ChatRequest([_message(m, i) for i, m in enumerate(messages)], _tools(body.get("tools")),
-                       min(v for _, v in caps) if caps else None, stop, choice != "none")
+                       min(v for _, v in caps) if caps else None, stop, choice != "none", stream,
+                       bool((options or {}).get("include_usage")))
 
 
 @dataclass
@@ -256,15 +266,40 @@ class Endpoint:
             self.errors += 1
             return web.json_response({"error": {"message": f"internal error: {type(e).__name__}: {e}",
                                                 "type": "server_error", "param": None, "code": None}}, status=500)
+        head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": body["model"]}
+        usage = {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                 "total_tokens": done.prompt_tokens + done.completion_tokens}
         message = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls
-        return web.json_response({
-            "id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion", "created": int(time.time()),
-            "model": body["model"], "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason,
-                                                 "logprobs": None}],
-            "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                      "total_tokens": done.prompt_tokens + done.completion_tokens}})
+        if chat.stream:
+            return await self._stream(request, head, message, done.finish_reason, usage if chat.stream_usage else None)
+        return web.json_response({**head, "object": "chat.completion", "usage": usage, "choices": [
+            {"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}]})
+
+    async def _stream(self, request: web.Request, head: dict, message: dict, finish: str, usage: dict | None):
+        """The reply as server-sent `chat.completion.chunk`s: the role, the content, the tool calls, the finish
+        reason, the usage if asked for, then [DONE]. A client gone meanwhile costs its own reply only."""
+        def chunk(delta: dict | None, finish_reason=None, **extra) -> bytes:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                                  "logprobs": None}]
+            event = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
+            return f"data: {json.dumps(event)}\n\n".encode()
+
+        calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls", []))]
+        parts = [chunk({"role": "assistant", "content": ""})]
+        parts += [chunk({"content": message["content"]})] if message["content"] else []
+        parts += [chunk({"tool_calls": calls})] if calls else []
+        parts += [chunk({}, finish)] + ([chunk(None, usage=usage)] if usage else []) + [b"data: [DONE]\n\n"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await response.prepare(request)
+            for part in parts:
+                await response.write(part)
+            await response.write_eof()
+        except ConnectionError:
+            self.errors += 1
+        return response
 
 
 _ENDPOINT: Endpoint | None = None
