@@ -581,6 +581,9 @@ class CommonArgs:
 
     def _validate_workflows(self) -> None:
         """Multi-turn workflows, environments and task processors."""
+        if self.agent and self.rollout_token_budget:
+            raise ConfigError("--agent with --rollout-token-budget: partial rollouts are single-turn only, and an "
+                              "agent's calls are answered whole")
         if self.episode_token_budget <= self.max_new_tokens:
             raise ConfigError(f"--episode-token-budget ({self.episode_token_budget}) must exceed --max-new-tokens "
                               f"({self.max_new_tokens}): a whole episode must hold more than one turn")

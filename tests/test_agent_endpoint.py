@@ -151,7 +151,8 @@ def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_con
     tok, _ = tiny
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "(2+3)*4"}}</tool_call>'
     engine = Scripted(tok, [call, "The answer is 20"])
-    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, agent="examples/agents/openai_calculator.py:agent")
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096,
+                  agent="examples/agents/openai_calculator.py:agent")
     groups, _ = run_episodes(engine, ctx, [{"id": "c", "prompt": "(2+3)*4?", "answer": "20", "reward": "math"}],
                              SamplingConfig(max_new_tokens=128))
     (sample,) = groups[0].responses
@@ -214,6 +215,29 @@ def test_streamed_replies_carry_the_same_tool_calls_and_a_client_that_hangs_up_c
     groups = episodes(HFEngine(model, tok), tok, "hanging_up", [{"id": "h", "prompt": "hi"}])
     episode = groups[0].responses[0].episode
     assert episode.end_reason == "done" and episode.calls == 2, episode.error
+
+
+async def greedy(task, base_url, api_key):
+    """Calls until the endpoint refuses, each call a fresh context."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    for i in range(10):
+        status, body = await _status(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"call {i}"}]))
+        if status != 200:
+            task["log"].append((i, status, body["code"]))
+            return "gave up"
+    return "never refused"
+
+
+def test_a_call_beyond_agent_max_calls_is_refused_and_the_episode_is_marked_cut(tiny):
+    tok, model = tiny
+    log = []
+    groups = episodes(HFEngine(model, tok), tok, "greedy", [{"id": "g", "prompt": "hi", "log": log}],
+                      agent_max_calls=2)
+    assert log == [(2, 400, "episode_call_limit")]
+    samples = groups[0].responses
+    assert len(samples) == 2 and all(s.finish_reason == "length" for s in samples)  # cut: --mask-truncated sees it
+    assert samples[0].counts()["rollout/agent_cut/max_calls"] == 1 and samples[0].episode.result == "gave up"
 
 
 async def raising(task, base_url, api_key):

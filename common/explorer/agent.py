@@ -110,7 +110,8 @@ class AgentSample(Sample):
         failed episode scores 0, marked failed (rewards/THREATS.md "Errors never pay")."""
         e = self.episode
         info = {"reason": f"agent {e.end_reason}", "end_reason": e.end_reason, "calls": e.calls,
-                "samples": len(e.samples), **({"cut": e.cut} if e.cut else {}), **({"error": e.error} if e.error else {})}
+                "samples": len(e.samples), **({"cut": e.cut} if e.cut else {}),
+                **({"error": e.error} if e.error else {})}
         if e.failed:
             return Reward(0.0, {**info, "failed": True, "failed_reason": e.end_reason, "format_ok": False})
         if verified is not None:
@@ -223,7 +224,7 @@ class Agent(Workflow):
                 e.samples.append(sample)
                 self.group.responses.append(sample)
             else:
-                sample._append(new, [0.0] * len(new), 0, 0)
+                sample._append(new, [0.0] * len(new), 0, sample.versions[-1])  # masked: its version is moot
             sample.messages, sample.tools, sample.busy = list(request.messages), request.tools, True
             future: Future = Future()
             self._arrived.append((sample, prompt, cap, future, request))

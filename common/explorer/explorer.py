@@ -188,8 +188,9 @@ class Explorer:
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         start = 0
         for g in groups:  # prioritized task sampling learns each task's success rate from these
-            self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[start:start + len(g.responses)]])
-            start += len(g.responses)
+            end = start + len(g.responses)  # n samples; an agent's episodes make any number
+            self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[start:end]])
+            start = end
         metrics = {
             "time/rollout": generated_s, "time/reward": reward_s,
             "rollout/tokens_per_s": generated["tokens"] / max(generated_s, 1e-9),
