@@ -33,6 +33,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from common.explorer.chat import TemplateMismatch, strip_reasoning
 from common.explorer.endpoint import BadRequest, ChatRequest, Completion, endpoint
 from common.explorer.multi_turn import tool_call_end
 from common.explorer.workflow import Group, Sample, Workflow
@@ -201,13 +202,17 @@ class Agent(Workflow):
                 raise BadRequest(f"the episode made --agent-max-calls {self.ctx.agent_max_calls} calls", None,
                                  "episode_call_limit")
             sample = self._continued(e, request.messages, request.tools)
-            if sample is not None:
-                observation = request.messages[len(sample.messages) + 1:]
-                new = renderer.observation_ids(observation, sample.sampled_stop)
-                prompt = sample.prompt_ids + sample.response_ids + new
-            else:
-                messages, tools = renderer.with_tools(request.messages, request.tools or [])
-                prompt = renderer.prompt_ids(messages, tools)
+            try:
+                if sample is not None:
+                    observation = request.messages[len(sample.messages) + 1:]
+                    new = renderer.observation_ids(observation, sample.sampled_stop)
+                    prompt = sample.prompt_ids + sample.response_ids + new
+                else:
+                    messages, tools = renderer.with_tools(request.messages, request.tools or [])
+                    prompt = renderer.prompt_ids(messages, tools)
+            except TemplateMismatch as exc:
+                raise BadRequest(f"the model's chat template cannot render these messages ({exc})", "messages",
+                                 "template") from None
             if len(prompt) >= budget:
                 raise BadRequest(f"This model's maximum context length is {budget} tokens (--episode-token-budget): "
                                  f"your messages resulted in {len(prompt)} tokens", "messages",
@@ -265,8 +270,9 @@ class Agent(Workflow):
         if stop_text is not None:
             text = text[:text.index(stop_text)]
         content, calls = text, None
-        if request.tools and request.call_tools:
-            content, calls = self.ctx.tool_format.split(text, request.tools)
+        if request.tools and request.call_tools:  # the tool parser sees no reasoning, as in multi_turn
+            visible = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
+            content, calls = self.ctx.tool_format.split(visible, request.tools)
             if calls and any(isinstance(c, Exception) for c in calls):  # a malformed call: the agent gets the text
                 content, calls = text, None
         tool_calls = [{"id": "call_" + secrets.token_hex(8), "type": "function",
