@@ -217,6 +217,25 @@ def test_streamed_replies_carry_the_same_tool_calls_and_a_client_that_hangs_up_c
     assert episode.end_reason == "done" and episode.calls == 2, episode.error
 
 
+async def stopping(task, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
+                                                 stop=["STOP", "never"])
+    task["log"].append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+    return 1.0
+
+
+def test_a_stop_string_ends_the_reply_and_the_sample_keeps_exactly_the_ids_sampled_up_to_it(tiny):
+    tok, _ = tiny
+    log = []
+    ctx = Context(tok, max_new_tokens=64, episode_token_budget=1024, agent=f"{HERE}:stopping")
+    groups, _ = run_episodes(Scripted(tok, ["abc STOP def"]), ctx, [{"id": "s", "prompt": "go", "log": log}],
+                             SamplingConfig(max_new_tokens=64))
+    (sample,) = groups[0].responses
+    assert log == [("abc ", "stop")]
+    assert sample.response_ids == tok("abc STOP", add_special_tokens=False)["input_ids"] and sum(sample.mask) == 8
+
+
 async def greedy(task, base_url, api_key):
     """Calls until the endpoint refuses, each call a fresh context."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
