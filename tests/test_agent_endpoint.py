@@ -73,10 +73,19 @@ async def bad_requests(task, base_url, api_key):
     log.append(("long", *await _status(create(model="m", messages=[{"role": "user", "content": "x " * 600}]))))
     stranger = openai.AsyncOpenAI(base_url=base_url, api_key="tandem-guessed", max_retries=0)
     log.append(("key", *await _status(stranger.chat.completions.create(model="m", messages=hi))))
+    raw = {"json": b'{"model": "m", "messages": [', "list": b"[1, 2]",
+           "messages": json.dumps({"model": "m", "messages": {"role": "user"}}).encode(),
+           "messages[0].role": json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+           "tools[0]": json.dumps({"model": "m", "messages": hi, "tools": [{"type": "x"}]}).encode(),
+           "tool_choice": json.dumps({"model": "m", "messages": hi, "tool_choice": "required"}).encode(),
+           "messages[1].tool_calls[0].function.arguments": json.dumps({"model": "m", "messages": hi + [
+               {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{oops"}}]}]}).encode()}
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{base_url}/chat/completions", data=b'{"model": "m", "messages": [',
-                             headers={"Authorization": f"Bearer {api_key}"}) as r:
-            log.append(("json", r.status, await r.json()))
+        for name, data in raw.items():
+            async with http.post(f"{base_url}/chat/completions", data=data,
+                                 headers={"Authorization": f"Bearer {api_key}"}) as r:
+                log.append((name, r.status, await r.json()))
     models = await client.models.list()
     reply = await create(model="m", messages=hi, max_tokens=3)
     log.append(("good", reply.choices[0].finish_reason, reply.usage.completion_tokens, [m.id for m in models.data]))
@@ -100,6 +109,10 @@ def test_bad_requests_get_openai_shaped_errors_naming_the_field_and_the_episode_
     assert "512" in got["long"][1]["message"] and got["long"][1]["code"] == "context_length_exceeded"
     assert got["key"][0] == 401 and got["key"][1]["code"] == "invalid_api_key"
     assert got["json"][0] == 400 and "JSON" in got["json"][1]["error"]["message"]
+    assert got["list"][0] == 400 and "JSON object" in got["list"][1]["error"]["message"]
+    for param in ("messages", "messages[0].role", "tools[0]", "tool_choice",
+                  "messages[1].tool_calls[0].function.arguments"):
+        assert got[param][0] == 400 and got[param][1]["error"]["param"] == param, got[param]
     finish, completion_tokens, model_ids = got["good"]
     assert finish in ("stop", "length") and 1 <= completion_tokens <= 3 and model_ids == ["policy"]
     (sample,) = groups[0].responses  # the bad calls made no sample; the good one did
