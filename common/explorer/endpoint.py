@@ -202,7 +202,6 @@ class Endpoint:
         self.handlers: dict[str, object] = {}
         self.loop = asyncio.new_event_loop()
         self.sampling = (1.0, 1.0)   # (temperature, top_p) of the run; set by whoever serves the engine
-        self.errors = 0              # requests refused (any status >= 400)
         app = web.Application(client_max_size=16 << 20)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -238,8 +237,8 @@ class Endpoint:
                              "while it runs)", None, "invalid_api_key", 401)
         return handler
 
-    def _error(self, e: BadRequest) -> web.Response:
-        self.errors += 1
+    @staticmethod
+    def _error(e: BadRequest) -> web.Response:
         return web.json_response(e.body(), status=e.status)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -263,7 +262,6 @@ class Endpoint:
         except BadRequest as e:
             return self._error(e)
         except Exception as e:  # noqa: BLE001  (a bug of ours answers this one call, never stops the endpoint)
-            self.errors += 1
             return web.json_response({"error": {"message": f"internal error: {type(e).__name__}: {e}",
                                                 "type": "server_error", "param": None, "code": None}}, status=500)
         head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": body["model"]}
@@ -298,7 +296,7 @@ class Endpoint:
                 await response.write(part)
             await response.write_eof()
         except ConnectionError:
-            self.errors += 1
+            pass  # the client hung up: its reply is lost, nothing else
         return response
 
 
