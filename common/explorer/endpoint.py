@@ -215,9 +215,8 @@ class Endpoint:
     def _serve(self, host: str, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, host, 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.loop.run_until_complete(web.TCPSite(self.runner, host, 0).start())
+        self.port = self.runner.addresses[0][1]
         ready.set()
         self.loop.run_forever()
 
