@@ -82,10 +82,10 @@ def _validate_partial_rollouts_and_sampling(args) -> None:
 
 
 def _validate_plugins(args) -> None:
-    """--loss-fn, --reward-fn, --processors: import them now, so a bad reference is a one-line error before any
-    process starts (each worker imports them again itself)."""
+    """--loss-fn, --reward-fn, --agent, --processors: import them now, so a bad reference is a one-line error
+    before any process starts (each worker imports them again itself)."""
     for flag, specs in (("--loss-fn", [args.loss_fn]), ("--reward-fn", [args.reward_fn]),
-                        ("--processors", list(args.processors))):
+                        ("--agent", [args.agent]), ("--processors", list(args.processors))):
         for spec in specs:
             if spec:
                 fn = load_object(spec, flag)
@@ -113,6 +113,9 @@ def _validate_workflows(args) -> None:
     if args.rollout_token_budget and taskset_has_envs(args.taskset):
         raise ConfigError(f"--rollout-token-budget (partial rollouts) works with single-turn tasks only, and "
                           f"--taskset {args.taskset} has multi-turn (env) tasks")
+    if args.agent and args.rollout_token_budget:
+        raise ConfigError("--agent with --rollout-token-budget: partial rollouts are single-turn only, and an "
+                          "agent's calls are answered whole")
 
 
 def _validate_memory(args) -> None:

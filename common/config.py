@@ -161,6 +161,15 @@ class CommonArgs:
     in_turn_tools: bool = False
     """Tool calls inside one assistant turn (ReTool / Search-R1): generation stops at a complete
     <tool_call>...</tool_call>, the result is appended as masked tokens and the same turn goes on."""
+    agent: str | None = None
+    """Train your own agent: `path/to/file.py:fn` or `module:fn`, `async def fn(task, base_url, api_key) -> float |
+    str`, run for every task (samples-per-task episodes), calling the policy through the explorer's
+    OpenAI-compatible endpoint at base_url with api_key (common/explorer/agent.py); it returns the episode's reward
+    or an answer for the task's verifier."""
+    agent_timeout_s: float = 300.0
+    """Wall-clock limit of one agent episode: past it the episode ends with reason 'timeout' (failed, scores 0)."""
+    agent_max_calls: int = 16
+    """Most calls to the endpoint per agent episode; one more is refused (400) and the episode marked cut."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the model's (as TRL's chat_template_path), for every prompt."""
     task_processors: str = ""
@@ -414,6 +423,7 @@ class CommonArgs:
         "temperature": Range(gt=0, why="sampling needs a positive temperature"), "top_p": Range(gt=0, le=1),
         "max_turns": Range(ge=1), "tool_timeout_s": Range(gt=0), "max_tool_calls_per_turn": Range(ge=1),
         "sandbox_procs": Range(ge=1), "env_step_timeout_s": Range(gt=0),
+        "agent_timeout_s": Range(gt=0), "agent_max_calls": Range(ge=1),
         "reward_workers": Range(ge=1), "reward_timeout_s": Range(gt=0),
         "reward_memory_mb": Range(ge=256, why="a worker needs ~150 MB for its imports"),
         "lr": Range(gt=0), "ppo_epochs": Range(ge=1), "minibatch_size": Range(ge=1), "micro_batch_size": Range(ge=1),

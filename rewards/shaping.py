@@ -78,18 +78,20 @@ def shape_group(rewards: list[float], lengths: list[int], correct: list[bool] | 
     return [float(r) + sum(t[i] for t in terms.values()) for i, r in enumerate(rewards)]
 
 
-def shape_batch(rewards, lengths: list[int], group_size: int, length_penalty_weight: float = 0.0,
+def shape_batch(rewards, lengths: list[int], group_size: int | list[int], length_penalty_weight: float = 0.0,
                 format_weight: float = 0.0, overlong_buffer: int = 0, max_len: int = 0) -> list[tuple[float, dict]]:
     """(shaped reward, breakdown) per response of a rollout batch whose consecutive `group_size` responses answer
-    one task. `rewards` are `rewards.Reward`s (score, info["format_ok"]); `lengths` are response token counts.
+    one task (a list: each group's size, where they differ: agent episodes make any number of samples).
+    `rewards` are `rewards.Reward`s (score, info["format_ok"]); `lengths` are response token counts.
     The breakdown is {"raw": score, <term>: value, ...} with the terms switched on."""
-    if len(rewards) != len(lengths) or len(rewards) % group_size:
+    sizes = group_size if isinstance(group_size, list) else [group_size] * (len(rewards) // group_size)
+    if len(rewards) != len(lengths) or len(rewards) != sum(sizes):
         raise ValueError(f"{len(rewards)} rewards, {len(lengths)} lengths: not whole groups of {group_size}")
-    out = []
-    for start in range(0, len(rewards), group_size):
-        group = rewards[start: start + group_size]
+    out, starts = [], [sum(sizes[:k]) for k in range(len(sizes))]
+    for start, size in zip(starts, sizes):
+        group = rewards[start: start + size]
         raw = [float(r.score) for r in group]
-        terms = shaping_terms(raw, lengths[start: start + group_size], length_penalty_weight=length_penalty_weight,
+        terms = shaping_terms(raw, lengths[start: start + size], length_penalty_weight=length_penalty_weight,
                               format_weight=format_weight, format_ok=[bool(r.info.get("format_ok")) for r in group],
                               overlong_buffer=overlong_buffer, max_len=max_len)
         shaped = [score + sum(values[i] for values in terms.values()) for i, score in enumerate(raw)]

@@ -208,9 +208,11 @@ class Explorer:
             segment_versions=r.versions, turn_ends=r.turn_ends,
             turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=r.images,
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
-        n = args.samples_per_task
-        for k, g in enumerate(groups):  # prioritized task sampling learns each task's success rate from these
-            self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[k * n:(k + 1) * n]])
+        start = 0
+        for g in groups:  # prioritized task sampling learns each task's success rate from these
+            end = start + len(g.responses)  # n samples; an agent's episodes make any number
+            self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[start:end]])
+            start = end
         metrics = {
             "time/rollout": generated_s, "time/reward": reward_s,
             "rollout/tokens_per_s": generated["tokens"] / max(generated_s, 1e-9),
@@ -233,7 +235,8 @@ class Explorer:
         """ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward, --overlong-buffer) of scored
         (group, response) pairs: (reward, its parts) each; reward_info keeps the parts."""
         args = self.args
-        return shape_batch(scores, [r.sampled_tokens for _, r in flat], args.samples_per_task, args.length_penalty,
+        sizes = [sum(1 for g, _ in flat if g is group) for group in {id(g): g for g, _ in flat}.values()]
+        return shape_batch(scores, [r.sampled_tokens for _, r in flat], sizes, args.length_penalty,
                            args.format_reward, args.overlong_buffer, args.max_new_tokens)  # episodes: sampled tokens
 
     # ------------------------------------------------------------------------------------- streaming (train_async.py)

@@ -5,6 +5,8 @@ given the rollout engine.
   rollouts included).
 - `multi_turn` (common/explorer/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
   common/envs/), token-in/token-out.
+- `agent` (common/explorer/agent.py): n episodes of your agent (`--agent FILE:fn`, every task) calling the policy
+  through the explorer's OpenAI-compatible endpoint; its calls join the engine like any other request.
 
 A task picks its workflow by `"workflow": name`, or implicitly: multi_turn when it names an `env`, else
 single_turn; a taskset may mix them. Adding a workflow is one file plus one line in `WORKFLOWS`.
@@ -39,6 +41,7 @@ STEP_GRACE_S = 0.005  # how long the engine loop waits for an environment step i
 WORKFLOWS = {
     "single_turn": "common.explorer.single_turn:SingleTurn",
     "multi_turn": "common.explorer.multi_turn:MultiTurn",
+    "agent": "common.explorer.agent:Agent",
 }
 
 
@@ -74,6 +77,11 @@ class Context:
     env_server: str = ""                # --env-server: every environment played on that server (http_env.py)
     env_pool: object = None             # the explorer's environment thread pool (Rollouts sets it), else None
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
+    agent: str = ""                     # --agent FILE:fn: every task runs the agent workflow
+    agent_timeout_s: float = 300.0
+    agent_max_calls: int = 16
+    temperature: float = 1.0            # the run's sampling, which the endpoint holds requests to
+    top_p: float = 1.0
     _renderer: object = None
 
     @property
@@ -116,7 +124,9 @@ class Context:
                    env_step_timeout_s=args.env_step_timeout_s, reasoning_parser=args.reasoning_parser,
                    in_turn_tools=args.in_turn_tools, truncated_turns=args.truncated_turns,
                    max_tool_calls_per_turn=args.max_tool_calls_per_turn, tool_call_format=args.tool_call_format,
-                   env_server=args.env_server, processor=processor)
+                   env_server=args.env_server, processor=processor, agent=args.agent or "",
+                   agent_timeout_s=args.agent_timeout_s, agent_max_calls=args.agent_max_calls,
+                   temperature=args.temperature, top_p=args.top_p)
 
 
 class Rollouts:
@@ -153,7 +163,7 @@ class Rollouts:
         return [w.group for w in self.workflows]
 
     def start(self, task: dict, group_id: int, n: int) -> None:
-        name = workflow_name(task)
+        name = "agent" if self.ctx.agent else workflow_name(task)
         if name != "single_turn" and self.ctx.token_budget:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
@@ -192,9 +202,12 @@ class Rollouts:
         hook = {"between_steps": between_steps} if between_steps is not None else {}
         calls = 0
         while True:
-            todo = [(w, *req) for w in self.workflows for req in w.requests()]
+            todo = [(w, *req) for w in self.workflows for req in [*w.requests(), *w.arrivals()]]
             if not todo:
-                break
+                if all(w.finished() for w in self.workflows):
+                    break
+                time.sleep(0.005)  # an agent is between calls
+                continue
             generations = self._generate(engine, todo, sampling, **hook)
             calls += 1
             if not self.ctx.env_workers:
@@ -227,12 +240,14 @@ class Rollouts:
         for workflow in [w for w in self._new if not w.starting()]:  # set up (multi_turn: environments reset)
             self._ready += [(workflow, *request) for request in workflow.requests()]
             self._new.remove(workflow)
+        for workflow in self.workflows:  # an agent's calls
+            self._ready += [(workflow, *request) for request in workflow.arrivals()]
         stepping = engine.streams
         busy = bool(self._ready) or stepping and engine.running(self) > 0
         if self._stepping:  # a quick environment step rejoins at once; an idle engine waits for one
             newest = max(t for *_, t in self._stepping.values())
             self._collect(max(0.0, newest + STEP_GRACE_S - time.monotonic()) if busy else wait_s)
-        elif not busy and self._new:  # nothing to decode but resets in the pool: do not spin
+        elif not busy and (self._new or not all(w.finished() for w in self.workflows)):  # resets, agents: no spin
             time.sleep(min(wait_s, 0.005))
         turn = dataclasses.replace(sampling, n=1)
         if stepping:

@@ -68,6 +68,11 @@ class Workflow(ABC):
     def receive(self, sample: Sample, generation, version: int) -> int:
         """Append one generation (common.explorer.engine.Generation) to `sample`; the sampled tokens kept."""
 
+    def arrivals(self) -> list[tuple[Sample, list[int], int]]:
+        """Requests that came from outside the runner since the last call (an agent's calls to the endpoint),
+        each returned once; `requests` holds the ones the runner asks for."""
+        return []
+
     def starting(self) -> bool:
         """Whether the group's samples are still being set up elsewhere (multi_turn: environment resets in the
         pool); its first requests come once this is False, and the runner does not wait for it meanwhile."""

@@ -1,0 +1,293 @@
+"""agent: n episodes of your own agent (`--agent path/to/file.py:fn`), which talks to the policy through the
+explorer's OpenAI-compatible endpoint (common/explorer/endpoint.py), token-in/token-out.
+
+Each episode runs `await fn(task, base_url, api_key)` in a thread of its own under `--agent-timeout-s`; the key
+ties every call to the episode, and the endpoint refuses it once the episode has ended. A call is a request like
+the multi-turn workflow's turn: the runner batches it with every other request in flight.
+
+Capture (the rule): an episode's calls make one or more samples. A call *continues* the sample of an earlier call
+when its messages are exactly that call's messages, then the assistant message the endpoint returned for it, then
+at least one new message (tool results, a user turn), with the same tools; its prompt is then that sample's ids
+so far (prompt | sampled ids) followed by the new messages' ids as the template renders them after an assistant
+turn (common/explorer/chat.py), and those observation ids are masked. Any other call (the agent rewrote or
+summarised its context, a sub-agent) starts a new sample whose prompt is the template's rendering of its messages.
+So every sample is one sequence built only by appending the exact ids the engine was fed and sampled; nothing
+sampled is decoded and re-encoded.
+
+Reward: `fn` returns a number (the episode's reward) or a string (its answer, scored by the task's verifier; a
+task without one scores 0). Every sample of the episode gets that reward, and group advantages are formed over
+all samples of the task's n episodes (an episode with k samples counts k times). Errors never pay: an agent that
+raises, runs past its time, or returns something else scores 0, marked failed (`end_reason` error, timeout,
+bad_return). Bounds per episode: `--agent-max-calls` calls and `--episode-token-budget` sampled tokens (a call
+beyond either is refused with a 400, and the episode's samples are marked cut: finish reason "length").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from common.explorer.chat import TemplateMismatch, strip_reasoning
+from common.explorer.endpoint import BadRequest, ChatRequest, Completion, endpoint
+from common.explorer.multi_turn import tool_call_end
+from common.explorer.workflow import Group, Sample, Workflow
+from common.runtime.plugins import load_object
+from rewards import Reward
+
+FAILED = ("error", "timeout", "bad_return")
+HUNG_GRACE_S = 1.0  # an agent whose thread still runs this long past its time limit is abandoned there
+
+
+@dataclass
+class AgentEpisode:
+    deadline: float
+    key: str = ""
+    calls: int = 0
+    tokens: int = 0                  # sampled tokens of all its calls
+    cut: str = ""                    # max_calls | budget: a call was refused for a limit
+    end_reason: str | None = None    # done | error | timeout | bad_return
+    result: object = None            # what fn returned (a number or an answer)
+    error: str = ""
+    samples: list = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.end_reason in FAILED
+
+
+@dataclass
+class AgentSample(Sample):
+    """One sequence of an agent episode: first prompt | sampled ids | observation ids | sampled ids ..."""
+    episode: AgentEpisode
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    messages: list[dict] = field(default_factory=list)   # the last call's messages
+    tools: list[dict] | None = None
+    reply: dict | None = None                             # the assistant message returned for the last call
+    sampled_stop: int | None = None                       # the stop token that ended the last call, if any
+    busy: bool = False                                    # a call of this sample is being answered
+    turn_rewards: list = field(default_factory=list)      # no environment: no step rewards
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_ends)
+
+    @property
+    def segments(self) -> int:
+        return self.turns
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.mask)
+
+    def loss_mask(self, partial_loss: str = "last_segment") -> list[int]:
+        return list(self.mask)
+
+    def _append(self, ids, logprobs, trained: int, version: int, versions=None) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.mask += [trained] * len(ids)
+        self.versions += versions[:len(ids)] if versions else [version] * len(ids)
+
+    def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
+        """The answer the agent returned, when it returned one and the task names a verifier (or --reward-fn)."""
+        answer = self.episode.result
+        return answer if isinstance(answer, str) and ("reward" in task or whole_episodes) \
+            and not self.episode.failed else None
+
+    def reward(self, verified: Reward | None, env_reward: str) -> Reward:
+        """ALGO LOGIC: the episode's reward: the number fn returned, or the verifier's score of its answer; a
+        failed episode scores 0, marked failed (rewards/THREATS.md "Errors never pay")."""
+        e = self.episode
+        info = {"reason": f"agent {e.end_reason}", "end_reason": e.end_reason, "calls": e.calls,
+                "samples": len(e.samples), **({"cut": e.cut} if e.cut else {}),
+                **({"error": e.error} if e.error else {})}
+        if e.failed:
+            return Reward(0.0, {**info, "failed": True, "failed_reason": e.end_reason, "format_ok": False})
+        if verified is not None:
+            return Reward(verified.score, {**verified.info, **info, "verifier": verified.score})
+        return Reward(float(e.result) if not isinstance(e.result, str) else 0.0, info)
+
+    def counts(self) -> dict[str, float]:
+        """Per episode (on its first sample): rollout/episodes, rollout/agent_calls, rollout/agent_samples,
+        rollout/end/<reason>, rollout/agent_cut/<limit>."""
+        e = self.episode
+        if e.samples[0] is not self:
+            return {}
+        return {"rollout/episodes": 1, "rollout/agent_calls": e.calls, "rollout/agent_samples": len(e.samples),
+                f"rollout/end/{e.end_reason}": 1, **({f"rollout/agent_cut/{e.cut}": 1} if e.cut else {})}
+
+
+def _valid_result(result) -> bool:
+    return isinstance(result, str) or (isinstance(result, (int, float)) and not isinstance(result, bool)
+                                       and math.isfinite(result))
+
+
+class Agent(Workflow):
+    """The n episodes of one task. Calls arrive from the agents' threads (through the endpoint) and leave by
+    `arrivals`; `receive` answers them. One lock guards the episodes' samples."""
+
+    def __init__(self, task: dict, group_id: int, n: int, ctx):
+        self.ctx = ctx
+        self.fn = load_object(ctx.agent, "--agent")
+        self.server = endpoint()
+        self.server.sampling = (ctx.temperature, ctx.top_p)
+        self.group = Group(task, group_id, [])
+        self.lock = threading.Lock()
+        self._arrived: list = []   # (sample, prompt ids, cap, future, request) not yet handed to the runner
+        self._out: dict = {}       # id(sample) -> (future, request, cap) in the engine
+        self._no_prompt = ctx.renderer.ids(ctx.renderer.glue_text)[:1] or [0]  # an empty sample's one-token prompt
+        self.episodes = [self._launch(task) for _ in range(n)]
+
+    def _launch(self, task: dict) -> AgentEpisode:
+        e = AgentEpisode(deadline=time.monotonic() + self.ctx.agent_timeout_s)
+        e.key = self.server.open(lambda request: self._call(e, request))
+        threading.Thread(target=self._run, args=(e, dict(task)), name="agent", daemon=True).start()
+        return e
+
+    def _run(self, e: AgentEpisode, task: dict) -> None:
+        try:
+            result = asyncio.run(asyncio.wait_for(self.fn(task, self.server.base_url, e.key),
+                                                  self.ctx.agent_timeout_s))
+            end, error = ("done", "") if _valid_result(result) else ("bad_return", f"returned {type(result).__name__}")
+        except (asyncio.TimeoutError, TimeoutError):
+            result, end, error = None, "timeout", f"ran past --agent-timeout-s {self.ctx.agent_timeout_s:g}"
+        except BaseException as exc:  # noqa: BLE001  (the agent's bug ends its episode, counted; not the run)
+            result, end, error = None, "error", f"{type(exc).__name__}: {exc}"
+        self._end(e, end, result, error)
+
+    def _end(self, e: AgentEpisode, reason: str, result=None, error: str = "") -> None:
+        with self.lock:
+            if e.end_reason is not None:
+                return
+            self.server.close(e.key)
+            e.end_reason, e.result, e.error = reason, result, error
+            for call in [c for c in self._arrived if c[0].episode is e]:  # never handed out: nobody waits for it
+                self._arrived.remove(call)
+                call[0].busy = False
+                call[3].set_exception(BadRequest("the episode has ended", None, "episode_ended"))
+            # an episode with no answered call keeps one empty sample: its end is counted, and it trains nothing
+            e.samples = [s for s in e.samples if s.response_ids or s.busy] or [AgentSample(e, self._no_prompt)]
+            self.group.responses = [s for s in self.group.responses if s.episode is not e] + e.samples
+            for s in e.samples:
+                s.finish_reason = "length" if e.cut else "stop"
+
+    # ------------------------------------------------------------------ the endpoint side (a worker thread)
+    def _continued(self, e: AgentEpisode, messages: list[dict], tools) -> AgentSample | None:
+        for s in reversed(e.samples):
+            n = len(s.messages)
+            if not s.busy and s.reply is not None and s.tools == tools and len(messages) > n + 1 \
+                    and messages[:n] == s.messages and messages[n] == s.reply:
+                return s
+        return None
+
+    def _call(self, e: AgentEpisode, request: ChatRequest) -> Future:
+        renderer, budget = self.ctx.renderer, self.ctx.episode_token_budget
+        with self.lock:
+            if e.end_reason is not None:
+                raise BadRequest("the episode has ended", None, "episode_ended", 401)
+            if e.calls >= self.ctx.agent_max_calls:
+                e.cut = "max_calls"
+                raise BadRequest(f"the episode made --agent-max-calls {self.ctx.agent_max_calls} calls", None,
+                                 "episode_call_limit")
+            sample = self._continued(e, request.messages, request.tools)
+            try:
+                if sample is not None:
+                    observation = request.messages[len(sample.messages) + 1:]
+                    new = renderer.observation_ids(observation, sample.sampled_stop)
+                    prompt = sample.prompt_ids + sample.response_ids + new
+                else:
+                    messages, tools = renderer.with_tools(request.messages, request.tools or [])
+                    prompt = renderer.prompt_ids(messages, tools)
+            except TemplateMismatch as exc:
+                raise BadRequest(f"the model's chat template cannot render these messages ({exc})", "messages",
+                                 "template") from None
+            if len(prompt) >= budget:
+                raise BadRequest(f"This model's maximum context length is {budget} tokens (--episode-token-budget): "
+                                 f"your messages resulted in {len(prompt)} tokens", "messages",
+                                 "context_length_exceeded")
+            cap = min(request.max_tokens or self.ctx.max_new_tokens, self.ctx.max_new_tokens, budget - len(prompt),
+                      budget - e.tokens)
+            if cap <= 0:
+                e.cut = "budget"
+                raise BadRequest(f"the episode sampled its --episode-token-budget {budget} tokens", None,
+                                 "episode_token_budget")
+            e.calls += 1
+            if sample is None:
+                sample = AgentSample(e, prompt)
+                e.samples.append(sample)
+                self.group.responses.append(sample)
+            else:
+                sample._append(new, [0.0] * len(new), 0, sample.versions[-1])  # masked: its version is moot
+            sample.messages, sample.tools, sample.busy = list(request.messages), request.tools, True
+            future: Future = Future()
+            self._arrived.append((sample, prompt, cap, future, request))
+            return future
+
+    # ------------------------------------------------------------------ the runner side
+    def requests(self) -> list:
+        return []  # every request comes from an agent (arrivals)
+
+    def arrivals(self) -> list[tuple[AgentSample, list[int], int]]:
+        for e in self.episodes:  # an agent stuck in blocking code: its episode ends here, its thread is abandoned
+            if e.end_reason is None and time.monotonic() > e.deadline + HUNG_GRACE_S:
+                self._end(e, "timeout", error=f"ran past --agent-timeout-s {self.ctx.agent_timeout_s:g}")
+        with self.lock:
+            taken, self._arrived = self._arrived, []
+            for sample, _, cap, future, request in taken:
+                self._out[id(sample)] = (future, request, cap)
+            return [(sample, prompt, cap) for sample, prompt, cap, _, _ in taken]
+
+    def finished(self) -> bool:
+        with self.lock:
+            return all(e.end_reason for e in self.episodes) and not self._out and not self._arrived
+
+    def receive(self, sample: AgentSample, generation, version: int) -> int:
+        """Append the sampled ids (cut after a stop string, if the request named one: the kept prefix is exactly
+        what was sampled) and answer the call: text, or OpenAI-shaped tool calls parsed in the model's format."""
+        with self.lock:
+            future, request, cap = self._out.pop(id(sample))
+        decode = self.ctx.renderer.decode
+        ids, logprobs = generation.response_ids[:cap], generation.logprobs[:cap]
+        stopped = generation.finish_reason == "stop" and len(generation.response_ids) <= cap
+        cuts = [(end, s) for s in request.stop if (end := tool_call_end(ids, decode, close=s)) is not None]
+        stop_text = None
+        if cuts:
+            end, stop_text = min(cuts)
+            ids, logprobs, stopped = ids[:end], logprobs[:end], True
+        text = decode(ids)
+        if stop_text is not None:
+            text = text[:text.index(stop_text)]
+        content, calls = text, None
+        if request.tools and request.call_tools:  # the tool parser sees no reasoning, as in multi_turn
+            visible = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
+            content, calls = self.ctx.tool_format.split(visible, request.tools)
+            if calls and any(isinstance(c, Exception) for c in calls):  # a malformed call: the agent gets the text
+                content, calls = text, None
+        tool_calls = [{"id": "call_" + secrets.token_hex(8), "type": "function",
+                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls or []]
+        with self.lock:
+            sample._append(ids, logprobs, 1, version, generation.versions)
+            sample.turn_ends.append(len(sample.response_ids))
+            sample.episode.tokens += len(ids)
+            sample.reply = {"role": "assistant", "content": content or ""}
+            if tool_calls:
+                sample.reply["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+                    c["function"]["arguments"])}} for c in tool_calls]
+            sample.sampled_stop = ids[-1] if stopped and stop_text is None and ids else None
+            sample.busy = False
+        finish = "tool_calls" if tool_calls else "stop" if stopped else "length"
+        future.set_result(Completion(content if content or not tool_calls else None, tool_calls, finish,
+                                     len(sample.prompt_ids) + len(sample.response_ids) - len(ids), len(ids)))
+        return len(ids)

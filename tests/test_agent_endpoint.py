@@ -1,0 +1,315 @@
+"""Agents trained through the explorer's OpenAI-compatible endpoint (common/explorer/endpoint.py, agent.py), with the
+real `openai` client against the real endpoint on localhost: bad requests each get a clear OpenAI-shaped error and
+the episode goes on; an episode's key dies with it; the token ids a sample trains are exactly those the engine was
+fed and sampled, a continued call's observation masked, a rewritten context a second sample of the same episode;
+tool calls come back OpenAI-shaped and the example agent's tool loop continues one sample, streamed too; a client
+that hangs up costs its own reply; a raising, hanging or misbehaving agent ends its own episode, failed;
+examples/agents/openai_calculator.py trains end to end."""
+
+import asyncio
+import json
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from common.explorer.engine import HFEngine, SamplingConfig
+from common.explorer.rollouts import Context, run_episodes
+from common.model import build_tiny_model, build_tiny_tokenizer
+from tests.conftest import TINY, assert_trained, run_script
+from tests.test_agents import Scripted
+
+HERE = "tests/test_agent_endpoint.py"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = build_tiny_tokenizer()
+    return tok, build_tiny_model(tok)
+
+
+class Recording(HFEngine):
+    """The real HF engine, keeping every prompt it was fed and what it sampled for it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = []
+
+    def generate(self, prompts, sampling, **kwargs):
+        out = super().generate(prompts, sampling, **kwargs)
+        self.calls += [(list(p), g[0]) for p, g in zip(prompts, out)]
+        return out
+
+
+def episodes(engine, tok, agent: str, tasks: list[dict], n: int = 1, **limits):
+    ctx = Context(tok, max_new_tokens=8, episode_token_budget=limits.pop("budget", 512), agent=f"{HERE}:{agent}",
+                  agent_timeout_s=limits.pop("timeout", 60), **limits)
+    groups, _ = run_episodes(engine, ctx, tasks, SamplingConfig(max_new_tokens=8, n=n))
+    return groups
+
+
+async def _status(coro) -> tuple[int, dict]:
+    try:
+        await coro
+        return 200, {}
+    except openai.APIStatusError as e:
+        return e.status_code, e.body
+
+
+async def bad_requests(task, base_url, api_key):
+    """Sends one bad request of each kind, logs (status, error body), then makes one good call."""
+    log = task["log"]
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    create = client.chat.completions.create
+    log.append(("n", *await _status(create(model="m", messages=hi, n=2))))
+    log.append(("temperature", *await _status(create(model="m", messages=hi, temperature=0.3))))
+    log.append(("unknown", *await _status(create(model="m", messages=hi, extra_body={"foo": 1}))))
+    log.append(("content", *await _status(create(model="m", messages=[{"role": "user", "content": 5}]))))
+    log.append(("max_tokens", *await _status(create(model="m", messages=hi, max_tokens="x"))))
+    log.append(("stream_options", *await _status(create(model="m", messages=hi,
+                                                        extra_body={"stream_options": {"include_usage": True}}))))
+    log.append(("long", *await _status(create(model="m", messages=[{"role": "user", "content": "x " * 600}]))))
+    stranger = openai.AsyncOpenAI(base_url=base_url, api_key="tandem-guessed", max_retries=0)
+    log.append(("key", *await _status(stranger.chat.completions.create(model="m", messages=hi))))
+    raw = {"json": b'{"model": "m", "messages": [', "list": b"[1, 2]",
+           "messages": json.dumps({"model": "m", "messages": {"role": "user"}}).encode(),
+           "messages[0].role": json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+           "tools[0]": json.dumps({"model": "m", "messages": hi, "tools": [{"type": "x"}]}).encode(),
+           "tool_choice": json.dumps({"model": "m", "messages": hi, "tool_choice": "required"}).encode(),
+           "messages[1].tool_calls[0].function.arguments": json.dumps({"model": "m", "messages": hi + [
+               {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                     "function": {"name": "f", "arguments": "{oops"}}]}]}).encode()}
+    async with aiohttp.ClientSession() as http:
+        for name, data in raw.items():
+            async with http.post(f"{base_url}/chat/completions", data=data,
+                                 headers={"Authorization": f"Bearer {api_key}"}) as r:
+                log.append((name, r.status, await r.json()))
+    models = await client.models.list()
+    reply = await create(model="m", messages=hi, max_tokens=3)
+    log.append(("good", reply.choices[0].finish_reason, reply.usage.completion_tokens, [m.id for m in models.data]))
+    log.append(("my key", base_url, api_key))
+    return 1.0
+
+
+def test_bad_requests_get_openai_shaped_errors_naming_the_field_and_the_episode_goes_on(tiny):
+    tok, model = tiny
+    log = []
+    groups = episodes(HFEngine(model, tok), tok, "bad_requests", [{"id": "b", "prompt": "hi", "log": log}],
+                      temperature=1.0)
+    got = {entry[0]: entry[1:] for entry in log}
+    for name, param in [("n", "n"), ("temperature", "temperature"), ("unknown", "foo"),
+                        ("content", "messages[0].content"), ("max_tokens", "max_tokens"),
+                        ("stream_options", "stream_options"),
+                        ("long", "messages")]:
+        status, body = got[name]
+        assert status == 400 and body["param"] == param, (name, status, body)
+        assert body["message"] and "Traceback" not in body["message"]
+    assert "512" in got["long"][1]["message"] and got["long"][1]["code"] == "context_length_exceeded"
+    assert got["key"][0] == 401 and got["key"][1]["code"] == "invalid_api_key"
+    assert got["json"][0] == 400 and "JSON" in got["json"][1]["error"]["message"]
+    assert got["list"][0] == 400 and "JSON object" in got["list"][1]["error"]["message"]
+    for param in ("messages", "messages[0].role", "tools[0]", "tool_choice",
+                  "messages[1].tool_calls[0].function.arguments"):
+        assert got[param][0] == 400 and got[param][1]["error"]["param"] == param, got[param]
+    finish, completion_tokens, model_ids = got["good"]
+    assert finish in ("stop", "length") and 1 <= completion_tokens <= 3 and model_ids == ["policy"]
+    (sample,) = groups[0].responses  # the bad calls made no sample; the good one did
+    assert sample.episode.end_reason == "done" and sample.episode.calls == 1 and len(sample.response_ids) <= 3
+    base_url, key = got["my key"]
+    request = urllib.request.Request(f"{base_url}/models", headers={"Authorization": f"Bearer {key}"})
+    with pytest.raises(urllib.error.HTTPError) as ended:  # the episode is over: its key is refused
+        urllib.request.urlopen(request, timeout=30)
+    assert ended.value.code == 401 and json.load(ended.value)["error"]["code"] == "invalid_api_key"
+
+
+async def rewriting(task, base_url, api_key):
+    """Two calls that continue one conversation, then one whose context is rewritten (a summary)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: 1 2"}]
+    first = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+    messages += [first.model_dump(exclude_none=True), {"role": "user", "content": "and 3?"}]
+    second = (await client.chat.completions.create(model="m", messages=messages)).choices[0].message
+    task["log"] += [first.content, second.content]
+    summary = [{"role": "user", "content": f"Summary: {second.content[:5]}. Go on."}]
+    third = (await client.chat.completions.create(model="m", messages=summary)).choices[0].message
+    task["log"].append(third.content)
+    return third.content
+
+
+def test_trained_ids_are_the_ids_fed_and_sampled_and_a_rewritten_context_is_a_second_sample(tiny):
+    tok, model = tiny
+    engine, log = Recording(model, tok), []
+    groups = episodes(engine, tok, "rewriting", [{"id": "r", "prompt": "x", "log": log}])
+    samples = groups[0].responses
+    assert len(samples) == 2 and samples[0].episode is samples[1].episode
+    assert samples[0].episode.end_reason == "done" and samples[0].episode.calls == 3
+    (p1, g1), (p2, g2), (p3, g3) = engine.calls
+    a, b = samples
+    # sample a: call 1's prompt | its sampled ids | the new user turn's ids (masked) | call 2's sampled ids
+    assert a.prompt_ids == p1 and p2[:len(p1) + len(g1.response_ids)] == p1 + g1.response_ids
+    observation = p2[len(p1) + len(g1.response_ids):]
+    assert observation and a.response_ids == g1.response_ids + observation + g2.response_ids
+    assert a.mask == [1] * len(g1.response_ids) + [0] * len(observation) + [1] * len(g2.response_ids)
+    assert a.logprobs == g1.logprobs + [0.0] * len(observation) + g2.logprobs
+    assert "and 3?" in tok.decode(observation)
+    # sample b: the rewritten context, fed as rendered, its own sampled ids
+    assert b.prompt_ids == p3 and b.response_ids == g3.response_ids and b.mask == [1] * len(g3.response_ids)
+    # what the agent read is the text of the sampled ids (special tokens left out)
+    assert log == [tok.decode(g.response_ids, skip_special_tokens=True) for g in (g1, g2, g3)]
+
+
+def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_continues_one_sample(tiny):
+    tok, _ = tiny
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "(2+3)*4"}}</tool_call>'
+    engine = Scripted(tok, [call, "The answer is 20"])
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096,
+                  agent="examples/agents/openai_calculator.py:agent")
+    groups, _ = run_episodes(engine, ctx, [{"id": "c", "prompt": "(2+3)*4?", "answer": "20", "reward": "math"}],
+                             SamplingConfig(max_new_tokens=128))
+    (sample,) = groups[0].responses
+    assert sample.episode.end_reason == "done" and sample.episode.result == "The answer is 20"
+    assert sample.turns == 2 and sample.episode.calls == 2
+    observation = tok.decode([t for t, m in zip(sample.response_ids, sample.mask) if not m])
+    assert observation == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"  # the tool's result, masked
+    assert sample.reward(None, "sum").score == 0.0  # an answer is the verifier's to score
+
+
+async def streaming(task, base_url, api_key):
+    """The example agent's tool loop over stream=True: the tool calls and the answer rebuilt from the chunks."""
+    from examples.agents.openai_calculator import TOOLS, calculate
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(2):
+        text, calls, usage = "", {}, None
+        async for chunk in await client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                                                stream=True, stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                for c in choice.delta.tool_calls or []:
+                    calls.setdefault(c.index, {"id": c.id, "type": "function",
+                                               "function": {"name": c.function.name, "arguments": ""}})
+                    calls[c.index]["function"]["arguments"] += c.function.arguments or ""
+        task["log"].append(usage.completion_tokens)
+        if not calls:
+            return text
+        messages.append({"role": "assistant", "content": text or None, "tool_calls": list(calls.values())})
+        messages += [{"role": "tool", "tool_call_id": c["id"],
+                      "content": calculate(json.loads(c["function"]["arguments"])["expression"])}
+                     for c in calls.values()]
+    return ""
+
+
+async def hanging_up(task, base_url, api_key):
+    """A client that goes away before its streamed reply is read, then a call that is answered."""
+    hi = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(f"{base_url}/chat/completions", json={"model": "m", "messages": hi, "stream": True},
+                            headers={"Authorization": f"Bearer {api_key}"})
+        r.close()  # drops the connection without reading the stream
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model="m", messages=hi + [{"role": "user", "content": "again"}])
+    return reply.choices[0].message.content
+
+
+def test_streamed_replies_carry_the_same_tool_calls_and_a_client_that_hangs_up_costs_its_own_reply(tiny):
+    tok, model = tiny
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "6*7"}}</tool_call>'
+    log = []
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, agent=f"{HERE}:streaming")
+    groups, _ = run_episodes(Scripted(tok, [call, "It is 42"]), ctx, [{"id": "s", "prompt": "6*7?", "log": log}],
+                             SamplingConfig(max_new_tokens=128))
+    (sample,) = groups[0].responses
+    assert sample.episode.end_reason == "done" and sample.episode.result == "It is 42", sample.episode.error
+    assert sample.turns == 2 and log == [len(tok(call)["input_ids"]) + 1, len(tok("It is 42")["input_ids"]) + 1]
+    groups = episodes(HFEngine(model, tok), tok, "hanging_up", [{"id": "h", "prompt": "hi"}])
+    episode = groups[0].responses[0].episode
+    assert episode.end_reason == "done" and episode.calls == 2, episode.error
+
+
+async def stopping(task, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
+                                                 stop=["STOP", "never"])
+    task["log"].append((reply.choices[0].message.content, reply.choices[0].finish_reason))
+    return 1.0
+
+
+def test_a_stop_string_ends_the_reply_and_the_sample_keeps_exactly_the_ids_sampled_up_to_it(tiny):
+    tok, _ = tiny
+    log = []
+    ctx = Context(tok, max_new_tokens=64, episode_token_budget=1024, agent=f"{HERE}:stopping")
+    groups, _ = run_episodes(Scripted(tok, ["abc STOP def"]), ctx, [{"id": "s", "prompt": "go", "log": log}],
+                             SamplingConfig(max_new_tokens=64))
+    (sample,) = groups[0].responses
+    assert log == [("abc ", "stop")]
+    assert sample.response_ids == tok("abc STOP", add_special_tokens=False)["input_ids"] and sum(sample.mask) == 8
+
+
+async def greedy(task, base_url, api_key):
+    """Calls until the endpoint refuses, each call a fresh context."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    for i in range(10):
+        status, body = await _status(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"call {i}"}]))
+        if status != 200:
+            task["log"].append((i, status, body["code"]))
+            return "gave up"
+    return "never refused"
+
+
+def test_a_call_beyond_agent_max_calls_is_refused_and_the_episode_is_marked_cut(tiny):
+    tok, model = tiny
+    log = []
+    groups = episodes(HFEngine(model, tok), tok, "greedy", [{"id": "g", "prompt": "hi", "log": log}],
+                      agent_max_calls=2)
+    assert log == [(2, 400, "episode_call_limit")]
+    samples = groups[0].responses
+    assert len(samples) == 2 and all(s.finish_reason == "length" for s in samples)  # cut: --mask-truncated sees it
+    assert samples[0].counts()["rollout/agent_cut/max_calls"] == 1 and samples[0].episode.result == "gave up"
+
+
+async def raising(task, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    raise RuntimeError("agent bug")
+
+
+async def hanging(task, base_url, api_key):
+    await asyncio.sleep(3600)
+
+
+def blocking(task, base_url, api_key):
+    async def run():
+        import time
+        time.sleep(30)  # blocking code in an async agent: its thread is abandoned at the limit
+    return run()
+
+
+async def lying(task, base_url, api_key):
+    return float("nan")
+
+
+@pytest.mark.parametrize("agent,reason", [("raising", "error"), ("hanging", "timeout"), ("blocking", "timeout"),
+                                          ("lying", "bad_return")])
+def test_a_broken_agent_ends_its_own_episode_failed_and_never_pays(tiny, agent, reason):
+    tok, model = tiny
+    groups = episodes(HFEngine(model, tok), tok, agent, [{"id": "x", "prompt": "hi"}], timeout=1.0)
+    (sample,) = groups[0].responses  # raising: its one call; the others: an empty sample that trains nothing
+    assert sample.episode.end_reason == reason, sample.episode.error
+    assert bool(sample.response_ids) == (agent == "raising") and sum(sample.mask) == len(sample.response_ids)
+    reward = sample.reward(None, "sum")
+    assert reward.score == 0.0 and reward.info["failed"] and reward.info["failed_reason"] == reason
+    assert sample.counts()[f"rollout/end/{reason}"] == 1
+
+
+def test_the_example_agent_trains(tmp_path):
+    out = tmp_path / "run"
+    result = run_script("train_sync.py", *TINY, "--steps", "2", "--max-new-tokens", "16",
+                        "--agent", "examples/agents/openai_calculator.py:agent", "--out-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = assert_trained(out, steps=2)
+    assert rows[0]["rollout/agent_calls"] >= rows[0]["rollout/episodes"] > 0
