@@ -88,10 +88,11 @@ def launch(args, schedule: str, worker, title: str) -> None:
         return
 
     def rank_main():
-        shares = node_cores(args, schedule, plan)  # before this rank starts any thread or process
-        apply_cores(shares[plan[int(os.environ["RANK"])].name])
-        if int(os.environ["LOCAL_RANK"]) == 0:
-            print(f"[tandem] cores: {describe_cores(shares)}", flush=True)
+        if int(os.environ["WORLD_SIZE"]) == len(plan):  # else join_world says so in one line
+            shares = node_cores(args, schedule, plan)  # before this rank starts any thread or process
+            apply_cores(shares[plan[int(os.environ["RANK"])].name])
+            if int(os.environ["LOCAL_RANK"]) == 0:
+                print(f"[tandem] cores: {describe_cores(shares)}", flush=True)
         ctx = join_world(plan, args.timeout_s, args.peer_timeout_s)
         share_prepared_args(ctx, args, schedule)
         check_weight_sync(ctx, args)
