@@ -19,7 +19,9 @@ TINY = ["--model", "tiny", "--taskset", "parity", "--tasks-per-step", "4", "--sa
         # Explicitly HF: the default (--engine auto) starts vLLM where it imports, ~25 s per run on 2 cores; the
         # vLLM tests append --engine vllm (the last flag wins). One torch thread per worker: `make test` runs two
         # tests at a time on 2 cores, and the tiny model gains nothing from more (3 runs at once: 15 % faster).
-        "--engine", "hf", "--num-threads", "1"]
+        # No core binding: with two runs at once, each run's plan would put both trainers on one core and both
+        # explorers on the other (tests/test_cores.py binds on purpose).
+        "--engine", "hf", "--num-threads", "1", "--no-bind-cores"]
 
 
 def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -63,8 +63,8 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     plan gives them (disjoint), and the run's first lines print that plan."""
     expected = plan_cores(ASYNC, together=True, available=sorted(os.sched_getaffinity(0)), num_threads=1)
     assert not set(expected["trainer0"].cores) & set(expected["explorer0"].cores)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--steps", "3",
-                             "--out-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--bind-cores", "--steps",
+                             "3", "--out-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         seen = {}
