@@ -60,7 +60,10 @@ class Args(CommonArgs):
     mid_generation_updates: bool = True
     """Take new weights between any two engine steps (vLLM: running requests then continue with the new weights,
     their KV cache recomputed; each token keeps the version that sampled it, in Experience.segment_versions)
-    instead of only when a batch has been put in the queue."""
+    instead of only when a batch has been put in the queue. Unless given, off where an explorer shares a device
+    with a trainer: there the update (on the CPU a re-pack of vLLM's weights) and the recomputed KV cache take
+    compute from both sides, and tokens sampled before it train only with --partial-loss all (docs/BENCHMARKS.md
+    "Schedules as a user runs them": 146 s on, 120 s off on 2 cores)."""
 
     RANGES: ClassVar[dict[str, Range]] = {"num_explorers": Range(ge=1),  # with CommonArgs.RANGES
                                           "sync_interval": Range(ge=1)}
@@ -75,6 +78,8 @@ class Args(CommonArgs):
         self.queue_size = self.queue_size or self.num_explorers
         shared = bool(set(self.explorer_device_list) & set(self.trainer_device_list))
         self.inflight_groups = self.inflight_groups or (1 if shared else 2) * self.tasks_per_step
+        if shared and "mid_generation_updates" not in getattr(self, "given_fields", frozenset()):
+            self.mid_generation_updates = False
 
 
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):

@@ -85,3 +85,17 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     assert seen == {name: s.cores for name, s in expected.items()}
     assert proc.returncode == 0, out[-3000:]
     assert f"[tandem] cores: {describe(expected)}" in out
+
+
+def test_async_defaults_follow_the_placement():
+    """Where an explorer shares a device with the trainer (here: the CPU), the stream holds one batch of groups and
+    takes weights only between batches; given flags and separate devices keep the streaming defaults."""
+    from common.cli import parse_args
+    from train_async import Args
+
+    shared = parse_args(Args, ["--tasks-per-step", "4"])
+    assert shared.inflight_groups == 4 and not shared.mid_generation_updates
+    given = parse_args(Args, ["--tasks-per-step", "4", "--mid-generation-updates", "--inflight-groups", "12"])
+    assert given.inflight_groups == 12 and given.mid_generation_updates
+    apart = parse_args(Args, ["--tasks-per-step", "4", "--explorer-devices", "cuda:0", "--trainer-devices", "cuda:1"])
+    assert apart.inflight_groups == 8 and apart.mid_generation_updates
