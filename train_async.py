@@ -97,8 +97,8 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         undecided = explorer.version + 2
         explorer.start_groups()  # up to --inflight-groups generating
         explorer.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
-        if args.mid_generation_updates:  # between two engine steps
-            explorer.poll(sent)
+        if args.mid_generation_updates or not explorer.in_flight.workflows:  # between two engine steps, or idle:
+            explorer.poll(sent)  # the admission window may wait for the next weights
         batch = explorer.take_batch()  # --tasks-per-step groups, once that many are scored
         if batch is None:
             continue
