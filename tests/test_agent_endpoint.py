@@ -3,8 +3,9 @@ real `openai` client against the real endpoint on localhost: bad requests each g
 the episode goes on; an episode's key dies with it; the token ids a sample trains are exactly those the engine was
 fed and sampled, a continued call's observation masked, a rewritten context a second sample of the same episode;
 tool calls come back OpenAI-shaped and the example agent's tool loop continues one sample, streamed too; a client
-that hangs up costs its own reply; a raising, hanging or misbehaving agent ends its own episode, failed;
-examples/agents/openai_calculator.py trains end to end."""
+that hangs up costs its own reply; a raising, hanging or misbehaving agent ends its own episode, failed; the three
+example agents of examples/agents/ (the plain openai client, the OpenAI Agents SDK, LangGraph + langchain-openai)
+each run their tool loop as one sample and train end to end."""
 
 import asyncio
 import json
@@ -21,6 +22,9 @@ from tests.conftest import TINY, assert_trained, run_script
 from tests.test_agents import Scripted
 
 HERE = "tests/test_agent_endpoint.py"
+# The same calculator agent on each client library: each request the library sends must pass the endpoint's checks.
+EXAMPLES = ["examples/agents/openai_calculator.py", "examples/agents/agents_sdk_calculator.py",
+            "examples/agents/langgraph_calculator.py"]
 
 
 @pytest.fixture(scope="module")
@@ -160,17 +164,17 @@ def test_trained_ids_are_the_ids_fed_and_sampled_and_a_rewritten_context_is_a_se
     assert log == [tok.decode(g.response_ids, skip_special_tokens=True) for g in (g1, g2, g3)]
 
 
-def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_continues_one_sample(tiny):
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_continues_one_sample(tiny, example):
     tok, _ = tiny
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "(2+3)*4"}}</tool_call>'
     engine = Scripted(tok, [call, "The answer is 20"])
-    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096,
-                  agent="examples/agents/openai_calculator.py:agent")
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, agent=f"{example}:agent")
     groups, _ = run_episodes(engine, ctx, [{"id": "c", "prompt": "(2+3)*4?", "answer": "20", "reward": "math"}],
                              SamplingConfig(max_new_tokens=128))
     (sample,) = groups[0].responses
     assert sample.episode.end_reason == "done" and sample.episode.result == "The answer is 20"
-    assert sample.turns == 2 and sample.episode.calls == 2
+    assert sample.turns == 2 and sample.episode.calls == 2, sample.episode.error
     observation = tok.decode([t for t, m in zip(sample.response_ids, sample.mask) if not m])
     assert observation == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"  # the tool's result, masked
     assert sample.reward(None, "sum").score == 0.0  # an answer is the verifier's to score
@@ -306,10 +310,13 @@ def test_a_broken_agent_ends_its_own_episode_failed_and_never_pays(tiny, agent, 
     assert sample.counts()[f"rollout/end/{reason}"] == 1
 
 
-def test_the_example_agent_trains(tmp_path):
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_the_example_agent_trains(tmp_path, example):
+    """One short run each (~20 s, nearly all of it the run's start-up): the random tiny model writes no tool calls,
+    so the tool loop itself is the scripted test's; this is the library inside a real explorer process."""
     out = tmp_path / "run"
     result = run_script("train_sync.py", *TINY, "--steps", "2", "--max-new-tokens", "16",
-                        "--agent", "examples/agents/openai_calculator.py:agent", "--out-dir", str(out))
+                        "--agent", f"{example}:agent", "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert rows[0]["rollout/agent_calls"] >= rows[0]["rollout/episodes"] > 0
