@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 
 from common.envs import parse_env_settings
 from common.knobs import ConfigError, check_numeric_ranges
@@ -113,9 +115,18 @@ def _validate_workflows(args) -> None:
     if args.rollout_token_budget and taskset_has_envs(args.taskset):
         raise ConfigError(f"--rollout-token-budget (partial rollouts) works with single-turn tasks only, and "
                           f"--taskset {args.taskset} has multi-turn (env) tasks")
-    if args.agent and args.rollout_token_budget:
-        raise ConfigError("--agent with --rollout-token-budget: partial rollouts are single-turn only, and an "
-                          "agent's calls are answered whole")
+    if args.agent and args.agent_cmd:
+        raise ConfigError("--agent and --agent-cmd: give one (a function, or a program)")
+    if args.agent_cmd:
+        try:
+            program = shlex.split(args.agent_cmd)[:1]
+        except ValueError as e:
+            raise ConfigError(f"--agent-cmd {args.agent_cmd!r}: {e}") from None
+        if not program or shutil.which(program[0]) is None:
+            raise ConfigError(f"--agent-cmd {args.agent_cmd!r}: no such program {program[0] if program else ''!r}")
+    if (args.agent or args.agent_cmd) and args.rollout_token_budget:
+        raise ConfigError(f"{'--agent' if args.agent else '--agent-cmd'} with --rollout-token-budget: partial "
+                          "rollouts are single-turn only, and an agent's calls are answered whole")
 
 
 def _validate_memory(args) -> None:

@@ -166,6 +166,10 @@ class CommonArgs:
     str`, run for every task (samples-per-task episodes), calling the policy through the explorer's
     OpenAI-compatible endpoint at base_url with api_key (common/explorer/agent.py); it returns the episode's reward
     or an answer for the task's verifier."""
+    agent_cmd: str | None = None
+    """Train any program as the agent: a command line (split as the shell would, run without one) started once per
+    episode with OPENAI_BASE_URL and OPENAI_API_KEY set to the episode's endpoint and key, the task as JSON on its
+    stdin; its last line of output is {"reward": number} or {"answer": string} (common/explorer/agent.py)."""
     agent_timeout_s: float = 300.0
     """Wall-clock limit of one agent episode: past it the episode ends with reason 'timeout' (failed, scores 0)."""
     agent_max_calls: int = 16

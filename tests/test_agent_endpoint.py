@@ -5,10 +5,14 @@ fed and sampled, a continued call's observation masked, a rewritten context a se
 tool calls come back OpenAI-shaped and the example agent's tool loop continues one sample, streamed too; a client
 that hangs up costs its own reply; a raising, hanging or misbehaving agent ends its own episode, failed; the three
 example agents of examples/agents/ (the plain openai client, the OpenAI Agents SDK, LangGraph + langchain-openai)
-each run their tool loop as one sample and train end to end."""
+each run their tool loop as one sample and train end to end; `--agent-cmd` runs a program per episode the same way,
+and a crashing, hung or mute program ends its own episode (the hung one killed with what it started)."""
 
 import asyncio
 import json
+import os
+import sys
+import time
 import urllib.request
 
 import aiohttp
@@ -16,7 +20,9 @@ import openai
 import pytest
 
 from common.explorer.engine import HFEngine, SamplingConfig
+from common.cli import parse_args
 from common.explorer.rollouts import Context, run_episodes
+from common.knobs import ConfigError
 from common.model import build_tiny_model, build_tiny_tokenizer
 from tests.conftest import TINY, assert_trained, run_script
 from tests.test_agents import Scripted
@@ -25,6 +31,7 @@ HERE = "tests/test_agent_endpoint.py"
 # The same calculator agent on each client library: each request the library sends must pass the endpoint's checks.
 EXAMPLES = ["examples/agents/openai_calculator.py", "examples/agents/agents_sdk_calculator.py",
             "examples/agents/langgraph_calculator.py"]
+CMD = f"{sys.executable} examples/agents/cmd_calculator.py"  # the openai_calculator agent as a program
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +171,13 @@ def test_trained_ids_are_the_ids_fed_and_sampled_and_a_rewritten_context_is_a_se
     assert log == [tok.decode(g.response_ids, skip_special_tokens=True) for g in (g1, g2, g3)]
 
 
-@pytest.mark.parametrize("example", EXAMPLES)
-def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_continues_one_sample(tiny, example):
+@pytest.mark.parametrize("agent", [{"agent": f"{e}:agent"} for e in EXAMPLES] + [{"agent_cmd": CMD}],
+                         ids=[*EXAMPLES, "agent_cmd"])
+def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_continues_one_sample(tiny, agent):
     tok, _ = tiny
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "(2+3)*4"}}</tool_call>'
     engine = Scripted(tok, [call, "The answer is 20"])
-    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, agent=f"{example}:agent")
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, **agent)
     groups, _ = run_episodes(engine, ctx, [{"id": "c", "prompt": "(2+3)*4?", "answer": "20", "reward": "math"}],
                              SamplingConfig(max_new_tokens=128))
     (sample,) = groups[0].responses
@@ -320,3 +328,60 @@ def test_the_example_agent_trains(tmp_path, example):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert rows[0]["rollout/agent_calls"] >= rows[0]["rollout/episodes"] > 0
+
+
+def _gone(pid: int, timeout: float = 10) -> bool:
+    """The process has ended (a zombie counts: it runs nothing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+PROGRAMS = {  # a command line, what it does: each ends its own episode
+    "crashing": ("import sys; print('agent bug', file=sys.stderr); sys.exit(3)", "error"),
+    "hung": ("import os, subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+             "'import time; time.sleep(600)']); print(os.getpid(), child.pid, file=open(sys.argv[1], 'w'), "
+             "flush=True); time.sleep(600)", "timeout"),
+    "mute": ("print('working...'); print(42)", "bad_return"),
+    "rewarding": ("import json, sys; assert json.load(sys.stdin)['id'] == 'p'; print(json.dumps({'reward': 0.5}))",
+                  "done"),
+}
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_agent_cmd_a_crashing_hung_or_mute_program_ends_its_own_episode(tiny, tmp_path, program):
+    tok, model = tiny
+    code, reason = PROGRAMS[program]
+    pids = tmp_path / "pids"
+    ctx = Context(tok, max_new_tokens=8, episode_token_budget=512, agent_timeout_s=1.0,
+                  agent_cmd=f"{sys.executable} -c \"{code}\" {pids}")
+    groups, _ = run_episodes(HFEngine(model, tok), ctx, [{"id": "p", "prompt": "hi"}], SamplingConfig(max_new_tokens=8))
+    (sample,) = groups[0].responses
+    episode, reward = sample.episode, sample.reward(None, "sum")
+    assert episode.end_reason == reason, episode.error
+    if program == "rewarding":
+        assert reward.score == 0.5 and not reward.info.get("failed")
+        return
+    assert reward.score == 0.0 and reward.info["failed_reason"] == reason
+    assert {"crashing": "status 3: agent bug", "mute": "got '42'"}.get(program, "agent-timeout-s") in episode.error
+    if program == "hung":  # the program and the process it started are killed with the episode
+        assert all(_gone(int(pid)) for pid in pids.read_text().split())
+
+
+def test_agent_cmd_reaches_the_explorer_and_is_checked_before_the_run(tiny):
+    from train_sync import Args
+
+    args = parse_args(Args, ["--model", "tiny", "--agent-cmd", CMD])
+    assert Context.from_args(tiny[0], args).agent_cmd == CMD
+    for argv, error in [(["--agent-cmd", CMD, "--agent", f"{EXAMPLES[0]}:agent"], "give one"),
+                        (["--agent-cmd", "no-such-program --x"], "no such program 'no-such-program'"),
+                        (["--agent-cmd", "python 'unclosed"], "No closing quotation")]:
+        with pytest.raises(ConfigError, match=error):
+            parse_args(Args, ["--model", "tiny", *argv])

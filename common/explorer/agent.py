@@ -20,14 +20,25 @@ all samples of the task's n episodes (an episode with k samples counts k times).
 raises, runs past its time, or returns something else scores 0, marked failed (`end_reason` error, timeout,
 bad_return). Bounds per episode: `--agent-max-calls` calls and `--episode-token-budget` sampled tokens (a call
 beyond either is refused with a 400, and the episode's samples are marked cut: finish reason "length").
+
+`--agent-cmd "..."` runs a program instead of fn, one process per episode (its own session, killed with everything
+it started when the episode ends): OPENAI_BASE_URL and OPENAI_API_KEY are the episode's base URL and key (what the
+openai client reads by default), its stdin is the task as one JSON object, and the last line it prints is its result,
+`{"reward": number}` or `{"answer": string}` (anything else: bad_return; a non-zero exit: error, with its stderr's
+end). Limits, capture and reward are fn's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import os
 import secrets
+import shlex
+import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -42,6 +53,23 @@ from rewards import Reward
 
 FAILED = ("error", "timeout", "bad_return")
 HUNG_GRACE_S = 1.0  # an agent whose thread still runs this long past its time limit is abandoned there
+OUTPUT_KEPT = 1 << 16  # bytes of an --agent-cmd program's stdout kept (the end: its result is the last line)
+ERROR_KEPT = 2000      # ... and of its stderr, for the episode's error
+# An --agent-cmd program leads a session of its own, so that its episode's end kills everything it started; out of
+# the worker's process group, it dies with the explorer through PR_SET_PDEATHSIG (kept across exec), as
+# common/runtime/procs.py asks of such processes. This stdlib prologue sets it, then execs the program.
+DIE_WITH_EXPLORER = """import ctypes, os, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except OSError:
+    pass  # not Linux: the episode's end is the only cleanup
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the explorer died before prctl
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    print(f"cannot run {sys.argv[2]}: {e.strerror}", file=sys.stderr)
+    os._exit(127)"""
 
 
 @dataclass
@@ -134,13 +162,76 @@ def _valid_result(result) -> bool:
                                        and math.isfinite(result))
 
 
+class BadOutput(Exception):
+    """An --agent-cmd program printed no result: its episode ends bad_return."""
+
+
+def parse_output(stdout: bytes) -> float | str:
+    """The one check of what an --agent-cmd program printed: its last non-empty line, {"reward": a finite number}
+    or {"answer": a string}."""
+    lines = stdout.decode("utf-8", "replace").strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        result = None
+    if isinstance(result, dict) and len(result) == 1:
+        if isinstance(result.get("answer"), str):
+            return result["answer"]
+        if "reward" in result and not isinstance(result["reward"], str) and _valid_result(result["reward"]):
+            return float(result["reward"])
+    last = lines[-1][:200] if lines else ""
+    raise BadOutput(f'--agent-cmd printed no result: its last line must be {{"reward": number}} or {{"answer": '
+                    f'string}}, got {last!r}')
+
+
+async def _drain(stream: asyncio.StreamReader, keep: int) -> bytes:
+    """Everything the stream sends (so the program never blocks on a full pipe), keeping the last `keep` bytes."""
+    out = b""
+    while chunk := await stream.read(1 << 16):
+        out = (out + chunk)[-keep:]
+    return out
+
+
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        stdin.write(data)
+        await stdin.drain()
+        stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the program ended without reading its task: its exit status and output say the rest
+
+
+async def run_command(argv: list[str], task: dict, base_url: str, api_key: str) -> float | str:
+    """One episode of --agent-cmd; cancelled at the episode's time limit like an async fn."""
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key}
+    pipe = asyncio.subprocess.PIPE
+    process = await asyncio.create_subprocess_exec(sys.executable, "-I", "-S", "-c", DIE_WITH_EXPLORER,
+                                                   str(os.getpid()), *argv, stdin=pipe, stdout=pipe, stderr=pipe,
+                                                   env=env, start_new_session=True)
+    try:
+        out, err, _ = await asyncio.gather(_drain(process.stdout, OUTPUT_KEPT), _drain(process.stderr, ERROR_KEPT),
+                                           _feed(process.stdin, json.dumps(task).encode()))
+        status = await process.wait()
+    finally:
+        try:  # the program and whatever it started (its session) end with the episode
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await process.wait()  # SIGKILL cannot be ignored: this returns at once
+    if status != 0:
+        raise RuntimeError(f"--agent-cmd exited with status {status}: "
+                           f"{err.decode('utf-8', 'replace').strip()[-ERROR_KEPT:]}")
+    return parse_output(out)
+
+
 class Agent(Workflow):
     """The n episodes of one task. Calls arrive from the agents' threads (through the endpoint) and leave by
     `arrivals`; `receive` answers them. One lock guards the episodes' samples."""
 
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
-        self.fn = load_object(ctx.agent, "--agent")
+        self.fn = load_object(ctx.agent, "--agent") if ctx.agent else \
+            functools.partial(run_command, shlex.split(ctx.agent_cmd))
         self.server = endpoint()
         self.server.sampling = (ctx.temperature, ctx.top_p)
         self.group = Group(task, group_id, [])
@@ -163,6 +254,8 @@ class Agent(Workflow):
             end, error = ("done", "") if _valid_result(result) else ("bad_return", f"returned {type(result).__name__}")
         except (asyncio.TimeoutError, TimeoutError):
             result, end, error = None, "timeout", f"ran past --agent-timeout-s {self.ctx.agent_timeout_s:g}"
+        except BadOutput as exc:
+            result, end, error = None, "bad_return", str(exc)
         except BaseException as exc:  # noqa: BLE001  (the agent's bug ends its episode, counted; not the run)
             result, end, error = None, "error", f"{type(exc).__name__}: {exc}"
         self._end(e, end, result, error)

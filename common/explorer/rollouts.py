@@ -78,6 +78,7 @@ class Context:
     env_pool: object = None             # the explorer's environment thread pool (Rollouts sets it), else None
     processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
     agent: str = ""                     # --agent FILE:fn: every task runs the agent workflow
+    agent_cmd: str = ""                 # --agent-cmd "...": so does every task, the agent a program
     agent_timeout_s: float = 300.0
     agent_max_calls: int = 16
     temperature: float = 1.0            # the run's sampling, which the endpoint holds requests to
@@ -126,7 +127,7 @@ class Context:
                    max_tool_calls_per_turn=args.max_tool_calls_per_turn, tool_call_format=args.tool_call_format,
                    env_server=args.env_server, processor=processor, agent=args.agent or "",
                    agent_timeout_s=args.agent_timeout_s, agent_max_calls=args.agent_max_calls,
-                   temperature=args.temperature, top_p=args.top_p)
+                   agent_cmd=args.agent_cmd or "", temperature=args.temperature, top_p=args.top_p)
 
 
 class Rollouts:
@@ -163,7 +164,7 @@ class Rollouts:
         return [w.group for w in self.workflows]
 
     def start(self, task: dict, group_id: int, n: int) -> None:
-        name = "agent" if self.ctx.agent else workflow_name(task)
+        name = "agent" if self.ctx.agent or self.ctx.agent_cmd else workflow_name(task)
         if name != "single_turn" and self.ctx.token_budget:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
