@@ -37,7 +37,6 @@ import math
 import os
 import secrets
 import shlex
-import signal
 import sys
 import threading
 import time
@@ -49,6 +48,7 @@ from common.explorer.endpoint import BadRequest, ChatRequest, Completion, endpoi
 from common.explorer.multi_turn import tool_call_end
 from common.explorer.workflow import Group, Sample, Workflow
 from common.runtime.plugins import load_object
+from common.runtime.procs import kill_group
 from rewards import Reward
 
 FAILED = ("error", "timeout", "bad_return")
@@ -213,10 +213,7 @@ async def run_command(argv: list[str], task: dict, base_url: str, api_key: str) 
                                            _feed(process.stdin, json.dumps(task).encode()))
         status = await process.wait()
     finally:
-        try:  # the program and whatever it started (its session) end with the episode
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(process.pid)  # the program and whatever it started (its session) end with the episode
         await process.wait()  # SIGKILL cannot be ignored: this returns at once
     if status != 0:
         raise RuntimeError(f"--agent-cmd exited with status {status}: "
