@@ -186,6 +186,11 @@ def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_con
     observation = tok.decode([t for t, m in zip(sample.response_ids, sample.mask) if not m])
     assert observation == "\n<|im_start|>tool\n20<|im_end|>\n<|im_start|>assistant\n"  # the tool's result, masked
     assert sample.reward(None, "sum").score == 0.0  # an answer is the verifier's to score
+    # a call of a tool that does not exist is the policy's doing, an answer (scored 0 or not), never a failure
+    made_up = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    groups, _ = run_episodes(Scripted(tok, [made_up, "The answer is 20"]), ctx, [{"id": "m", "prompt": "1+1?"}],
+                             SamplingConfig(max_new_tokens=128))
+    assert groups[0].responses[0].episode.end_reason == "done", groups[0].responses[0].episode.error
 
 
 async def streaming(task, base_url, api_key):
@@ -328,6 +333,7 @@ def test_the_example_agent_trains(tmp_path, example):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert rows[0]["rollout/agent_calls"] >= rows[0]["rollout/episodes"] > 0
+    assert all(r["rollout/end/done"] == r["rollout/episodes"] for r in rows), rows  # no episode failed
 
 
 def _gone(pid: int, timeout: float = 10) -> bool:

@@ -8,7 +8,7 @@ The SDK talks to tandem's endpoint through its chat-completions model on an Asyn
 """
 
 from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
-from agents.exceptions import MaxTurnsExceeded
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from openai import AsyncOpenAI
 
 from examples.agents.openai_calculator import calculate as evaluate
@@ -32,6 +32,6 @@ async def agent(task: dict, base_url: str, api_key: str, max_rounds: int = 4) ->
         try:
             result = await Runner.run(calculator, task["prompt"], max_turns=max_rounds,
                                       run_config=RunConfig(tracing_disabled=True))
-        except MaxTurnsExceeded:
-            return ""  # still calling tools after max_rounds calls: no answer
+        except (MaxTurnsExceeded, ModelBehaviorError):
+            return ""  # still calling tools after max_rounds calls, or a tool that does not exist: no answer
     return str(result.final_output or "")

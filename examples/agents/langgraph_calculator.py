@@ -3,9 +3,12 @@ and a ToolNode: the model calls tools until it answers), trained unchanged by ta
 
     python train_sync.py --agent examples/agents/langgraph_calculator.py:agent --taskset arith
 
-ChatOpenAI is pointed at base_url with the episode's key; LangSmith tracing stays off (its default).
+ChatOpenAI is pointed at base_url with the episode's key, on an httpx client of the episode's own: langchain-openai's
+default client is shared by the whole process and bound to the event loop that first used it, and tandem runs each
+episode in an event loop of its own. LangSmith tracing stays off (its default).
 """
 
+import httpx
 from langchain_core.messages import SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -23,21 +26,23 @@ def calculate(expression: str) -> str:
 
 
 async def agent(task: dict, base_url: str, api_key: str, max_rounds: int = 4) -> str:
-    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0).bind_tools([calculate])
     system = SystemMessage("Use the calculate tool for arithmetic, then give the answer.")
+    async with httpx.AsyncClient() as http:
+        llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, max_retries=0,
+                         http_async_client=http).bind_tools([calculate])
 
-    async def model(state: MessagesState) -> dict:
-        return {"messages": [await llm.ainvoke([system, *state["messages"]])]}
+        async def model(state: MessagesState) -> dict:
+            return {"messages": [await llm.ainvoke([system, *state["messages"]])]}
 
-    graph = StateGraph(MessagesState)
-    graph.add_node("model", model)
-    graph.add_node("tools", ToolNode([calculate]))
-    graph.add_edge(START, "model")
-    graph.add_conditional_edges("model", tools_condition)  # tool calls -> "tools", an answer -> the end
-    graph.add_edge("tools", "model")
-    try:  # each round is two steps (model, tools), the answer one more
-        state = await graph.compile().ainvoke({"messages": [("user", task["prompt"])]},
-                                              {"recursion_limit": 2 * max_rounds})
-    except GraphRecursionError:
-        return ""  # still calling tools after max_rounds calls: no answer
+        graph = StateGraph(MessagesState)
+        graph.add_node("model", model)
+        graph.add_node("tools", ToolNode([calculate]))
+        graph.add_edge(START, "model")
+        graph.add_conditional_edges("model", tools_condition)  # tool calls -> "tools", an answer -> the end
+        graph.add_edge("tools", "model")
+        try:  # each round is two steps (model, tools), the answer one more
+            state = await graph.compile().ainvoke({"messages": [("user", task["prompt"])]},
+                                                  {"recursion_limit": 2 * max_rounds})
+        except GraphRecursionError:
+            return ""  # still calling tools after max_rounds calls: no answer
     return str(state["messages"][-1].content)
