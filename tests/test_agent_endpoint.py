@@ -10,7 +10,6 @@ and a crashing, hung or mute program ends its own episode (the hung one killed w
 
 import asyncio
 import json
-import os
 import sys
 import time
 import urllib.request
@@ -19,8 +18,8 @@ import aiohttp
 import openai
 import pytest
 
-from common.explorer.engine import HFEngine, SamplingConfig
 from common.cli import parse_args
+from common.explorer.engine import HFEngine, SamplingConfig
 from common.explorer.rollouts import Context, run_episodes
 from common.knobs import ConfigError
 from common.model import build_tiny_model, build_tiny_tokenizer
@@ -350,7 +349,7 @@ def _gone(pid: int, timeout: float = 10) -> bool:
     return False
 
 
-PROGRAMS = {  # a command line, what it does: each ends its own episode
+PROGRAMS = {  # python -c CODE PIDFILE: (CODE, how its episode ends)
     "crashing": ("import sys; print('agent bug', file=sys.stderr); sys.exit(3)", "error"),
     "hung": ("import os, subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
              "'import time; time.sleep(600)']); print(os.getpid(), child.pid, file=open(sys.argv[1], 'w'), "
@@ -362,7 +361,7 @@ PROGRAMS = {  # a command line, what it does: each ends its own episode
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
-def test_agent_cmd_a_crashing_hung_or_mute_program_ends_its_own_episode(tiny, tmp_path, program):
+def test_agent_cmd_reads_the_result_line_and_a_crashing_hung_or_mute_program_ends_its_episode(tiny, tmp_path, program):
     tok, model = tiny
     code, reason = PROGRAMS[program]
     pids = tmp_path / "pids"
