@@ -164,15 +164,16 @@ class Rollouts:
 
     def start(self, task: dict, group_id: int, n: int) -> None:
         name = "agent" if self.ctx.agent else workflow_name(task)
-        if name != "single_turn" and self.ctx.token_budget:
+        workflow = workflow_class(name)
+        if self.ctx.token_budget and not workflow.partial_rollouts:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
         ctx = self.ctx
-        if self.ctx.env_workers and name != "single_turn":  # episodes: their resets run in the environment pool
+        if self.ctx.env_workers and workflow.env_pool:
             if self._pool_ctx is None:  # one copy, sharing the renderer (and its tokenizer lock) with self.ctx
                 self._pool_ctx = dataclasses.replace(self.ctx, env_pool=self.pool, _renderer=self.ctx.renderer)
             ctx = self._pool_ctx
-        self.workflows.append(workflow_class(name)(task, group_id, n, ctx))
+        self.workflows.append(workflow(task, group_id, n, ctx))
         self._new.append(self.workflows[-1])
 
     def unfinished(self) -> list:

@@ -55,6 +55,10 @@ class Workflow(ABC):
     run in a worker thread of the environment pool (it touches only its own sample)."""
 
     group: "Group"
+    # What the workflow supports, which the runner and the start-up checks ask instead of its name:
+    partial_rollouts = False  # --rollout-token-budget: a response may continue over several rollout steps
+    env_pool = False          # set-up runs in the explorer's environment pool (ctx.env_pool) when there is one
+    images = False            # tasks may show the policy images (a VLM policy)
 
     @abstractmethod
     def __init__(self, task: dict, group_id: int, n: int, ctx):
