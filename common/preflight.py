@@ -15,7 +15,7 @@ from common.envs import ENVS, env_class
 from common.envs.tools import check_tools
 from common.explorer.engine import vllm_available
 from common.explorer.multi_turn import cannot_start
-from common.explorer.rollouts import WORKFLOWS, Context, workflow_class, workflow_name
+from common.explorer.workflow import WORKFLOWS, Context, workflow_class, workflow_name
 from common.knobs import ConfigError
 from common.memory import plan_memory
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from common.explorer.engine import HFEngine, SamplingConfig
-from common.explorer.rollouts import Context, run_episodes
+from common.explorer.rollouts import run_episodes
+from common.explorer.workflow import Context
 from common.model import build_tiny_model, build_tiny_tokenizer
 from tests.conftest import TINY, assert_trained, run_script
 from tests.test_agents import Scripted

@@ -23,7 +23,9 @@ from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
-from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
+from common.explorer.rollouts import Rollouts, run_episodes
+from common.explorer.scoring import ScoreFuture, rollout_metrics, turn_credit
+from common.explorer.workflow import Context
 from common.tasks.processors import apply_task_processors
 from common.vlm import is_vlm, load_processor
 from rewards import RewardPool, UserReward, score
