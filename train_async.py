@@ -85,9 +85,10 @@ class Args(CommonArgs):
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
     timeline = Timeline(args.out_dir, ctx.name)
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
+    stream = explorer.stream  # common/explorer/streaming.py
     explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
     explorer.pull(step=0)
-    explorer.resume_stream(trained_ledger(ctx), explorer.version)  # groups in flight at the checkpoint: again
+    stream.resume(trained_ledger(ctx), explorer.version)  # groups in flight at the checkpoint: again
     evaluates = ctx.index == 0  # one explorer measures held-out accuracy for the run
     undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
     sent = 0  # batches put in the queue
@@ -95,11 +96,11 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         if evaluates and any(explorer.eval_due(s) for s in range(undecided, explorer.version + 2)):
             control.send("eval", explorer.evaluate(sent), ctx.index)
         undecided = explorer.version + 2
-        explorer.start_groups()  # up to --inflight-groups generating
-        explorer.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
+        stream.start_groups()  # up to --inflight-groups generating
+        stream.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
         if args.mid_generation_updates or not explorer.in_flight.workflows:  # between two engine steps, or idle:
             explorer.poll(sent)  # the admission window may wait for the next weights
-        batch = explorer.take_batch()  # --tasks-per-step groups, once that many are scored
+        batch = stream.take_batch()  # --tasks-per-step groups, once that many are scored
         if batch is None:
             continue
         sent += 1
@@ -107,7 +108,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, explorer,
                                args)
         explorer.poll(sent)
-    explorer.stop_stream()  # groups still in flight are given up (a resumed run starts them again)
+    stream.stop()  # groups still in flight are given up (a resumed run starts them again)
     explorer.take_final(sent)  # every send still owed, up to the trainer's final weights
     if evaluates:
         control.send("final", explorer.final_evaluation(sent + 1), ctx.index)

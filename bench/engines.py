@@ -13,8 +13,8 @@ time to the first token of the whole batch, and the largest |behaviour - recompu
 (a compiled step that kept reading old weights would show here).
 
 Prints generated tokens/s of each engine at batch prompts x n (best of --repeats timed calls after one warm-up
-call), and for vLLM the time of one weight update through weight_buffers()/commit_weights() (the explorer's
-broadcast path, excluding the broadcast itself) and through load_from_checkpoint (checkpoint sync), each checked
+call), and for vLLM the time of one weight update through weight_buffers() and load_weights(Buffers()) (the
+explorer's broadcast path, excluding the broadcast itself) and load_weights(Folder(...)) (checkpoint sync), each checked
 by the checksum read back from the vLLM worker. --json writes the figures to a file.
 """
 
@@ -187,7 +187,7 @@ def main():
 
     if "vllm" in args.engines:
         from common.explorer.engine_vllm import VLLMEngine
-        from common.weight_sync import weights_hash
+        from common.weight_sync import Buffers, Folder, weights_hash
         from common.weight_sync.checkpoint import write_sync_checkpoint
 
         start = time.perf_counter()
@@ -199,7 +199,7 @@ def main():
         results["vllm"]["startup_s"] = round(startup, 1)
         print(f"[bench] vllm : {results['vllm']}", flush=True)
 
-        # One weight update: new weights in the buffers (what broadcast_weights leaves there), then commit.
+        # One weight update: new weights in the buffers (what broadcast_weights leaves there), then load them.
         with torch.no_grad():
             for p in hf.parameters():
                 p.mul_(1.0001)
@@ -209,7 +209,7 @@ def main():
         for name, t in buffers:
             t.copy_(named[name])
         fill = time.perf_counter() - start
-        engine.commit_weights(buffers)
+        engine.load_weights(Buffers())
         ok = engine.weights_checksum() == weights_hash(hf.named_parameters())
         size_mb = sum(t.numel() * t.element_size() for _, t in buffers) / 2**20
         results["vllm_update"] = {"weights_mb": round(size_mb, 1), "fill_buffers_s": round(fill, 3),
@@ -219,7 +219,7 @@ def main():
             for p in hf.parameters():
                 p.mul_(1.0001)
         ckpt = write_sync_checkpoint(os.path.join(tmp, "sync"), list(hf.named_parameters()), 1)
-        engine.load_from_checkpoint(ckpt)
+        engine.load_weights(Folder(ckpt))
         ok = engine.weights_checksum() == weights_hash(hf.named_parameters())
         results["vllm_checkpoint_load"] = {"load_s": round(engine.last_update_s, 3), "checksum_equal": ok}
         print(f"[bench] vllm weight update (buffers -> vLLM): {results['vllm_update']}", flush=True)

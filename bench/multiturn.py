@@ -63,7 +63,8 @@ def main():
 
     from common.explorer.engine import HFEngine, SamplingConfig
     from common.model import load_model, load_tokenizer
-    from common.explorer.rollouts import Context, run_episodes
+    from common.explorer.rollouts import run_episodes
+    from common.explorer.workflow import Context
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -53,7 +53,8 @@ def multiturn(opts):
 
     from common.explorer.engine import SamplingConfig
     from common.explorer.engine_vllm import VLLMEngine
-    from common.explorer.rollouts import Context, Rollouts
+    from common.explorer.rollouts import Rollouts
+    from common.explorer.workflow import Context
     from common.model import load_tokenizer, resolve_model
 
     torch.set_num_threads(opts.threads or torch.get_num_threads())

@@ -17,7 +17,7 @@ reference path), and a plain memcpy of the same bytes as the floor.
     python bench/weight_update.py --dtype bfloat16 # the bf16 wire/engine format (a trainer training in bf16)
     python bench/weight_update.py --model tiny-vllm --repeats 2   # smoke run
 
-Each update writes new weights into weight_buffers() (what a weight-sync method leaves there), commits them, and
+Each update writes new weights into weight_buffers() (what a weight-sync method leaves there), loads them, and
 checks the checksum the vLLM worker reads back from the weights it computes with against the HF model's. Prints the
 best of --repeats per path (timed alternately, so both see the same machine load); --json writes the figures.
 """
@@ -75,17 +75,18 @@ def model_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class _Receiver:
-    """An explorer's engine as a weight-sync method sees it: its weight buffers (on its device) and a commit."""
-
-    maps_shared_file = False  # (common/explorer/engine.py RolloutEngine) the buffers are copied into
+    """An explorer's engine as a weight-sync method sees it: its weight buffers (on its device) and a load."""
 
     def __init__(self, named):
+        from common.weight_sync.base import Buffers
+
         self.named = named
+        self.accepts = (Buffers,)  # (common/explorer/engine.py RolloutEngine) the buffers are copied into
 
     def weight_buffers(self):
         return self.named
 
-    def commit_weights(self, buffers, version=None):
+    def load_weights(self, source, version=None):
         pass
 
 
@@ -229,7 +230,7 @@ def main():
     from common.explorer.engine_vllm import VLLMEngine
     from common.model import save_servable_tiny
     from common.model import resolve_model
-    from common.weight_sync import weights_hash
+    from common.weight_sync import Buffers, weights_hash
 
     path = save_servable_tiny(tempfile.mkdtemp(prefix="bench-wu-")) if args.model == "tiny-vllm" \
         else resolve_model(args.model)
@@ -255,7 +256,7 @@ def main():
                 torch.cat([t.reshape(-1) for _, t in buffers], out=flat)  # the same bytes, one plain copy
                 times["memcpy"].append(time.perf_counter() - start)
             engine.fast_sync = how == "copy"
-            engine.commit_weights(buffers)
+            engine.load_weights(Buffers())
             times[how].append(engine.last_update_s)
             checks[how].append(engine.weights_checksum() == weights_hash(hf.named_parameters()))
     engine.close()

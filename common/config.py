@@ -10,7 +10,8 @@ from typing import ClassVar, Literal
 
 import common.checks
 from common.knobs import Range
-from common.trainer.losses import ALGOS, CORRECTIONS
+from common.trainer.correction import CORRECTIONS
+from common.trainer.losses import ALGOS
 from common.weight_sync import METHODS
 from rewards.base import KINDS
 

@@ -15,7 +15,7 @@ from common.envs import ENVS, env_class
 from common.envs.tools import check_tools
 from common.explorer.engine import vllm_available
 from common.explorer.multi_turn import cannot_start
-from common.explorer.rollouts import WORKFLOWS, Context, workflow_name
+from common.explorer.workflow import WORKFLOWS, Context, workflow_class, workflow_name
 from common.knobs import ConfigError
 from common.memory import plan_memory
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model
@@ -97,7 +97,7 @@ def check_images(args, model_path: str, tasks: list[dict]) -> None:
         if not vision:
             raise ConfigError(f"{where}: an image task, but --model {args.model} is text-only and would answer "
                               "without seeing it (use a vision-language model: --model tiny-vlm or a Qwen2-VL folder)")
-        if workflow_name(task) != "single_turn":
+        if not workflow_class(workflow_name(task)).images:
             raise ConfigError(f"{where}: images work in single-turn tasks only, not in workflow "
                               f"{workflow_name(task)!r}")
         try:

@@ -20,7 +20,8 @@ import pytest
 
 from common.cli import parse_args
 from common.explorer.engine import HFEngine, SamplingConfig
-from common.explorer.rollouts import Context, run_episodes
+from common.explorer.rollouts import run_episodes
+from common.explorer.workflow import Context
 from common.knobs import ConfigError
 from common.model import build_tiny_model, build_tiny_tokenizer
 from tests.conftest import TINY, assert_trained, run_script

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.explorer.engine_vllm import vllm_available
+from common.weight_sync.base import Buffers, Folder, SharedFile
 
 ok, why = vllm_available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -112,7 +113,7 @@ def test_next_turn_joins_the_running_batch(engine, folder):
     turn's prompt + sampled ids, and its log-probs are the trainer's."""
     from common.explorer.engine import SamplingConfig
 
-    engine.load_from_checkpoint(folder)  # greedy on these weights: no response of this test meets a stop token
+    engine.load_weights(Folder(folder))  # greedy on these weights: no response of this test meets a stop token
     finished = []
 
     def on_finish(key, generation):
@@ -140,7 +141,7 @@ def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
     from common.explorer.engine import SamplingConfig
 
     hf = load_hf(folder)
-    engine.load_from_checkpoint(folder)  # the module's engine may hold other weights from earlier tests
+    engine.load_weights(Folder(folder))  # the module's engine may hold other weights from earlier tests
     out = engine.generate(PROMPTS, SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=16, n=2))
     diff = max_logprob_diff(hf, out, temperature)
     print(f"max |vLLM - trainer| log-prob at T={temperature} top_p={top_p}: {diff:.2e}")
@@ -148,15 +149,15 @@ def test_behaviour_logprobs_match_trainer(engine, folder, temperature, top_p):
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["direct-copy", "reload_weights"])
-def test_commit_weights_checksum(engine, folder, fast):
-    """New weights pushed through weight_buffers()/commit_weights() are what the vLLM worker computes with: by the
+def test_load_weights_checksum(engine, folder, fast):
+    """New weights written into weight_buffers() and loaded (Buffers) are what the vLLM worker computes with: by the
     direct copy into its parameters (the default) and by vLLM's reload_weights (the reference path)."""
     from common.explorer.engine import SamplingConfig
     from common.weight_sync import weights_hash
 
     engine.fast_sync = fast
     hf = load_hf(folder)
-    engine.load_from_checkpoint(folder)
+    engine.load_weights(Folder(folder))
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
     perturb(hf, seed=1)
     buffers = engine.weight_buffers()
@@ -164,7 +165,7 @@ def test_commit_weights_checksum(engine, folder, fast):
     new = dict(hf.named_parameters())
     for name, t in buffers:
         t.copy_(new[name])
-    engine.commit_weights(buffers)
+    engine.load_weights(Buffers())
     checksum, per_name = engine.weights_digest()
     differ = [n for n, p in hf.named_parameters() if per_name[n] != sha256(p)]
     assert checksum == weights_hash(hf.named_parameters()), f"vLLM weights differ from the trainer's: {differ}"
@@ -185,7 +186,7 @@ def test_weights_change_between_decode_steps(engine, folder):
 
     old, new = load_hf(folder), load_hf(folder)
     perturb(new, seed=7, scale=0.3)  # far apart, so the two versions' log-probs tell them apart
-    engine.load_from_checkpoint(folder, version=0)
+    engine.load_weights(Folder(folder), version=0)
     buffers, steps, checks = engine.weight_buffers(), [], []
 
     def between_steps():
@@ -194,7 +195,7 @@ def test_weights_change_between_decode_steps(engine, folder):
             with torch.no_grad():
                 for (name, t), (_, p) in zip(buffers, new.named_parameters()):
                     t.copy_(p)
-            engine.commit_weights(buffers, version=1)
+            engine.load_weights(Buffers(), version=1)
             checks.append(engine.weights_checksum() == weights_hash(new.named_parameters()))
 
     out = engine.generate(PROMPTS, SamplingConfig(temperature=0.8, max_new_tokens=24, n=2), between_steps)
@@ -212,7 +213,7 @@ def test_weights_change_between_decode_steps(engine, folder):
                 assert abs(refs[v][j].item() - lp) < LOGPROB_TOL, (j, v, refs[0][j].item(), refs[1][j].item(), lp)
                 told_apart += abs(refs[1 - v][j].item() - lp) > 100 * LOGPROB_TOL
     assert told_apart > 0.9 * sum(len(g.response_ids) for g in gens)
-    engine.load_from_checkpoint(folder)
+    engine.load_weights(Folder(folder))
 
 
 def test_checkpoint_sync(engine, folder, tmp_path):
@@ -223,17 +224,17 @@ def test_checkpoint_sync(engine, folder, tmp_path):
     hf = load_hf(folder)
     perturb(hf, seed=2)
     path = write_sync_checkpoint(str(tmp_path), list(hf.named_parameters()), version=3)
-    engine.load_from_checkpoint(path)
+    engine.load_weights(Folder(path))
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
     perturb(hf, seed=3)
     write_sync_checkpoint(str(tmp_path), list(hf.named_parameters()), version=4)
     buffers = engine.weight_buffers()
     load_sync_checkpoint(str(tmp_path), 4, buffers)  # through the buffers, as an engine without a direct file load does
-    engine.commit_weights(buffers)
+    engine.load_weights(Buffers())
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
 
 
-def test_commit_from_another_processs_shared_file(engine, folder, tmp_path):
+def test_load_from_another_processs_shared_file(engine, folder, tmp_path):
     """The colocated weight sync's CPU slot: weights laid out in a shared-memory file (common.buckets.flat_layout)
     load straight into the vLLM worker, twice from the same file (mapped once), bit-identical each time."""
     from common.buckets import flat_layout, flat_views, map_shared_file
@@ -248,9 +249,9 @@ def test_commit_from_another_processs_shared_file(engine, folder, tmp_path):
         with torch.no_grad():
             for name, p in hf.named_parameters():
                 slot[name].copy_(p)
-        engine.commit_shared_file(path, layout, version=seed)
+        engine.load_weights(SharedFile(path, layout), version=seed)
         assert engine.weights_checksum() == weights_hash(hf.named_parameters())
-    engine.load_from_checkpoint(folder)
+    engine.load_weights(Folder(folder))
 
 
 def _free_port():
@@ -299,7 +300,7 @@ def test_gloo_broadcast_from_trainer_process(engine, folder):
             buffers = engine.weight_buffers()
             version, _ = broadcast_weights(buffers, 0, src=0)
             assert version == expected
-            engine.commit_weights(buffers)
+            engine.load_weights(Buffers())
             seen.append(engine.weights_checksum())
         trainer_hashes = result.get(timeout=120)
         dist.barrier()
@@ -314,11 +315,11 @@ def test_gloo_broadcast_from_trainer_process(engine, folder):
     assert trainer.exitcode == 0
 
 
-def test_rejects_foreign_buffers_and_tiny(engine):
+def test_rejects_unknown_weight_sources_and_tiny(engine):
     from common.explorer.engine_vllm import VLLMEngine
 
-    with pytest.raises(ValueError, match="weight_buffers"):
-        engine.commit_weights([(n, t.clone()) for n, t in engine.weight_buffers()])
+    with pytest.raises(TypeError, match="not from str"):
+        engine.load_weights("a/folder")  # a path must say what it is: Folder(path)
     with pytest.raises(ValueError, match="not an HF model folder"):
         VLLMEngine("tiny")
 

@@ -78,7 +78,7 @@ def sync_ranks(ctx, comm: str, out: str):
     then generates with them."""
     from common.explorer.engine import HFEngine, SamplingConfig
     from common.model import build_tiny_tokenizer, load_model
-    from common.weight_sync import weights_hash
+    from common.weight_sync import Buffers, weights_hash
     from common.weight_sync.broadcast import broadcast_weights
 
     device = FAKE if comm == "device" else torch.device("cpu")
@@ -91,7 +91,7 @@ def sync_ranks(ctx, comm: str, out: str):
             engine = HFEngine(model, build_tiny_tokenizer())
             named = engine.weight_buffers()
             version, _ = broadcast_weights(named, 0, ctx.sync_src, ctx.sync_group, device)
-            engine.commit_weights(named, version)
+            engine.load_weights(Buffers(), version)
             engine.generate([[5, 6, 7]], SamplingConfig(max_new_tokens=4))
         placed = all(on_device(t) for _, t in model.named_parameters())
     with open(os.path.join(out, f"{ctx.name}.json"), "w") as f:

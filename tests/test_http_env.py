@@ -13,7 +13,8 @@ import torch
 
 from common.envs import make_env
 from common.explorer.engine import HFEngine, SamplingConfig
-from common.explorer.rollouts import Context, run_episodes
+from common.explorer.rollouts import run_episodes
+from common.explorer.workflow import Context
 from common.model import build_tiny_model, build_tiny_tokenizer
 from tests.conftest import ROOT, TINY, assert_trained, run_script
 from tests.test_agents import Scripted

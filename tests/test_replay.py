@@ -10,7 +10,8 @@ from common.runtime.metrics import read_metrics
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model
 from common.trainer.forward import sequence_logprobs
 from common.explorer.groups import Response
-from common.explorer.rollouts import Context, Rollouts
+from common.explorer.rollouts import Rollouts
+from common.explorer.workflow import Context
 from common.trainer.filters import trained_version
 from common.trainer.replay import ReplayBuffer
 from tests.conftest import TINY, assert_trained, run_script

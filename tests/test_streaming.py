@@ -77,9 +77,9 @@ def stream(explorer, batches: int, timeout_s: float = 120):
     out, start = [], time.time()
     while len(out) < batches:
         assert time.time() - start < timeout_s, f"{len(out)} batches in {timeout_s}s"
-        explorer.start_groups()
-        explorer.step()
-        batch = explorer.take_batch()
+        explorer.stream.start_groups()
+        explorer.stream.step()
+        batch = explorer.stream.take_batch()
         if batch is not None:
             out.append((*batch, time.time() - start))
     return out
@@ -102,14 +102,14 @@ def test_a_slow_group_does_not_hold_back_the_groups_behind_it(explorer):
 def test_resume_uses_every_task_position_once(explorer):
     first = explorer()
     trained = [p for b in stream(first, 3) for p in b[2]]  # three steps trained; more groups still in flight
-    assert 0 not in trained and first.position_of  # the slow group was in flight when the "checkpoint" was taken
+    assert 0 not in trained and first.stream.position_of  # the slow group was in flight when the "checkpoint" was taken
     ledger = mark_trained(None, trained)
-    first.stop_stream()
+    first.stream.stop()
     resumed = explorer()
-    resumed.resume_stream(ledger, step=3)
+    resumed.stream.resume(ledger, step=3)
     again = [p for b in stream(resumed, 5) for p in b[2]]
     assert not set(again) & set(trained), (trained, again)  # nothing trained twice
-    in_flight = {p for p, _ in resumed.position_of.values()}
+    in_flight = {p for p, _ in resumed.stream.position_of.values()}
     lost = set(range(max(trained))) - set(trained) - set(again) - in_flight
     assert not lost, (trained, again, in_flight)  # the groups in flight at the checkpoint were started again
 
@@ -119,13 +119,13 @@ def test_a_group_starts_only_within_max_staleness_of_the_weights(explorer):
     + 1) x --tasks-per-step, however many --inflight-groups are free; each new version admits one batch more."""
     e = explorer()
     e.args.max_staleness = 1  # at version 0: positions 0 and 1 (--inflight-groups 3 would start a third)
-    e.start_groups()
-    assert sorted(p for p, _ in e.position_of.values()) == [0, 1]
-    e.start_groups()
-    assert len(e.position_of) == 2  # no new version, no new group
+    e.stream.start_groups()
+    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1]
+    e.stream.start_groups()
+    assert len(e.stream.position_of) == 2  # no new version, no new group
     e.version = 1
-    e.start_groups()
-    assert sorted(p for p, _ in e.position_of.values()) == [0, 1, 2]
+    e.stream.start_groups()
+    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1, 2]
 
 
 def test_ledger_of_trained_positions():

@@ -16,7 +16,8 @@ import pytest
 from common.envs.tool_formats import FORMATS, detect, tool_format
 from common.explorer.chat import ChatRenderer, strip_reasoning
 from common.explorer.engine import SamplingConfig
-from common.explorer.rollouts import Context, run_episodes
+from common.explorer.rollouts import run_episodes
+from common.explorer.workflow import Context
 from common.model import build_tiny_tokenizer
 from tests.test_agents import QWEN3_TEMPLATE, Scripted
 

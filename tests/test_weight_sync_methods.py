@@ -77,7 +77,7 @@ def test_each_method_hands_over_exact_versions_that_generate(tmp_path, method):
 
 
 class _Buffers(RolloutEngine):
-    """The engine side a weight-sync method needs: buffers to write into, and a commit (here: checked at once)."""
+    """The engine side a weight-sync method needs: buffers to write into, and a load (here: checked at once)."""
 
     def generate(self, prompts, sampling):
         raise NotImplementedError("weights only")
@@ -89,8 +89,8 @@ class _Buffers(RolloutEngine):
     def weight_buffers(self):
         return self.buffers
 
-    def commit_weights(self, buffers, version):
-        values = {float(t.min()) for _, t in buffers} | {float(t.max()) for _, t in buffers}
+    def load_weights(self, source, version):
+        values = {float(t.min()) for _, t in self.buffers} | {float(t.max()) for _, t in self.buffers}
         if values != {float(version)}:
             self.torn.append((version, sorted(values)))
 
@@ -116,7 +116,7 @@ def race(ctx, out_dir):
     from common.weight_sync import make_weight_sync
 
     args = _args(out_dir, "colocated")
-    args.verify_sync = False  # the commit itself checks
+    args.verify_sync = False  # the load itself checks
     engine = _Buffers()
     weights = make_weight_sync(args, ctx, Timeline(out_dir, ctx.name), engine if ctx.role == "explorer" else None)
     last = 40

@@ -10,7 +10,8 @@ from common.envs import Env, ENVS, StepResult
 from common.experience import Experience, collate
 from common.model import default_model_dir
 from common.trainer.forward import sequence_logprobs
-from common.explorer.rollouts import Context, run_episodes
+from common.explorer.rollouts import run_episodes
+from common.explorer.workflow import Context
 from common.explorer.chat import ChatRenderer
 
 

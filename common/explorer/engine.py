@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.vlm import is_frozen, is_vlm, stack_images
+from common.weight_sync.base import Buffers, Folder, WeightSource, weights_hash
 
 
 @dataclass
@@ -39,13 +40,14 @@ class Generation:
 
 class RolloutEngine(ABC):
     """What an explorer needs from an inference engine: `generate` (a batch, each request to its end) and its
-    weights. An engine that batches continuously (`streams`: vLLM) also takes requests one at a time into its
-    running batch (`add`, `step`, `running`, `abort`: the streaming explorer); an engine whose worker can map a
-    shared-memory file itself (`maps_shared_file`: vLLM on the CPU) loads weights from one (`commit_shared_file`)."""
+    weights: `weight_buffers()` to write into and `load_weights(source, version)` from the weight sources it
+    `accepts` (common/weight_sync/base.py: its buffers, a folder, and where its worker maps a shared-memory file
+    itself, vLLM, that file). An engine that batches continuously (`streams`: vLLM) also takes requests one at a
+    time into its running batch (`add`, `step`, `running`, `abort`: the streaming explorer)."""
 
     busy_s = 0.0  # seconds spent generating so far (rollout/engine_busy_frac)
     streams = False
-    maps_shared_file = False
+    accepts: tuple[type, ...] = (Buffers, Folder)  # the weight sources `load_weights` takes
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
@@ -56,28 +58,27 @@ class RolloutEngine(ABC):
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) in the trainer's HF parameter order and shapes, for weight sync to write into."""
 
-    def commit_weights(self, buffers: list[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Called after `weight_buffers()` were overwritten (with weights `version`); engines that keep their own
-        copy load them here."""
-
     @torch.no_grad()
-    def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
-        """Take the weights of a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
-        from safetensors.torch import load_file
+    def load_weights(self, source: WeightSource, version: int | None = None) -> None:
+        """Generate with the weights of `source` (one of `accepts`) from now on, as weights `version`. Here:
+        `Buffers` are the weights already (an engine that keeps its own copy loads them); a `Folder` is copied
+        into the buffers first."""
+        if type(source) not in self.accepts:
+            raise TypeError(f"{type(self).__name__} loads weights from {', '.join(t.__name__ for t in self.accepts)}"
+                            f", not from {type(source).__name__}")
+        if isinstance(source, Folder):
+            from safetensors.torch import load_file
 
-        weights = {}
-        for f in sorted(os.listdir(path)):
-            if f.endswith(".safetensors"):
-                weights.update(load_file(os.path.join(path, f)))
-        buffers = self.weight_buffers()
-        for name, t in buffers:
-            t.copy_(weights[name])
-        self.commit_weights(buffers, version)
+            weights = {}
+            for f in sorted(os.listdir(source.path)):
+                if f.endswith(".safetensors"):
+                    weights.update(load_file(os.path.join(source.path, f)))
+            for name, t in self.weight_buffers():
+                t.copy_(weights[name])
+            self.load_weights(Buffers(), version)
 
     def weights_checksum(self) -> str:
         """common.weight_sync.weights_hash of the weights the engine generates with (--verify-sync)."""
-        from common.weight_sync import weights_hash
-
         return weights_hash(self.weight_buffers())
 
     def close(self) -> None:
@@ -100,11 +101,6 @@ class RolloutEngine(ABC):
     def abort(self, owner) -> None:
         """Drop every request of `owner`."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
-
-    # ------------------------------------------------------------------ where `maps_shared_file`
-    def commit_shared_file(self, path: str, layout: list, version: int | None = None) -> None:
-        """Load weights laid out in a shared-memory file (`common.buckets.flat_layout`, HF names)."""
-        raise NotImplementedError(f"{type(self).__name__} does not map shared files")
 
 
 def default_stop_ids(tokenizer, generation_config=None) -> list[int]:

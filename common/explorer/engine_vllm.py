@@ -4,21 +4,22 @@ Process layout. vLLM's V1 engine core runs in its own child process (vLLM's defa
 VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world; on
 CPU its worker is forked from it (common/explorer/vllm_worker.py, TandemExecutor).
 The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) writes
-into `weight_buffers()`, then `commit_weights` tells the vLLM worker to load them. An in-process engine
+into `weight_buffers()`, then `load_weights(Buffers())` tells the vLLM worker to load them. An in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its parallel groups from
 the already-initialised default group, which is a collective over every rank (trainer included) and hangs; it is
 still allowed when torch.distributed is not initialised (benchmarks).
 
 Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory file (/dev/shm,
 `common.buckets.flat_layout`); the worker maps the same file once, so what lands there is in memory the worker reads
-without any transfer between processes. A commit runs the worker's load (common/explorer/vllm_worker.py: a direct
+without any transfer between processes. A load runs the worker's (common/explorer/vllm_worker.py: a direct
 copy into the parameters vLLM computes with, or vLLM's `reload_weights` where that does not apply; `engine.fast_sync
-= False` forces the latter, bench/weight_update.py compares both). A checkpoint folder (`load_from_checkpoint`) is
-copied the same way from the safetensors file. The prefix cache is reset after every update, and vLLM's
+= False` forces the latter, bench/weight_update.py compares both). Another process's shared-memory file
+(`SharedFile`: the colocated sync's slot) and a checkpoint folder (`Folder`) are copied the same way, by the worker,
+from the file itself. The prefix cache is reset after every update, and vLLM's
 weight-version label is set to the new version.
 
 Mid-generation updates. `generate(..., between_steps=f)` drives vLLM's step loop here and calls f() after every
-engine step; f may commit new weights (train_async.py's explorer polls its weight-sync method there). Such a commit
+engine step; f may load new weights (train_async.py's explorer polls its weight-sync method there). Such a load
 pauses vLLM's scheduler ("keep": running requests stay, the step in flight finishes first), loads the weights,
 resets the prefix cache with `reset_running_requests=True` (running requests are preempted and resume with their KV
 cache recomputed under the new weights: nothing computed with older weights is used again) and sets the version
@@ -47,6 +48,7 @@ from common.buckets import flat_layout, flat_views, map_shared_file, remove_shar
 from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.model import DTYPES
+from common.weight_sync.base import Buffers, Folder, SharedFile, WeightSource
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads (its own worker is forked on
 # CPU: common/explorer/vllm_worker.py, TandemExecutor).
@@ -82,7 +84,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     streams = True  # add / step / running / abort: requests join the running batch
-    maps_shared_file = True  # its worker maps the colocated sync's /dev/shm slot itself
+    accepts = (Buffers, SharedFile, Folder)  # its worker maps the colocated sync's /dev/shm slot itself
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
@@ -153,9 +155,9 @@ class VLLMEngine(RolloutEngine):
         self._shm_path: str | None = None
         self._shm_layout: list | None = None
         self._buffers: list[tuple[str, torch.Tensor]] | None = None
-        self.last_update_s = 0.0        # seconds of the last commit / checkpoint load, as seen here
+        self.last_update_s = 0.0        # seconds of the last weight load, as seen here
         self.last_reload_s = 0.0        # of which the worker's load (copy / re-pack, or reload_weights)
-        self.fast_sync = True           # False: commit through vLLM's reload_weights (the reference path)
+        self.fast_sync = True           # False: load through vLLM's reload_weights (the reference path)
         self._live: dict[str, tuple] = {}  # vLLM request id -> (owner, key, prompt, top-p corrected, stepwise)
         self._done: dict[int, list] = {}  # id(owner) -> finished (key, Generation) not yet taken
 
@@ -164,7 +166,7 @@ class VLLMEngine(RolloutEngine):
                  between_steps=None) -> list[list[Generation]]:
         """`sampling.n` generations per prompt (in the order they finish), through `generate_turns`. With
         `between_steps` (a function of no arguments), called after every engine step, new weights may land
-        mid-generation (`commit_weights` then swaps them between two decode steps), and each Generation's
+        mid-generation (`load_weights` then swaps them between two decode steps), and each Generation's
         `versions` says which weights sampled each token (vLLM's own weight-version labels)."""
         requests = [(i, p, sampling.max_new_tokens) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         results: list[list[Generation]] = [[] for _ in prompts]
@@ -279,24 +281,24 @@ class VLLMEngine(RolloutEngine):
             self._buffers = flat_views(map_shared_file(path, size, create=True), self._shm_layout)
         return self._buffers
 
-    def commit_weights(self, buffers, version: int | None = None) -> None:
-        """Load the weights in `weight_buffers()` into the vLLM model (copied into its parameters), reset the
-        prefix cache; label later tokens `version`. Called from `between_steps` during a stepwise generate, it
-        swaps the weights between two decode steps (see `_update`)."""
-        if self._buffers is None or buffers is not self._buffers and [t.data_ptr() for _, t in buffers] != \
-                [t.data_ptr() for _, t in self._buffers]:
-            raise ValueError("commit_weights: pass the list returned by weight_buffers() after writing into it")
-        self._update(version, "tandem_load_shared", self._shm_path, self._shm_layout, self.fast_sync)
-
-    def commit_shared_file(self, path: str, layout: list, version: int | None = None) -> None:
-        """Load weights another process laid out in a shared-memory file (`common.buckets.flat_layout`, HF names):
-        the vLLM worker maps it and copies from it directly, as from `weight_buffers()` (the colocated weight sync's
-        CPU slot: no copy through this process)."""
-        self._update(version, "tandem_load_shared", path, layout, self.fast_sync)
-
-    def load_from_checkpoint(self, path: str, version: int | None = None) -> None:
-        """Checkpoint sync: load a safetensors folder (a sync checkpoint `vN/` or an HF save_pretrained folder)."""
-        self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
+    def load_weights(self, source: WeightSource, version: int | None = None) -> None:
+        """Load `source` into the vLLM model (the worker copies it into its parameters), reset the prefix cache;
+        label later tokens `version`. `Buffers`: `weight_buffers()`, written; `SharedFile`: another process's
+        (the colocated sync's CPU slot), mapped by the worker, no copy through this process; `Folder`: its
+        safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
+        weights between two decode steps (see `_update`)."""
+        match source:
+            case Buffers():
+                if self._buffers is None:
+                    raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
+                self._update(version, "tandem_load_shared", self._shm_path, self._shm_layout, self.fast_sync)
+            case SharedFile(path, layout):
+                self._update(version, "tandem_load_shared", path, layout, self.fast_sync)
+            case Folder(path):
+                self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
+            case _:
+                raise TypeError(f"VLLMEngine loads weights from Buffers, SharedFile or Folder, not from "
+                                f"{type(source).__name__}")
 
     def _update(self, version: int | None, method: str, *args) -> None:
         """Run the worker's load `method`, empty the prefix cache, label later tokens `version`.

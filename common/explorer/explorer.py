@@ -7,8 +7,9 @@ name an environment), all advanced together by `Rollouts`. Two ways to run them:
   end, then scored together. Single-turn responses are partial rollouts (common/explorer/groups.py): with
   --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are
   continued in later steps (Kimi k1.5 partial rollouts).
-- streaming (`start_groups`, `step`, `take_batch`: train_async.py): --inflight-groups held at once, a new group
-  started the moment one ends, each ended group scored at once, the first --tasks-per-step scored sent as a batch.
+- streaming (`Explorer.stream`, common/explorer/streaming.py: train_async.py): --inflight-groups held at once, a new
+  group started the moment one ends, each ended group scored at once, the first --tasks-per-step scored sent as a
+  batch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
-from common.explorer.rollouts import Context, Rollouts, ScoreFuture, rollout_metrics, run_episodes, turn_credit
+from common.explorer.rollouts import Rollouts, run_episodes
+from common.explorer.scoring import ScoreFuture, rollout_metrics, turn_credit
+from common.explorer.streaming import Stream
+from common.explorer.workflow import Context
 from common.tasks.processors import apply_task_processors
 from common.vlm import is_vlm, load_processor
 from rewards import RewardPool, UserReward, score
@@ -95,20 +99,7 @@ class Explorer:
         self.weights = None  # the weight sync (`connect`)
         self.next_group = 0
         self.first_step = 1
-        # streaming (train_async.py): tasks drawn and not started, groups being scored and scored, the stream
-        # position and start time of every group in flight, what happened since the last batch
-        self.drawn: list[tuple[int, dict]] = []
-        self.trained_before: set[int] = set()
-        self.scoring: list = []
-        self.scored: list = []
-        self.position_of: dict[int, tuple[int, float]] = {}
-        self.used: list[int] = []
-        self.task_counts: dict = {}
-        self.groups_seen: list[int] = []
-        self.busy_span: tuple[float, float] | None = None
-        self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
-        self.batch_tokens, self.batch_busy = 0, 0.0
-        self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
+        self.stream = Stream(self)  # train_async.py's way to generate
 
     # ------------------------------------------------------------------ weights: the explorer's version is its sync's
     def connect(self, weights) -> None:
@@ -169,8 +160,7 @@ class Explorer:
         tasks = self.train_tasks.next_batch(num_tasks, progress=self.version / args.steps)
         tasks, task_counts = apply_task_processors(tasks, args.task_processors, args)
         for task in tasks:
-            self.in_flight.start(task, self.next_group, args.samples_per_task)
-            self.next_group += 1
+            self.start_group(task)
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
             generated = self.in_flight.generate(self.engine, self.sampling, self.version)
@@ -185,7 +175,7 @@ class Explorer:
         t2 = time.time()
         self.timeline.record("reward-in-flight", future.submitted_at, future.done_at, step=step)
         generated["tasks"] = task_counts
-        experiences, metrics = self._package(groups, scores, generated, generated_s, t2 - t1)
+        experiences, metrics = self.package(groups, scores, generated, generated_s, t2 - t1)
         if args.rollout_token_budget:
             metrics.update({
                 "rollout/partial_continued": generated["continued"],  # responses given another segment now
@@ -195,11 +185,17 @@ class Explorer:
             })
         return experiences, metrics
 
-    def _package(self, groups: list, scores: list, generated: dict, generated_s: float, reward_s: float):
+    def start_group(self, task: dict) -> int:
+        """Start `task`'s workflow in flight (--samples-per-task samples) as the next group; its group id."""
+        self.in_flight.start(task, self.next_group, self.args.samples_per_task)
+        self.next_group += 1
+        return self.next_group - 1
+
+    def package(self, groups: list, scores: list, generated: dict, generated_s: float, reward_s: float):
         """Experiences and metrics of scored groups (scores: one Reward per sample, group by group)."""
         args = self.args
         flat = [(g, r) for g in groups for r in g.responses]
-        shaped = self._shaped(flat, scores)
+        shaped = self.shaped(flat, scores)
         experiences = [Experience(
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
@@ -231,144 +227,13 @@ class Explorer:
             metrics[f"reward/{name}_mean"] = sum(parts[name] for _, parts in shaped) / len(shaped)
         return experiences, metrics
 
-    def _shaped(self, flat: list, scores: list) -> list[tuple[float, dict]]:
+    def shaped(self, flat: list, scores: list) -> list[tuple[float, dict]]:
         """ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward, --overlong-buffer) of scored
         (group, response) pairs: (reward, its parts) each; reward_info keeps the parts."""
         args = self.args
         sizes = [sum(1 for g, _ in flat if g is group) for group in {id(g): g for g, _ in flat}.values()]
         return shape_batch(scores, [r.sampled_tokens for _, r in flat], sizes, args.length_penalty,
                            args.format_reward, args.overlong_buffer, args.max_new_tokens)  # episodes: sampled tokens
-
-    # ------------------------------------------------------------------------------------- streaming (train_async.py)
-    def start_groups(self) -> None:
-        """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
-        --tasks-per-step at a time (the draws a round would make) and started one by one; stream positions already
-        trained before a resume (`resume_stream`) are skipped; a task a processor drops counts as used."""
-        args = self.args
-        if self.batch_started is None:
-            self.batch_started, self.batch_tokens, self.batch_busy = time.time(), self.in_flight.tokens, self.engine.busy_s
-        # Scored groups not yet in the queue count too: while the queue is full the explorer does not run ahead,
-        # it would only make what it holds older. And a group starts only while its stream position is less than
-        # (version + --max-staleness + 1) batches in (AReaL's admission rule): groups are trained roughly in stream
-        # order, so one started now is at most --max-staleness versions old when its batch is trained.
-        # Zero-signal groups replaced under --refill-rounds took stream positions that no batch trains: they move the
-        # window on as far.
-        window = (self.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced
-        while len(self.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
-                and self.next_position() < window:
-            if not self.drawn:
-                start = self.train_tasks.position
-                tasks = self.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
-                self.drawn = [(start + i, t) for i, t in enumerate(tasks) if start + i not in self.trained_before]
-                continue
-            position, task = self.drawn.pop(0)
-            kept, counts = apply_task_processors([task], args.task_processors, args)
-            for name, dropped in counts.items():
-                self.task_counts[name] = self.task_counts.get(name, 0) + dropped
-            if not kept:
-                self.used.append(position)
-                continue
-            self.in_flight.start(kept[0], self.next_group, args.samples_per_task)
-            self.position_of[self.next_group] = (position, time.time())
-            self.next_group += 1
-
-    def next_position(self) -> int:
-        """The task stream position of the next group to start."""
-        return self.drawn[0][0] if self.drawn else self.train_tasks.position
-
-    def step(self) -> None:
-        """One engine step over every group in flight (Rollouts.step: waits only while no request is ready,
-        at most a second, for an environment); the groups that ended go to the reward pool at once, and groups
-        whose scoring is done join `scored`."""
-        busy = self.engine.busy_s
-        t0 = time.time()
-        self.in_flight.step(self.engine, self.sampling, self.version)
-        if self.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
-            self.busy_span = (self.busy_span[0], time.time()) if self.busy_span and t0 - self.busy_span[1] < 0.05 \
-                else self._flush_busy_span() or (t0, time.time())
-        self.groups_seen.append(len(self.in_flight.workflows))
-        for group in self.in_flight.pop_finished():  # verifiers in the pool's processes; episodes add the env's
-            flat = [(group, r) for r in group.responses]
-            self.scoring.append((group, ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward,
-                                                    bool(self.args.reward_fn))))
-        if not self.in_flight.workflows and self.scoring and not any(f.done() for _, f in self.scoring):
-            time.sleep(0.005)  # nothing to generate, every group with the verifiers: do not spin
-        for group, future in [gf for gf in self.scoring if gf[1].done()]:
-            self.scoring.remove((group, future))
-            scores = future.result(timeout=self.args.timeout_s)
-            position, started = self.position_of[group.group_id]
-            self.timeline.record("group", started, time.time(), group=group.group_id, task=position)
-            if self._replace_zero_signal(group, scores):
-                continue
-            self.scored.append((group, scores, future))
-
-    def _replace_zero_signal(self, group, scores: list) -> bool:
-        """ALGO LOGIC: --refill-rounds in the stream: a scored group whose shaped rewards are all equal is left out
-        (its position counted as used) and another is admitted in its place, at most --refill-rounds x
-        --tasks-per-step per batch; beyond that it joins the batch (and the trainer's filter drops it)."""
-        args = self.args
-        if self.batch_replaced >= args.refill_rounds * args.tasks_per_step:
-            return False
-        if len({reward for reward, _ in self._shaped([(group, r) for r in group.responses], scores)}) > 1:
-            return False
-        self.used.append(self.position_of.pop(group.group_id)[0])
-        self.batch_replaced += 1
-        self.replaced += 1
-        return True
-
-    def _flush_busy_span(self) -> None:
-        if self.busy_span:
-            self.timeline.record("generate", *self.busy_span)
-        self.busy_span = None
-
-    def take_batch(self) -> tuple[list[Experience], dict, list[int]] | None:
-        """The first --tasks-per-step scored groups (in the order their scoring finished) as experiences, their
-        metrics since the last batch, and the stream positions they used (tasks dropped by a processor included);
-        None while fewer are scored."""
-        n = self.args.tasks_per_step
-        if len(self.scored) < n:
-            return None
-        self._flush_busy_span()
-        taken, self.scored = self.scored[:n], self.scored[n:]
-        groups = [g for g, _, _ in taken]
-        now, seconds = time.time(), time.time() - self.batch_started
-        reward_s = sum(f.done_at - f.submitted_at for _, _, f in taken) / n
-        generated = {"tokens": self.in_flight.tokens - self.batch_tokens, "tasks": self.task_counts}
-        experiences, metrics = self._package(groups, [r for _, scores, _ in taken for r in scores], generated,
-                                             seconds, reward_s)
-        if self.args.rollout_token_budget:  # streamed partial rollouts: a response's segments follow each other
-            responses = [r for g in groups for r in g.responses]
-            metrics.update({"rollout/partial_continued": sum(max(r.segments - 1, 0) for r in responses),
-                            "rollout/partial_saved": len(self.in_flight.unfinished()),
-                            "rollout/partial_finished": sum(r.segments > 1 for r in responses),
-                            "rollout/groups_finished": n})
-        metrics["rollout/groups_in_flight"] = sum(self.groups_seen) / max(len(self.groups_seen), 1)
-        metrics["rollout/engine_busy_frac"] = (self.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
-        if self.args.refill_rounds:  # replaced groups, and those past the bound that came in anyway
-            uniform = self.batch_replaced + len(zero_signal_groups(experiences))
-            metrics.update({"rollout/zero_signal_frac": uniform / (self.batch_replaced + n),
-                            "rollout/refill_rounds": self.batch_replaced / n})
-            self.batch_replaced = 0
-        positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.used
-        self.used, self.task_counts, self.groups_seen = [], {}, []
-        self.batch_started, self.batch_tokens, self.batch_busy = now, self.in_flight.tokens, self.engine.busy_s
-        return experiences, metrics, positions
-
-    def stop_stream(self) -> None:
-        """Give up the groups in flight (their requests leave the engine)."""
-        if self.engine.streams:
-            self.engine.abort(self.in_flight)
-
-    def resume_stream(self, trained: tuple[int, list[int]] | None, step: int) -> None:
-        """On resume: start where the trainer's ledger says (every position below trained[0] and those in
-        trained[1] were trained); without a ledger, where the trainer's step count says."""
-        if trained is None:
-            return self.skip_to(step)
-        below, beyond = trained
-        n = self.args.tasks_per_step
-        self.train_tasks.position = below // n * n  # draws start at multiples of --tasks-per-step, as they did
-        self.trained_before = set(range(self.train_tasks.position, below)) | set(beyond)
-        self.first_step = step + 1
 
     def eval_due(self, step: int) -> bool:
         """Before the first step of a run and every --eval-every steps (the last one comes after training); never

@@ -199,6 +199,8 @@ class MultiTurn(Workflow):
     turn (of every task) into one engine call. `receive` may run in a worker thread (Rollouts runs environment
     steps off the decode path): it touches only its own episode."""
 
+    env_pool = True  # the n environment resets at once
+
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
         renderer = ctx.renderer

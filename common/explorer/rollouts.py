@@ -1,133 +1,26 @@
-"""Workflows (DESIGN.md "Workflows and environments"): a workflow turns one task into one group of experiences,
-given the rollout engine.
-
-- `single_turn` (common/explorer/single_turn.py): prompt -> n sampled responses (partial
-  rollouts included).
-- `multi_turn` (common/explorer/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
-  common/envs/), token-in/token-out.
-- `agent` (common/explorer/agent.py): n episodes of your agent (`--agent FILE:fn`, every task) calling the policy
-  through the explorer's OpenAI-compatible endpoint; its calls join the engine like any other request.
-
-A task picks its workflow by `"workflow": name`, or implicitly: multi_turn when it names an `env`, else
-single_turn; a taskset may mix them. Adding a workflow is one file plus one line in `WORKFLOWS`.
-
-`Rollouts` runs the workflows of the tasks in flight on one explorer: every engine call takes the next turn of
-*every* live sample of every task (single-turn responses and episodes alike), so multi-turn episodes are batched
-turn by turn instead of run one after another. With vLLM (`add` / `step`) there is one engine loop for all
-turns: an episode's next turn joins the running batch as soon as its environment has answered, so no episode waits
-for the slowest of its turn. Environment steps (tool calls, rendering) run in a thread pool beside the engine loop,
-never inside it (`--env-workers`).
+"""The workflow runner (DESIGN.md "Workflows and environments"): `Rollouts` runs the workflows of the tasks in
+flight on one explorer (common/explorer/workflow.py: the interface, the registry `WORKFLOWS`, the `Context` they
+are given). Every engine call takes the next turn of *every* live sample of every task (single-turn responses and
+episodes alike), so multi-turn episodes are batched turn by turn instead of run one after another. With vLLM
+(`add` / `step`) there is one engine loop for all turns: an episode's next turn joins the running batch as soon as
+its environment has answered, so no episode waits for the slowest of its turn. Environment steps (tool calls,
+rendering) run in a thread pool beside the engine loop, never inside it (`--env-workers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import queue
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.envs import parse_env_settings
-from common.envs.boundary import abandoned_threads, late_results
+from common.explorer.workflow import Context, workflow_class, workflow_name
 
 if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
     from common.explorer.engine import RolloutEngine, SamplingConfig
 
 STEP_GRACE_S = 0.005  # how long the engine loop waits for an environment step it just handed to the pool
-
-WORKFLOWS = {
-    "single_turn": "common.explorer.single_turn:SingleTurn",
-    "multi_turn": "common.explorer.multi_turn:MultiTurn",
-    "agent": "common.explorer.agent:Agent",
-}
-
-
-def workflow_name(task: dict) -> str:
-    return task.get("workflow") or ("multi_turn" if "env" in task else "single_turn")
-
-
-def workflow_class(name: str):
-    if name not in WORKFLOWS:
-        raise ValueError(f"unknown workflow {name!r} (one of {', '.join(WORKFLOWS)})")
-    module, cls = WORKFLOWS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
-
-
-@dataclass
-class Context:
-    """What workflows need besides the task: the tokenizer and the limits from the config."""
-    tokenizer: object
-    max_new_tokens: int                 # per turn
-    token_budget: int = 0               # --rollout-token-budget (single_turn partial rollouts)
-    max_turns: int = 8
-    episode_token_budget: int = 1024
-    tool_timeout_s: float = 10.0
-    env_reward: str = "sum"
-    env_setting: tuple = ()             # --env-setting NAME.FIELD=VALUE
-    env_workers: int = 64
-    env_step_timeout_s: float = 300.0
-    reasoning_parser: str = "think"
-    in_turn_tools: bool = False
-    truncated_turns: str = "end"        # --truncated-turns: a turn cut at max_new_tokens ends its episode, or goes on
-    max_tool_calls_per_turn: int = 8
-    tool_call_format: str = "auto"      # --tool-call-format; auto: from the chat template (tool_formats.detect)
-    env_server: str = ""                # --env-server: every environment played on that server (http_env.py)
-    env_pool: object = None             # the explorer's environment thread pool (Rollouts sets it), else None
-    processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
-    agent: str = ""                     # --agent FILE:fn: every task runs the agent workflow
-    agent_cmd: str = ""                 # --agent-cmd "...": so does every task, the agent a program
-    agent_timeout_s: float = 300.0
-    agent_max_calls: int = 16
-    temperature: float = 1.0            # the run's sampling, which the endpoint holds requests to
-    top_p: float = 1.0
-    _renderer: object = None
-
-    @property
-    def renderer(self):
-        if self._renderer is None:
-            from common.explorer.chat import ChatRenderer
-
-            self._renderer = ChatRenderer(self.tokenizer, keep_tokens=self.tool_format.keep_tokens)
-        return self._renderer
-
-    @property
-    def tool_format_name(self) -> str:
-        from common.envs.tool_formats import detect
-
-        if self.tool_call_format != "auto":
-            return self.tool_call_format
-        return detect(getattr(self.tokenizer, "chat_template", None))
-
-    @property
-    def tool_format(self):
-        from common.envs.tool_formats import tool_format
-
-        return tool_format(self.tool_format_name)
-
-    @property
-    def env_settings(self) -> dict:
-        """make_env's overrides: the shared tool limits, then every --env-setting."""
-        return {"tool_timeout_s": self.tool_timeout_s, "max_tool_calls_per_turn": self.max_tool_calls_per_turn,
-                "tool_call_format": self.tool_format_name, **parse_env_settings(self.env_setting),
-                **({"env_server": self.env_server} if self.env_server else {})}
-
-    @classmethod
-    def from_args(cls, tokenizer, args, processor=None) -> "Context":
-        from common.envs.tools import set_sandbox_slots
-
-        set_sandbox_slots(args.sandbox_procs)  # one explorer per process: its tools' sandboxed programs at once
-        return cls(tokenizer, args.max_new_tokens, token_budget=args.rollout_token_budget, max_turns=args.max_turns,
-                   episode_token_budget=args.episode_token_budget, tool_timeout_s=args.tool_timeout_s,
-                   env_reward=args.env_reward, env_setting=tuple(args.env_setting), env_workers=args.env_workers,
-                   env_step_timeout_s=args.env_step_timeout_s, reasoning_parser=args.reasoning_parser,
-                   in_turn_tools=args.in_turn_tools, truncated_turns=args.truncated_turns,
-                   max_tool_calls_per_turn=args.max_tool_calls_per_turn, tool_call_format=args.tool_call_format,
-                   env_server=args.env_server, processor=processor, agent=args.agent or "",
-                   agent_timeout_s=args.agent_timeout_s, agent_max_calls=args.agent_max_calls,
-                   agent_cmd=args.agent_cmd or "", temperature=args.temperature, top_p=args.top_p)
 
 
 class Rollouts:
@@ -165,15 +58,16 @@ class Rollouts:
 
     def start(self, task: dict, group_id: int, n: int) -> None:
         name = "agent" if self.ctx.agent or self.ctx.agent_cmd else workflow_name(task)
-        if name != "single_turn" and self.ctx.token_budget:
+        workflow = workflow_class(name)
+        if self.ctx.token_budget and not workflow.partial_rollouts:
             raise ValueError(f"task {task.get('id')}: --rollout-token-budget (partial rollouts) works with single-turn "
                              f"tasks only, not with workflow {name!r}")
         ctx = self.ctx
-        if self.ctx.env_workers and name != "single_turn":  # episodes: their resets run in the environment pool
+        if self.ctx.env_workers and workflow.env_pool:
             if self._pool_ctx is None:  # one copy, sharing the renderer (and its tokenizer lock) with self.ctx
                 self._pool_ctx = dataclasses.replace(self.ctx, env_pool=self.pool, _renderer=self.ctx.renderer)
             ctx = self._pool_ctx
-        self.workflows.append(workflow_class(name)(task, group_id, n, ctx))
+        self.workflows.append(workflow(task, group_id, n, ctx))
         self._new.append(self.workflows[-1])
 
     def unfinished(self) -> list:
@@ -329,60 +223,6 @@ class Rollouts:
         done = [w for w in self.workflows if w.finished() and id(w) not in stepping]
         self.workflows = [w for w in self.workflows if w not in done]
         return [w.group for w in done]
-
-
-# ---------------------------------------------------------------------------------------------- rewards
-class ScoreFuture:
-    """RewardPool.submit for a round of samples of any workflow: each sample says what its verifier scores
-    (Sample.verifier_input; None: no verifier) and turns the verdict into its reward (Sample.reward). With
-    `whole_episodes` (--reward-fn) every sample goes to the function, its task as the sample presents it."""
-
-    def __init__(self, pool, flat: list, tokenizer, env_reward: str, whole_episodes: bool = False):
-        self.flat, self.env_reward = flat, env_reward
-        inputs = [s.verifier_input(g.task, tokenizer, whole_episodes) for g, s in flat]
-        self.scored = [i for i, text in enumerate(inputs) if text is not None]
-        self.future = pool.submit([inputs[i] for i in self.scored],
-                                  [flat[i][1].verifier_task(flat[i][0].task, whole_episodes) for i in self.scored])
-        self.submitted_at = self.future.submitted_at
-
-    @property
-    def done_at(self):
-        return self.future.done_at
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def result(self, timeout: float | None = None) -> list:
-        verified = dict(zip(self.scored, self.future.result(timeout)))
-        return [s.reward(verified.get(i), self.env_reward) for i, (_, s) in enumerate(self.flat)]
-
-
-def turn_credit(env_turn_rewards: list[float], turns: int, reward: float) -> list[float]:
-    """ALGO LOGIC: the reward credited at the end of each turn (for turn-level advantages): the environment's
-    step rewards, and the last turn gets the rest of the sample's (shaped) reward, so they add up to it."""
-    if turns == 0:
-        return []
-    early = [float(r) for r in env_turn_rewards[:turns - 1]] + [0.0] * max(0, turns - 1 - len(env_turn_rewards))
-    return early + [float(reward) - sum(early)]
-
-
-def rollout_metrics(flat: list) -> dict:
-    """rollout/turns_mean, and every sample's own counts summed (Sample.counts: episodes, tool calls, end
-    reasons...); rollout/episode_truncated_frac is the truncated episodes' share."""
-    if not flat:
-        return {}
-    out = {"rollout/turns_mean": sum(s.turns for _, s in flat) / len(flat)}
-    images = [s.images for _, s in flat]
-    if any(im is not None for im in images):  # what images cost: placeholder tokens per sample
-        out["rollout/image_tokens_mean"] = sum(im.tokens for im in images if im is not None) / len(flat)
-    counts = Counter()
-    for _, s in flat:
-        counts.update(s.counts())
-    if "rollout/episode_truncated" in counts:
-        counts["rollout/episode_truncated_frac"] = counts.pop("rollout/episode_truncated") / counts["rollout/episodes"]
-        counts["rollout/env_threads_abandoned"] = abandoned_threads()  # timed-out env/tool calls still running
-        counts["rollout/env_late_results"] = late_results()  # results that came past their limit (discarded)
-    return {**out, **counts}
 
 
 def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConfig, version: int = 0,

@@ -12,6 +12,9 @@ from rewards.vision import load_images
 
 
 class SingleTurn(Workflow):
+    partial_rollouts = True
+    images = True
+
     def __init__(self, task: dict, group_id: int, n: int, ctx):
         self.ctx = ctx
         images = None

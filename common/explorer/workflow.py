@@ -1,15 +1,44 @@
 """The workflow interface: what every workflow (one task -> one group of samples) and every sample it makes
-provide, so that the runner (common/explorer/rollouts.py), the reward glue and the rollout metrics never ask which
-kind of workflow or sample they hold. single_turn (`Response`) and multi_turn (`Episode`) implement it; a new
-workflow subclasses `Workflow` and `Sample` and adds one line to rollouts.WORKFLOWS.
+provide, what it declares it supports, and what it is given (`Context`), so that the runner
+(common/explorer/rollouts.py), the reward glue (common/explorer/scoring.py) and the rollout metrics never ask which
+kind of workflow or sample they hold. Also the registry of workflows by name, `WORKFLOWS`:
+
+- `single_turn` (common/explorer/single_turn.py): prompt -> n sampled responses (partial rollouts included).
+- `multi_turn` (common/explorer/multi_turn.py): n episodes of the policy in the task's environment (`"env": name`,
+  common/envs/), token-in/token-out.
+- `agent` (common/explorer/agent.py): n episodes of your agent (`--agent FILE:fn`, every task) calling the policy
+  through the explorer's OpenAI-compatible endpoint; its calls join the engine like any other request.
+
+A task picks its workflow by `"workflow": name`, or implicitly: multi_turn when it names an `env`, else
+single_turn; a taskset may mix them. A new workflow subclasses `Workflow` and `Sample` in a file of its own and adds
+one line to `WORKFLOWS`.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from common.envs import parse_env_settings
 from rewards import Reward
+
+WORKFLOWS = {
+    "single_turn": "common.explorer.single_turn:SingleTurn",
+    "multi_turn": "common.explorer.multi_turn:MultiTurn",
+    "agent": "common.explorer.agent:Agent",
+}
+
+
+def workflow_name(task: dict) -> str:
+    return task.get("workflow") or ("multi_turn" if "env" in task else "single_turn")
+
+
+def workflow_class(name: str):
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {name!r} (one of {', '.join(WORKFLOWS)})")
+    module, cls = WORKFLOWS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 class Sample(ABC):
@@ -55,10 +84,14 @@ class Workflow(ABC):
     run in a worker thread of the environment pool (it touches only its own sample)."""
 
     group: "Group"
+    # What the workflow supports, which the runner and the start-up checks ask instead of its name:
+    partial_rollouts = False  # --rollout-token-budget: a response may continue over several rollout steps
+    env_pool = False          # set-up runs in the explorer's environment pool (ctx.env_pool) when there is one
+    images = False            # tasks may show the policy images (a VLM policy)
 
     @abstractmethod
     def __init__(self, task: dict, group_id: int, n: int, ctx):
-        """ctx: common.explorer.rollouts.Context (tokenizer and limits)."""
+        """ctx: `Context` (tokenizer and limits)."""
 
     @abstractmethod
     def requests(self) -> list[tuple[Sample, list[int], int]]:
@@ -88,3 +121,77 @@ class Group:
     task: dict
     group_id: int
     responses: list[Sample]
+
+
+@dataclass
+class Context:
+    """What workflows need besides the task: the tokenizer and the limits from the config."""
+    tokenizer: object
+    max_new_tokens: int                 # per turn
+    token_budget: int = 0               # --rollout-token-budget (single_turn partial rollouts)
+    max_turns: int = 8
+    episode_token_budget: int = 1024
+    tool_timeout_s: float = 10.0
+    env_reward: str = "sum"
+    env_setting: tuple = ()             # --env-setting NAME.FIELD=VALUE
+    env_workers: int = 64
+    env_step_timeout_s: float = 300.0
+    reasoning_parser: str = "think"
+    in_turn_tools: bool = False
+    truncated_turns: str = "end"        # --truncated-turns: a turn cut at max_new_tokens ends its episode, or goes on
+    max_tool_calls_per_turn: int = 8
+    tool_call_format: str = "auto"      # --tool-call-format; auto: from the chat template (tool_formats.detect)
+    env_server: str = ""                # --env-server: every environment played on that server (http_env.py)
+    env_pool: object = None             # the explorer's environment thread pool (Rollouts sets it), else None
+    processor: object = None            # a VLM policy's common.vlm.Processor (image tasks), else None
+    agent: str = ""                     # --agent FILE:fn: every task runs the agent workflow
+    agent_cmd: str = ""                 # --agent-cmd "...": so does every task, the agent a program
+    agent_timeout_s: float = 300.0
+    agent_max_calls: int = 16
+    temperature: float = 1.0            # the run's sampling, which the endpoint holds requests to
+    top_p: float = 1.0
+    _renderer: object = None
+
+    @property
+    def renderer(self):
+        if self._renderer is None:
+            from common.explorer.chat import ChatRenderer
+
+            self._renderer = ChatRenderer(self.tokenizer, keep_tokens=self.tool_format.keep_tokens)
+        return self._renderer
+
+    @property
+    def tool_format_name(self) -> str:
+        from common.envs.tool_formats import detect
+
+        if self.tool_call_format != "auto":
+            return self.tool_call_format
+        return detect(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def tool_format(self):
+        from common.envs.tool_formats import tool_format
+
+        return tool_format(self.tool_format_name)
+
+    @property
+    def env_settings(self) -> dict:
+        """make_env's overrides: the shared tool limits, then every --env-setting."""
+        return {"tool_timeout_s": self.tool_timeout_s, "max_tool_calls_per_turn": self.max_tool_calls_per_turn,
+                "tool_call_format": self.tool_format_name, **parse_env_settings(self.env_setting),
+                **({"env_server": self.env_server} if self.env_server else {})}
+
+    @classmethod
+    def from_args(cls, tokenizer, args, processor=None) -> "Context":
+        from common.envs.tools import set_sandbox_slots
+
+        set_sandbox_slots(args.sandbox_procs)  # one explorer per process: its tools' sandboxed programs at once
+        return cls(tokenizer, args.max_new_tokens, token_budget=args.rollout_token_budget, max_turns=args.max_turns,
+                   episode_token_budget=args.episode_token_budget, tool_timeout_s=args.tool_timeout_s,
+                   env_reward=args.env_reward, env_setting=tuple(args.env_setting), env_workers=args.env_workers,
+                   env_step_timeout_s=args.env_step_timeout_s, reasoning_parser=args.reasoning_parser,
+                   in_turn_tools=args.in_turn_tools, truncated_turns=args.truncated_turns,
+                   max_tool_calls_per_turn=args.max_tool_calls_per_turn, tool_call_format=args.tool_call_format,
+                   env_server=args.env_server, processor=processor, agent=args.agent or "",
+                   agent_timeout_s=args.agent_timeout_s, agent_max_calls=args.agent_max_calls,
+                   agent_cmd=args.agent_cmd or "", temperature=args.temperature, top_p=args.top_p)

@@ -30,8 +30,8 @@ from common.trainer.critic import Critic
 from common.experience import Experience, collate
 from common.runtime.worker import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
-from common.trainer.losses import (ALGOS, MicroBatch, config_kwargs, behaviour_weights, kl_estimate,
-                                   kl_penalized_rewards, masked_mean, mismatch_stats)
+from common.trainer.correction import behaviour_weights, mismatch_stats
+from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, kl_estimate, kl_penalized_rewards, masked_mean
 from common.trainer.fsdp import prepare_model
 from common.trainer.lora import merged_named_weights
 from common.model import DTYPES, load_model, load_tokenizer

@@ -3,7 +3,8 @@ chosen once by `--sync-method` from `METHODS`. A new method is one file plus one
 
 from __future__ import annotations
 
-from common.weight_sync.base import WeightSync, full_tensor, weights_hash  # noqa: F401  (the shared helpers)
+from common.weight_sync.base import (Buffers, Folder, SharedFile, WeightSource, WeightSync,  # noqa: F401
+                                     full_tensor, weights_hash)  # (the shared helpers and weight sources)
 from common.weight_sync.broadcast import BroadcastSync
 from common.weight_sync.checkpoint import CheckpointSync
 from common.weight_sync.colocated import ColocatedSync, colocated

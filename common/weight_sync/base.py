@@ -3,17 +3,42 @@ version handshake of the asynchronous schedule's end, whole tensors from sharded
 
 A method subclasses `WeightSync` and writes `_send` (trainer rank 0) and `pull` / `poll` (an explorer); the rest
 (data-parallel trainers joining the gathers of sharded weights, `--verify-sync` hashes, the final handshake) is
-here. Sender and receiver exchange HF `named_parameters()` order and shapes; the receiver writes into the engine's
-`weight_buffers()` and calls its `commit_weights`.
+here. Sender and receiver exchange HF `named_parameters()` order and shapes; the receiver hands the engine one
+weight source (`Buffers`, `SharedFile`, `Folder`) through its `load_weights`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
 from common.runtime.channel import StoreValue
+
+
+# ----------------------------------------------------------------------------- where an engine takes new weights from
+# Each sync method picks one; an engine lists those it takes in `RolloutEngine.accepts`.
+@dataclass(frozen=True)
+class Buffers:
+    """The engine's own `weight_buffers()`, just written by the sync method."""
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    """A shared-memory file another process laid out (`common.buckets.flat_layout`, HF names), which the engine
+    maps itself: no copy through the explorer's process."""
+    path: str
+    layout: list
+
+
+@dataclass(frozen=True)
+class Folder:
+    """A safetensors folder: a sync checkpoint `vN/` or an HF save_pretrained folder."""
+    path: str
+
+
+WeightSource = Buffers | SharedFile | Folder
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

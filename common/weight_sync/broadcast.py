@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from common.buckets import pack, tensor_buckets, unpack
 from common.runtime.channel import StoreValue
-from common.weight_sync.base import WeightSync, full_tensor, has_dtensors
+from common.weight_sync.base import Buffers, WeightSync, full_tensor, has_dtensors
 
 
 @torch.no_grad()
@@ -106,7 +106,7 @@ class BroadcastSync(WeightSync):
         start = time.time()
         buffers = self.engine.weight_buffers()
         self.version, arrived = self._broadcast(buffers, 0)
-        self.engine.commit_weights(buffers, self.version)
+        self.engine.load_weights(Buffers(), self.version)
         self.timeline.record("wait", start, arrived, step=step)
         self.timeline.record("sync", arrived, time.time(), step=step, version=self.version, **self._checked())
         return self.version

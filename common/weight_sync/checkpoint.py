@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from common.weight_sync.base import WeightSync, full_tensor
+from common.weight_sync.base import Folder, WeightSync, full_tensor
 
 
 def write_sync_checkpoint(sync_dir: str, named_tensors, version: int, keep: int = 3) -> str:
@@ -110,7 +110,7 @@ class CheckpointSync(WeightSync):
         if latest <= self.version:
             return False
         start = time.time()
-        self.engine.load_from_checkpoint(os.path.join(self.sync_dir, f"v{latest}"), latest)
+        self.engine.load_weights(Folder(os.path.join(self.sync_dir, f"v{latest}")), latest)
         self.version = latest
         self.timeline.record("sync-checkpoint", start, time.time(), step=step, version=latest, **self._checked())
         return True

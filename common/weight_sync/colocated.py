@@ -6,9 +6,9 @@ The buffer (the slot) is one flat byte buffer in trainer 0's memory holding ever
 - CPU: a file in /dev/shm that trainer and explorers map (torch.from_file, shared);
 - CUDA: a tensor on trainer 0's GPU whose CUDA IPC handle (torch.multiprocessing's reduction, the one its
   Queue uses) explorers on that same GPU open; their copy out of it is a device-to-device copy.
-Both take the same code path; only opening the slot differs (`_open_slot`). An engine that can read the slot's
-file itself (vLLM on CPU: `commit_shared_file`, its worker maps the file) loads straight from it; others get the
-weights copied into their `weight_buffers()` and commit. The file's name is removed once every explorer has mapped
+Both take the same code path; only opening the slot differs (`_open_slot`). An engine that accepts the slot's file
+itself (`SharedFile`: vLLM on CPU, its worker maps the file) loads straight from it; others get the weights copied
+into their `weight_buffers()` and load those (`Buffers`). The file's name is removed once every explorer has mapped
 it (the memory lives as long as a mapping does), so a run that is killed later leaves nothing in /dev/shm.
 
 One slot, guarded by a handshake in the run's store (each key written by one side only):
@@ -41,7 +41,7 @@ import torch
 
 from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
 from common.runtime.channel import StoreValue
-from common.weight_sync.base import WeightSync, full_tensor
+from common.weight_sync.base import Buffers, SharedFile, WeightSync, full_tensor
 
 
 def placement(ctx) -> dict:
@@ -175,8 +175,8 @@ class ColocatedSync(WeightSync):
         if self.slot is None:
             self._attach()
         # An engine that can read the slot's file itself (vLLM: its worker maps it) loads straight from it, within
-        # the reading window; others get the weights copied into their buffers, then commit.
-        direct = self.engine.commit_shared_file if self.path and self.engine.maps_shared_file else None
+        # the reading window; others get the weights copied into their buffers, then load those.
+        direct = SharedFile(self.path, self.layout) if self.path and SharedFile in self.engine.accepts else None
         mine = self.reading[self.ctx.index]
         mine.value = 1
         try:
@@ -184,7 +184,7 @@ class ColocatedSync(WeightSync):
                 return None
             start, version = time.time(), self.published.value
             if direct is not None:
-                direct(self.path, self.layout, version)
+                self.engine.load_weights(direct, version)
             else:
                 buffers = self.engine.weight_buffers()
                 for name, t in buffers:
@@ -197,7 +197,7 @@ class ColocatedSync(WeightSync):
         finally:
             mine.value = 0
         if direct is None:
-            self.engine.commit_weights(buffers, version)
+            self.engine.load_weights(Buffers(), version)
         if self.version < 0 and self.ctx.store.add("weight_sync/colocated/opened", 1) >= len(self.reading) \
                 and self.path is not None:
             remove_shared_file(self.path)  # every explorer (and vLLM worker) has the file mapped: its name can go

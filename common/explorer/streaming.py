@@ -1,0 +1,166 @@
+"""The streaming explorer of train_async.py: --inflight-groups groups held at once, a new group started the moment
+one ends, each ended group scored at once, the first --tasks-per-step scored sent as a batch. A group starts only
+within --max-staleness versions of the explorer's weights (AReaL's admission rule).
+
+`Stream` holds the streaming state of one explorer (`Explorer.stream`) and generates with that explorer's engine,
+workflows in flight, reward pool and weights version; the rounds of train_sync.py and train_offpolicy.py are
+`Explorer.rollout`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from common.experience import Experience, zero_signal_groups
+from common.explorer.scoring import ScoreFuture
+from common.tasks.processors import apply_task_processors
+
+
+class Stream:
+    def __init__(self, explorer):
+        self.explorer, self.args = explorer, explorer.args
+        # tasks drawn and not started, groups being scored and scored, the stream position and start time of every
+        # group in flight, what happened since the last batch
+        self.drawn: list[tuple[int, dict]] = []
+        self.trained_before: set[int] = set()
+        self.scoring: list = []
+        self.scored: list = []
+        self.position_of: dict[int, tuple[int, float]] = {}
+        self.used: list[int] = []
+        self.task_counts: dict = {}
+        self.groups_seen: list[int] = []
+        self.busy_span: tuple[float, float] | None = None
+        self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
+        self.batch_tokens, self.batch_busy = 0, 0.0
+        self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
+
+    def start_groups(self) -> None:
+        """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
+        --tasks-per-step at a time (the draws a round would make) and started one by one; stream positions already
+        trained before a resume (`resume`) are skipped; a task a processor drops counts as used."""
+        args, ex = self.args, self.explorer
+        if self.batch_started is None:
+            self.batch_started, self.batch_tokens, self.batch_busy = time.time(), ex.in_flight.tokens, ex.engine.busy_s
+        # Scored groups not yet in the queue count too: while the queue is full the explorer does not run ahead,
+        # it would only make what it holds older. And a group starts only while its stream position is less than
+        # (version + --max-staleness + 1) batches in (AReaL's admission rule): groups are trained roughly in stream
+        # order, so one started now is at most --max-staleness versions old when its batch is trained.
+        # Zero-signal groups replaced under --refill-rounds took stream positions that no batch trains: they move the
+        # window on as far.
+        window = (ex.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced
+        while len(ex.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
+                and self.next_position() < window:
+            if not self.drawn:
+                start = ex.train_tasks.position
+                tasks = ex.train_tasks.next_batch(args.tasks_per_step, progress=ex.version / args.steps)
+                self.drawn = [(start + i, t) for i, t in enumerate(tasks) if start + i not in self.trained_before]
+                continue
+            position, task = self.drawn.pop(0)
+            kept, counts = apply_task_processors([task], args.task_processors, args)
+            for name, dropped in counts.items():
+                self.task_counts[name] = self.task_counts.get(name, 0) + dropped
+            if not kept:
+                self.used.append(position)
+                continue
+            self.position_of[ex.start_group(kept[0])] = (position, time.time())
+
+    def next_position(self) -> int:
+        """The task stream position of the next group to start."""
+        return self.drawn[0][0] if self.drawn else self.explorer.train_tasks.position
+
+    def step(self) -> None:
+        """One engine step over every group in flight (Rollouts.step: waits only while no request is ready,
+        at most a second, for an environment); the groups that ended go to the reward pool at once, and groups
+        whose scoring is done join `scored`."""
+        ex = self.explorer
+        busy = ex.engine.busy_s
+        t0 = time.time()
+        ex.in_flight.step(ex.engine, ex.sampling, ex.version)
+        if ex.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
+            self.busy_span = (self.busy_span[0], time.time()) if self.busy_span and t0 - self.busy_span[1] < 0.05 \
+                else self._flush_busy_span() or (t0, time.time())
+        self.groups_seen.append(len(ex.in_flight.workflows))
+        for group in ex.in_flight.pop_finished():  # verifiers in the pool's processes; episodes add the env's
+            flat = [(group, r) for r in group.responses]
+            self.scoring.append((group, ScoreFuture(ex.rewards, flat, ex.tokenizer, self.args.env_reward,
+                                                    bool(self.args.reward_fn))))
+        if not ex.in_flight.workflows and self.scoring and not any(f.done() for _, f in self.scoring):
+            time.sleep(0.005)  # nothing to generate, every group with the verifiers: do not spin
+        for group, future in [gf for gf in self.scoring if gf[1].done()]:
+            self.scoring.remove((group, future))
+            scores = future.result(timeout=self.args.timeout_s)
+            position, started = self.position_of[group.group_id]
+            ex.timeline.record("group", started, time.time(), group=group.group_id, task=position)
+            if self._replace_zero_signal(group, scores):
+                continue
+            self.scored.append((group, scores, future))
+
+    def _replace_zero_signal(self, group, scores: list) -> bool:
+        """ALGO LOGIC: --refill-rounds in the stream: a scored group whose shaped rewards are all equal is left out
+        (its position counted as used) and another is admitted in its place, at most --refill-rounds x
+        --tasks-per-step per batch; beyond that it joins the batch (and the trainer's filter drops it)."""
+        args = self.args
+        if self.batch_replaced >= args.refill_rounds * args.tasks_per_step:
+            return False
+        if len({reward for reward, _ in self.explorer.shaped([(group, r) for r in group.responses], scores)}) > 1:
+            return False
+        self.used.append(self.position_of.pop(group.group_id)[0])
+        self.batch_replaced += 1
+        self.replaced += 1
+        return True
+
+    def _flush_busy_span(self) -> None:
+        if self.busy_span:
+            self.explorer.timeline.record("generate", *self.busy_span)
+        self.busy_span = None
+
+    def take_batch(self) -> tuple[list[Experience], dict, list[int]] | None:
+        """The first --tasks-per-step scored groups (in the order their scoring finished) as experiences, their
+        metrics since the last batch, and the stream positions they used (tasks dropped by a processor included);
+        None while fewer are scored."""
+        ex, n = self.explorer, self.args.tasks_per_step
+        if len(self.scored) < n:
+            return None
+        self._flush_busy_span()
+        taken, self.scored = self.scored[:n], self.scored[n:]
+        groups = [g for g, _, _ in taken]
+        now, seconds = time.time(), time.time() - self.batch_started
+        reward_s = sum(f.done_at - f.submitted_at for _, _, f in taken) / n
+        generated = {"tokens": ex.in_flight.tokens - self.batch_tokens, "tasks": self.task_counts}
+        experiences, metrics = ex.package(groups, [r for _, scores, _ in taken for r in scores], generated,
+                                          seconds, reward_s)
+        if self.args.rollout_token_budget:  # streamed partial rollouts: a response's segments follow each other
+            responses = [r for g in groups for r in g.responses]
+            metrics.update({"rollout/partial_continued": sum(max(r.segments - 1, 0) for r in responses),
+                            "rollout/partial_saved": len(ex.in_flight.unfinished()),
+                            "rollout/partial_finished": sum(r.segments > 1 for r in responses),
+                            "rollout/groups_finished": n})
+        metrics["rollout/groups_in_flight"] = sum(self.groups_seen) / max(len(self.groups_seen), 1)
+        metrics["rollout/engine_busy_frac"] = (ex.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
+        if self.args.refill_rounds:  # replaced groups, and those past the bound that came in anyway
+            uniform = self.batch_replaced + len(zero_signal_groups(experiences))
+            metrics.update({"rollout/zero_signal_frac": uniform / (self.batch_replaced + n),
+                            "rollout/refill_rounds": self.batch_replaced / n})
+            self.batch_replaced = 0
+        positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.used
+        self.used, self.task_counts, self.groups_seen = [], {}, []
+        self.batch_started, self.batch_tokens, self.batch_busy = now, ex.in_flight.tokens, ex.engine.busy_s
+        return experiences, metrics, positions
+
+    def stop(self) -> None:
+        """Give up the groups in flight (their requests leave the engine)."""
+        ex = self.explorer
+        if ex.engine.streams:
+            ex.engine.abort(ex.in_flight)
+
+    def resume(self, trained: tuple[int, list[int]] | None, step: int) -> None:
+        """On resume: start where the trainer's ledger says (every position below trained[0] and those in
+        trained[1] were trained); without a ledger, where the trainer's step count says."""
+        ex = self.explorer
+        if trained is None:
+            return ex.skip_to(step)
+        below, beyond = trained
+        n = self.args.tasks_per_step
+        ex.train_tasks.position = below // n * n  # draws start at multiples of --tasks-per-step, as they did
+        self.trained_before = set(range(ex.train_tasks.position, below)) | set(beyond)
+        ex.first_step = step + 1
