@@ -18,7 +18,7 @@ from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
-from common.runtime.launcher import launch_local, start_forkserver
+from common.runtime.launcher import call_forked, launch_local, start_forkserver
 from common.runtime.worker import WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
@@ -78,8 +78,12 @@ def launch(args, schedule: str, worker, title: str) -> None:
     check_machine(args)  # before anything imports vLLM or touches CUDA, in every process
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
-        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # imports while prepare_run checks
-        prepare_run(args, schedule)
+        if start_forkserver(args.trainer_device_list + args.explorer_device_list):
+            prepared = call_forked(prepared_args, args, schedule, timeout_s=args.timeout_s, what="pre-flight checks")
+            for name, value in prepared.items():
+                setattr(args, name, value)
+        else:
+            prepare_run(args, schedule)
         os.environ["TANDEM_ARGS"] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:
             launch_local([os.path.abspath(sys.argv[0]), *sys.argv[1:]], [w.name for w in plan])
@@ -128,6 +132,12 @@ def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:
     for name, value in prepared.items():
         setattr(args, name, value)
     os.makedirs(args.out_dir, exist_ok=True)  # a node without the trainer's filesystem keeps its files here
+
+
+def prepared_args(args, schedule: str) -> dict:
+    """prepare_run in a process of its own: the values it resolved."""
+    prepare_run(args, schedule)
+    return dataclasses.asdict(args)
 
 
 def check_out_dir(out_dir: str) -> None:

@@ -47,8 +47,11 @@ def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
                 continue
             if "multiprocessing.forkserver" in _command(int(pid)):
                 try:
-                    ranks = sorted(subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True).stdout
-                                   .split(), key=lambda p: (int(_stat(p)[19]), int(p)))
+                    children = subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True).stdout.split()
+                    if any(int(_stat(p)[3]) != int(p) for p in children):
+                        continue  # a rank leads a session of its own once started (launcher.py _forked_rank); the
+                        # pre-flight child (launcher.py call_forked) never does
+                    ranks = sorted(children, key=lambda p: (int(_stat(p)[19]), int(p)))
                 except OSError:  # one ended while we looked
                     continue
                 if rank < len(ranks):

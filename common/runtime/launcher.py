@@ -34,9 +34,9 @@ every rank is a fresh interpreter, as on a GPU."""
 
 def start_forkserver(devices: list[str]) -> bool:
     """`python train_X.py` with every rank on the CPU of a machine without CUDA: start, now, a multiprocessing
-    forkserver that imports FORKSERVER_PRELOAD while this process runs the pre-flight checks; launch_local then
-    forks the workers from it instead of starting a fresh interpreter per worker (the run's start-up CPU time
-    halves on 2 workers). A placement with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never
+    forkserver that imports FORKSERVER_PRELOAD once; the pre-flight checks (`call_forked`) and then the workers
+    (launch_local) are forked from it instead of each importing the same modules again (the run's start-up CPU
+    time halves on 2 workers). A placement with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never
     be initialised before a fork, and importing transformers may call torch.cuda.is_available(), which initialises
     the driver. Returns whether it started."""
     global _forkserver_env
@@ -61,6 +61,46 @@ def start_forkserver(devices: list[str]) -> bool:
         if unbuffered is None:
             os.environ.pop("PYTHONUNBUFFERED")
     return True
+
+
+def call_forked(fn, *args, timeout_s: float, what: str):
+    """`fn(*args)` in a process forked from the forkserver, its result returned here: the forkserver has imported
+    transformers and torch already, so the launcher need not import them a second time (on 2 cores that CPU time
+    comes out of the workers' start-up). A SystemExit in it (a one-line error) is raised here as it was."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_send_result, args=(send, fn, args), name=what)
+    proc.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            proc.kill()
+            raise SystemExit(f"error: launcher: {what} gave no answer in {timeout_s:.0f}s (--timeout-s)")
+        kind, value = receive.recv()
+    except EOFError:
+        proc.join(5)
+        raise SystemExit(f"error: launcher: {what} ended with exit code {proc.exitcode} before answering") from None
+    finally:
+        receive.close()
+    proc.join(timeout_s)
+    if kind == "exit":
+        raise SystemExit(value)
+    if kind == "error":
+        raise RuntimeError(f"{what} failed:\n{value}")
+    return value
+
+
+def _send_result(conn, fn, args) -> None:
+    import traceback
+
+    try:
+        conn.send(("ok", fn(*args)))
+    except SystemExit as e:
+        conn.send(("exit", e.code))
+    except Exception:  # noqa: BLE001  (sent to the launcher, which raises it with this traceback)
+        conn.send(("error", traceback.format_exc()))
 
 
 def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[str]) -> None:
