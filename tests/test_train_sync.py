@@ -16,6 +16,7 @@ def test_default_tiny_command_outputs(tmp_path):
     (--engine auto, vLLM where it imports) runs in tests/test_vllm_runs.py."""
     out = tmp_path / "run"
     proc = run_script("train_sync.py", "--model", "tiny", "--steps", "3", "--engine", "hf", "--taskset", "parity",
+                      "--num-threads", "1",  # two tests run at once on 2 cores: two threads each would preempt
                       "--out-dir", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[0] == "[tandem] sync: rollout engine hf (--engine hf)"
