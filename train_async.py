@@ -32,6 +32,7 @@ from common.cli import parse_args
 from common.config import CommonArgs
 from common.knobs import ConfigError, Range
 from common.runtime.channel import Mailbox, StoreFlag
+from common.runtime import cores
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
@@ -84,6 +85,7 @@ class Args(CommonArgs):
 
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
     timeline = Timeline(args.out_dir, ctx.name)
+    cores.widen()  # the trainer computes nothing before the first batch: until then its cores are the explorer's too
     explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
     stream = explorer.stream  # common/explorer/streaming.py
     explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
@@ -104,12 +106,15 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         if batch is None:
             continue
         sent += 1
+        if sent == 1:  # the trainer starts computing: its cores go back to it (common/runtime/cores.py)
+            cores.narrow(explorer.engine)
         with timeline.phase("wait", put=f"{ctx.index}-{sent}"):  # blocks only while the queue is full
             put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, explorer,
                                args)
         explorer.poll(sent)
     stream.stop()  # groups still in flight are given up (a resumed run starts them again)
     explorer.take_final(sent)  # every send still owed, up to the trainer's final weights
+    cores.widen(explorer.engine)  # the trainer has finished: the final evaluation takes its cores too
     if evaluates:
         control.send("final", explorer.final_evaluation(sent + 1), ctx.index)
     explorer.close()

@@ -16,12 +16,20 @@ ASYNC = [("trainer0", "trainer", "cpu"), ("explorer0", "explorer", "cpu")]
 
 def test_concurrent_cpu_workers_split_the_cores():
     shares = plan_cores(ASYNC, together=True, available=[0, 1])
-    assert shares == {"trainer0": CoreShare((0,), 1, True), "explorer0": CoreShare((1,), 1, True)}
+    assert shares == {"trainer0": CoreShare((0,), 1, True),
+                      "explorer0": CoreShare((1,), 1, True, wide=CoreShare((0, 1), 2, True))}
+    assert describe(shares) == ("trainer0 cores 0, 1 thread; explorer0 cores 1, 1 thread (cores 0,1, 2 threads while "
+                                "the trainers wait)")
     eight = plan_cores([*ASYNC, ("explorer1", "explorer", "cpu")], together=True, available=list(range(8)))
     assert [s.cores for s in eight.values()] == [(0, 1, 2), (3, 4, 5), (6, 7)]
     assert [s.threads for s in eight.values()] == [3, 3, 2]
-    assert describe(eight) == ("trainer0 cores 0-2, 3 threads; explorer0 cores 3-5, 3 threads; explorer1 cores 6,7, "
-                               "2 threads")
+    # while the trainer waits its cores go to the explorers, divided as the split divides
+    assert eight["trainer0"].wide is None
+    assert [eight[e].wide for e in ("explorer0", "explorer1")] == [CoreShare((0, 1, 3, 4, 5), 5, True),
+                                                                   CoreShare((2, 6, 7), 3, True)]
+    assert describe(eight) == ("trainer0 cores 0-2, 3 threads; explorer0 cores 3-5, 3 threads (cores 0,1,3,4,5, "
+                               "5 threads while the trainers wait); explorer1 cores 6,7, 2 threads (cores 2,6,7, "
+                               "3 threads while the trainers wait)")
 
 
 def test_workers_that_take_turns_or_compute_on_a_gpu_keep_every_core():
@@ -38,11 +46,12 @@ def test_workers_that_take_turns_or_compute_on_a_gpu_keep_every_core():
 
 def test_overrides_and_more_workers_than_cores():
     assert plan_cores(ASYNC, together=True, available=[0, 1, 2, 3], num_threads=1)["explorer0"] == \
-        CoreShare((2, 3), 1, True)
+        CoreShare((2, 3), 1, True, wide=CoreShare((0, 1, 2, 3), 1, True))
     unbound = plan_cores(ASYNC, together=True, available=[0, 1, 2, 3], bind=False)
     assert all(s == CoreShare((0, 1, 2, 3), 2, False) for s in unbound.values())
     crowded = plan_cores([*ASYNC, ("explorer1", "explorer", "cpu")], together=True, available=[0, 1])
     assert [s.cores for s in crowded.values()] == [(0,), (1,), (0,)]
+    assert all(s.wide is None for s in crowded.values())  # no core is the trainer's alone: none to lend
     assert describe(crowded).endswith("(more CPU workers than cores: some share one)")
 
 
@@ -57,34 +66,56 @@ def test_apply_binds_the_process_and_its_children():
     assert out.stdout.split() == [f"[{cores[-1]}]", "1", f"[{cores[-1]}]"], out.stderr
 
 
+def thread_cores(pid: int) -> set[tuple[int, ...]]:
+    """The cores each thread of `pid` may run on (Cpus_allowed_list in /proc), as a set."""
+    seen = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            seen.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except ProcessLookupError:
+            pass
+    return seen
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs 2 cores")
 def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     """A real train_async.py run: while it trains, its trainer and explorer processes are bound to the cores the
-    plan gives them (disjoint), and the run's first lines print that plan."""
-    expected = plan_cores(ASYNC, together=True, available=sorted(os.sched_getaffinity(0)), num_threads=1)
+    plan gives them (disjoint), and the run's first lines print that plan. Before its first batch the explorer
+    computes alone: every thread of it then runs on the trainer's cores too, as many threads as cores (the plan's
+    `wide`), until it hands that batch over."""
+    available = sorted(os.sched_getaffinity(0))
+    expected = plan_cores(ASYNC, together=True, available=available)
     assert not set(expected["trainer0"].cores) & set(expected["explorer0"].cores)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--bind-cores", "--steps",
-                             "3", "--out-dir", str(tmp_path / "run")], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    wide = expected["explorer0"].wide
+    assert wide == CoreShare(tuple(available), len(available), True)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--bind-cores",
+                             "--num-threads", "0", "--steps", "3", "--out-dir", str(tmp_path / "run")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        seen = {}
-        for rank, name in enumerate(("trainer0", "explorer0")):
-            pid = worker_pid(proc.pid, rank)
-            deadline = time.time() + 120  # the rank binds itself first thing, before it joins the world
-            while time.time() < deadline:
+        pids = {name: worker_pid(proc.pid, rank) for rank, name in enumerate(("trainer0", "explorer0"))}
+        seen = {name: [] for name in pids}  # each process's distinct thread bindings, in the order seen
+        deadline = time.time() + 240
+        while proc.poll() is None and time.time() < deadline:
+            for name, pid in pids.items():
                 try:
-                    seen[name] = tuple(sorted(os.sched_getaffinity(pid)))
-                except ProcessLookupError:
-                    break
-                if seen[name] == expected[name].cores:
-                    break
-                time.sleep(0.05)
+                    state = thread_cores(pid)
+                except FileNotFoundError:  # ended
+                    continue
+                if not seen[name] or seen[name][-1] != state:
+                    seen[name].append(state)
+            time.sleep(0.02)
         out, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()
-    assert seen == {name: s.cores for name, s in expected.items()}
     assert proc.returncode == 0, out[-3000:]
     assert f"[tandem] cores: {describe(expected)}" in out
+    assert {expected["trainer0"].cores} in seen["trainer0"]
+    assert all(expected["explorer0"].cores not in s for s in seen["trainer0"]), seen
+    explorer, own = seen["explorer0"], {expected["explorer0"].cores}
+    bound = explorer.index(own)  # as the rank starts (before: the launcher's cores, inherited)
+    assert {wide.cores} in explorer[bound:], explorer  # then every thread on every core: start-up, first batch
+    widened = explorer.index({wide.cores}, bound)
+    assert own in explorer[widened:], explorer  # then its own cores again while the trainer trains
 
 
 def test_async_defaults_follow_the_placement():

@@ -58,6 +58,11 @@ class RolloutEngine(ABC):
     def weight_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) in the trainer's HF parameter order and shapes, for weight sync to write into."""
 
+    def use_cores(self, cores: tuple[int, ...], threads: int) -> None:
+        """Compute on `cores` with `threads` threads from now on (common/runtime/cores.py `widen` / `narrow`, which
+        have bound every thread of the explorer and its children already). An engine in the explorer's process
+        (HF) computes with the process's torch threads: nothing more to do."""
+
     @torch.no_grad()
     def load_weights(self, source: WeightSource, version: int | None = None) -> None:
         """Generate with the weights of `source` (one of `accepts`) from now on, as weights `version`. Here:

@@ -324,6 +324,12 @@ class VLLMEngine(RolloutEngine):
                 core.call_utility("resume_scheduler")
         self.last_update_s = time.time() - start
 
+    def use_cores(self, cores: tuple[int, ...], threads: int) -> None:
+        """CPU: the worker's OpenMP threads were bound when it started (VLLM_CPU_OMP_THREADS_BIND, above); it
+        re-binds them and sets its thread count (common/explorer/vllm_worker.py `tandem_use_cores`)."""
+        if self.device.type == "cpu":
+            self.llm.collective_rpc("tandem_use_cores", args=(list(cores), threads))
+
     # ------------------------------------------------------------------ checks
     def weights_digest(self) -> tuple[str, dict[str, str]]:
         """(checksum, per-HF-name sha256) of the weights the vLLM worker computes with."""

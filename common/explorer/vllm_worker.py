@@ -273,6 +273,27 @@ class TandemWorkerExtension:
             weights[name] = t
         return tensor_digest((name, weights[name]) for name, _ in layout)
 
+    def tandem_use_cores(self, cores: list[int], threads: int) -> dict[int, list[int]]:
+        """Compute on `cores` with `threads` OpenMP threads (common/runtime/cores.py `widen` / `narrow`). vLLM's CPU
+        worker started its OpenMP threads bound to the cores it was given (OMP_PLACES / OMP_PROC_BIND, set from
+        VLLM_CPU_OMP_THREADS_BIND) and disabled `torch.set_num_threads` afterwards; a pool thread that starts now is
+        bound the same way. So: set the count, run one parallel region (the pool grows now), then bind every thread
+        of this process. Returns each thread's cores."""
+        torch._C.set_num_threads(threads)  # what vLLM's disabled torch.set_num_threads calls
+        torch.ones(threads << 16).add_(1)  # one parallel region: OpenMP starts the threads it lacks
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:
+                pass
+        bound = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                bound[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
+            except ProcessLookupError:
+                pass
+        return bound
+
     def tandem_pop_logz(self, keys: list[str]) -> dict[str, list[float]]:
         """The top-p corrections NormalizerProcessor recorded for these requests (and forget them)."""
         out = {}

@@ -11,12 +11,20 @@ run's first lines and applied by every rank as it starts (common/runtime/launche
   not bound. Data-parallel trainers step at the same time, so they still split the cores among themselves.
 - Workers on a GPU compute there: they keep every core and take none from the split.
 - More CPU workers than cores: each gets one core, shared round-robin (said in the plan's line).
+- While the trainers have nothing to compute (before the first batch reaches them: the explorer's start-up, the
+  evaluation before step 1 and the first batch; after their last step: the final evaluation) an explorer that
+  splits a node's cores with them takes the trainers' cores too (`CoreShare.wide`: the node's explorers divide the
+  trainers' cores among them), and gives them back when it hands over its first batch: `widen()` / `narrow()`,
+  called by the explorer loops of train_async.py and train_offpolicy.py. They re-bind every thread of the process
+  and of what it started (vLLM's engine core and worker, reward workers) and set the torch threads, the vLLM
+  worker's included (its OpenMP threads: `RolloutEngine.use_cores`).
 
 `--num-threads N` sets every worker's thread count; `--no-bind-cores` leaves the affinity to the OS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -26,6 +34,7 @@ class CoreShare:
     cores: tuple[int, ...]   # the cores the process may run on
     threads: int             # torch / OpenMP threads
     bound: bool              # the process is bound to `cores` (else it keeps its whole affinity)
+    wide: CoreShare | None = None  # an explorer's share while the trainers wait (`widen`); None: it keeps its own
 
 
 def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: list[int], num_threads: int = 0,
@@ -52,6 +61,25 @@ def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: l
             shares[name] = CoreShare(tuple(available), num_threads or max(1, len(available) // len(splitting)), False)
     for name, _, _ in workers:
         shares.setdefault(name, CoreShare(tuple(available), num_threads or len(available), False))
+    return widened(shares, [name for name, role in cpu if name in splitting and role == "explorer"], num_threads)
+
+
+def widened(shares: dict[str, CoreShare], explorers: list[str], num_threads: int) -> dict[str, CoreShare]:
+    """The rule for the stretches where trainers wait for a batch: the bound trainers' cores (that no explorer
+    holds) go to the bound explorers, divided as the split divides (the first take the remainder)."""
+    explorers = [name for name in explorers if shares[name].bound]
+    taken = {c for name in explorers for c in shares[name].cores}
+    spare = sorted({c for name, s in shares.items() if s.bound and name not in explorers for c in s.cores} - taken)
+    if not explorers or not spare:
+        return shares
+    size, extra = divmod(len(spare), len(explorers))
+    start = 0
+    for i, name in enumerate(explorers):
+        n = size + (i < extra)
+        if n:
+            cores = tuple(sorted(shares[name].cores + tuple(spare[start:start + n])))
+            shares[name] = dataclasses.replace(shares[name], wide=CoreShare(cores, num_threads or len(cores), True))
+        start += n
     return shares
 
 
@@ -59,16 +87,81 @@ def describe(shares: dict[str, CoreShare]) -> str:
     """One line: each worker's cores and threads."""
     def cores(c: tuple[int, ...]) -> str:
         return f"{c[0]}-{c[-1]}" if len(c) > 2 and c == tuple(range(c[0], c[-1] + 1)) else ",".join(map(str, c))
-    parts = [f"{name} cores {cores(s.cores)}{'' if s.bound else ' (unbound)'}, {s.threads} thread"
-             f"{'s' if s.threads > 1 else ''}" for name, s in shares.items()]
+    def threads(n: int) -> str:
+        return f"{n} thread{'s' if n > 1 else ''}"
+    parts = [f"{name} cores {cores(s.cores)}{'' if s.bound else ' (unbound)'}, {threads(s.threads)}"
+             + (f" (cores {cores(s.wide.cores)}, {threads(s.wide.threads)} while the trainers wait)" if s.wide else "")
+             for name, s in shares.items()]
     shared = len({s.cores for s in shares.values() if s.bound}) < sum(s.bound for s in shares.values())
     return "; ".join(parts) + (" (more CPU workers than cores: some share one)" if shared else "")
+
+
+_applied: CoreShare | None = None  # this process's share (`apply`)
 
 
 def apply(share: CoreShare) -> None:
     """Bind this process (before it starts threads or children) and set its torch thread count."""
     import torch
 
+    global _applied
     if share.bound:
         os.sched_setaffinity(0, share.cores)
     torch.set_num_threads(share.threads)
+    _applied = share
+
+
+def widen(engine=None) -> bool:
+    """Take the wide share (the trainers' cores too) while the trainers have nothing to compute; whether there is
+    one. Every thread of this process and of its children moves; `engine` (a RolloutEngine, if it is built) sets its
+    own compute threads (vLLM: the worker's OpenMP threads)."""
+    return _take(_applied.wide if _applied else None, engine)
+
+
+def narrow(engine=None) -> bool:
+    """Give the trainers' cores back (the trainers are about to compute): this process's own share again."""
+    return _take(_applied if _applied and _applied.wide else None, engine)
+
+
+def _take(share: CoreShare | None, engine) -> bool:
+    import torch
+
+    if share is None:
+        return False
+    for pid in [os.getpid(), *descendants(os.getpid())]:
+        bind_threads(pid, share.cores)
+    torch.set_num_threads(share.threads)  # new OpenMP threads inherit the main thread's cores
+    if engine is not None:
+        engine.use_cores(share.cores, share.threads)
+    return True
+
+
+def bind_threads(pid: int, cores) -> None:
+    """Bind every thread of process `pid` (os.sched_setaffinity binds only the one thread it names)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # ended meanwhile / not ours
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by `pid`, their children, and so on (from /proc: ppid in each process's stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
