@@ -1,31 +1,34 @@
-"""Standard environment libraries behind tandem's boundary: verifiers (common/envs/verifiers_env.py), trained end
-to end on the tiny model, and its adapter fed environments that raise or return garbage (one episode ends, with
-its reason; the next one plays)."""
+"""Standard environment libraries behind tandem's boundary: verifiers (common/envs/verifiers_env.py) and OpenEnv
+(common/envs/openenv_env.py), each trained end to end on the tiny model, and each adapter fed environments that
+raise, hang or return garbage (one episode ends, with its reason; the next one plays)."""
 
 import math
+import random
 
 import pytest
 
 from tests.conftest import TINY, assert_trained, run_script
 
 vf = pytest.importorskip("verifiers")
+pytest.importorskip("openenv.core")
 
-from common.envs import verifiers_env  # noqa: E402  (after the skip: it needs the library)
+from common.envs import openenv_env, verifiers_env  # noqa: E402  (after the skips: they need the libraries)
 from common.envs.boundary import EnvFailure, EpisodeEnv  # noqa: E402
 
 TINY_ENV = "tests.verifiers_tiny_env"
 
 
-def test_verifiers_env_trains(tmp_path):
-    # The random tiny model seldom stops within --max-new-tokens: its cut turns go on, so both turns are played
-    # and the rubric scores each episode.
-    proc = run_script("train_sync.py", *TINY, "--taskset", f"verifiers:{TINY_ENV}", "--steps", "2",
+@pytest.mark.parametrize("taskset", ["verifiers:tests.verifiers_tiny_env", "openenv:tests.openenv_tiny_env"])
+def test_a_standard_env_trains(taskset, tmp_path):
+    # Both tiny environments play two turns and pay the ASCII share of the policy's turns at the end. The random
+    # tiny model seldom stops within --max-new-tokens: its cut turns go on, so both turns are played.
+    proc = run_script("train_sync.py", *TINY, "--taskset", taskset, "--steps", "2",
                       "--truncated-turns", "continue", "--episode-token-budget", "200",
                       "--out-dir", str(tmp_path / "run"), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(tmp_path / "run", steps=2)
     assert all(r["rollout/turns_mean"] == 2 and r["rollout/end/done"] == r["rollout/episodes"] for r in rows), rows
-    assert all(0 < r["reward/mean"] < 1 for r in rows)  # the rubric's ASCII share, never an error's 0
+    assert all(0 < r["reward/mean"] < 1 for r in rows)  # the environment's ASCII share, never an error's 0
 
 
 class Scripted(vf.MultiTurnEnv):
@@ -103,6 +106,103 @@ def test_a_bad_verifiers_env_ends_one_episode_with_a_reason(name, env, reason, m
     assert episode("good-after", Scripted(lambda m: [vf.UserMessage(content="again")], ok_score))[-1].reward == 0.5
 
 
+def test_loading_a_verifiers_env_keeps_the_process_signals_and_works_in_a_thread():
+    """verifiers' Environment sets the process's SIGINT/SIGTERM handlers when built (and raises outside the main
+    thread, where an explorer's episode builds it): the adapter keeps tandem's."""
+    import signal
+    import threading
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    verifiers_env._loaded.pop(TINY_ENV, None)
+    errors = []
+
+    def load():
+        try:
+            verifiers_env.load(TINY_ENV)
+        except RuntimeError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join(60)
+    verifiers_env._loaded.pop(TINY_ENV, None)
+    verifiers_env.load(TINY_ENV)  # in the main thread too
+    assert not errors and (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before, errors
+
+
 def test_an_unknown_verifiers_env_is_a_one_line_error():
     with pytest.raises(SystemExit, match=r"verifiers:no_such_env_module: ValueError: Could not import"):
         verifiers_env.verifiers_task_list("no_such_env_module", 1, 0, "t-")
+
+
+# ------------------------------------------------------------------------------------------------ OpenEnv
+def openenv_episode(where: str, timeout_s: float = 20):
+    if not openenv_env.is_url(where):  # started first: a server's start (~10 s on 2 busy cores) is no step's time
+        openenv_env.serve_module(where)
+    task = openenv_env.make_openenv_task(random.Random(0), 0, 0, where)
+    ep = EpisodeEnv("openenv", {}, timeout_s)
+    try:
+        first, last = ep.reset(task)[0], ep.step("hello")
+    except EnvFailure:
+        ep.close_quietly = True
+        raise
+    finally:
+        try:
+            ep.close()
+        except EnvFailure:  # after a failed step, the step's failure is the one the test is about
+            if not getattr(ep, "close_quietly", False):
+                raise
+    return first, last
+
+
+BAD = "tests.openenv_bad_envs"
+
+
+def test_openenv_adapter_plays_a_served_module():
+    first, last = openenv_episode(f"{BAD}:good")
+    assert first == [{"role": "user", "content": "go"}] and (last.reward, last.done) == (0.25, True)
+
+
+@pytest.mark.parametrize("app,reason", [("raising", "error"), ("hanging", "timeout")])
+def test_a_bad_openenv_env_ends_one_episode_with_a_reason(app, reason):
+    with pytest.raises(EnvFailure) as failure:
+        openenv_episode(f"{BAD}:{app}", timeout_s=8)
+    assert failure.value.reason == reason and failure.value.call == "step", failure.value
+    assert openenv_episode(f"{BAD}:good")[-1].reward == 0.25  # the next episode plays on
+
+
+def test_an_openenv_server_that_is_not_there_fails_reset():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(EnvFailure) as failure:
+        openenv_episode(f"http://127.0.0.1:{port}", timeout_s=10)
+    assert failure.value.call == "reset" and "Failed to connect" in str(failure.value)
+
+
+def test_garbage_from_an_openenv_server_ends_one_episode():
+    """A server that speaks the protocol but answers a step with garbage (OpenEnv's own server cannot send a
+    non-finite reward: it serializes NaN as null, which the adapter reads as no reward, 0)."""
+    import json
+    import threading
+
+    from websockets.sync.server import serve
+
+    answers = iter([{"observation": {"prompt": "go"}, "reward": None, "done": False},
+                    {"observation": {"prompt": "x"}, "reward": "lots", "done": False}])
+
+    def handler(ws):
+        for raw in ws:
+            kind = json.loads(raw)["type"]
+            if kind == "close":
+                return
+            ws.send(json.dumps({"type": "observation", "data": next(answers)}))
+
+    with serve(handler, "127.0.0.1", 0) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        with pytest.raises(EnvFailure) as failure:
+            openenv_episode(f"http://127.0.0.1:{server.socket.getsockname()[1]}", timeout_s=10)
+        server.shutdown()
+    assert failure.value.call == "step" and "reward is 'lots', not a finite number" in str(failure.value)

@@ -1,11 +1,12 @@
-"""OpenEnv environments (pip openenv-core==0.3.0): `--taskset openenv:URL` or `--taskset openenv:MODULE`.
+"""OpenEnv environments (pip openenv-core==0.3.0): `--taskset openenv:URL` or `--taskset openenv:MODULE[:APP]`.
 
 - `openenv:http://HOST:PORT` plays an OpenEnv server that is already running: a Docker container
   (`docker run -p 8000:8000 IMAGE`), a Hugging Face Space, or `uvicorn PKG.server.app:app` of an installed
   environment package.
-- `openenv:MODULE` serves the OpenEnv app `MODULE.app` (what `create_app(Environment, Action, Observation)`
-  returns; every OpenEnv environment package has one in `PKG.server.app`) on 127.0.0.1, on a free port, in a
-  thread of the explorer process (once per process), and plays it the same way: offline, no container. E.g.
+- `openenv:MODULE[:APP]` serves the OpenEnv app `MODULE.APP` (default `app`: what `create_app(Environment, Action, Observation)`
+  returns; every OpenEnv environment package has one in `PKG.server.app`) with uvicorn on 127.0.0.1, on a free
+  port, in a process of its own (one per explorer process, ended with it), and plays it the same way: offline, no
+  container. E.g.
   `openenv:tests.openenv_tiny_env` (tests/openenv_tiny_env.py).
 
 Each episode is one WebSocket session of the library's own client (`GenericEnvClient`: reset, step, close), so the
@@ -23,10 +24,15 @@ randomness use).
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import json
-import socket
+import os
+import select
+import subprocess
+import sys
+import tempfile
 import threading
-import time
 from dataclasses import dataclass
 
 from common.envs import Env, EnvSettings, StepResult
@@ -40,40 +46,60 @@ def is_url(arg: str) -> bool:
     return arg.startswith(("http://", "https://", "ws://", "wss://"))
 
 
+# The server process: binds a free port and listens before it prints it (connections wait in the backlog until
+# uvicorn accepts them), and exits when its parent is gone.
+_LAUNCH = """
+import importlib, os, socket, sys, threading, time
+import uvicorn
+parent = os.getppid()
+module, _, name = sys.argv[1].partition(":")
+app = getattr(importlib.import_module(module), name or "app")
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(128)
+def orphaned():
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+threading.Thread(target=orphaned, daemon=True).start()
+print(sock.getsockname()[1], flush=True)
+# log_level critical: openenv-core 0.3.0's server logs a traceback for every session its own client closes
+uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off")).run(sockets=[sock])
+"""
+
+
 def serve_module(module: str) -> str:
-    """The base URL of `module`'s OpenEnv app, served by uvicorn in a daemon thread (started on first use)."""
+    """The base URL of `module`'s OpenEnv app, served by uvicorn in a process of its own (started on first use,
+    one per explorer process): an environment that hangs or crashes there never holds the explorer, nor its exit."""
     with _servers_lock:
         if module in _servers:
             return _servers[module]
-        import importlib
-
-        import uvicorn
-
-        app = getattr(importlib.import_module(module), "app", None)
-        if app is None:
-            raise ValueError(f"module {module!r} has no `app` (an OpenEnv create_app(...) app)")
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))  # a free port, ours from here on: no race with another process
-        # log_level critical: openenv-core 0.3.0's server logs a traceback for every session its own client closes;
-        # what goes wrong in an episode reaches tandem through the client (an error answer, a closed socket).
-        server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                  name=f"openenv-server-{module}")
-        thread.start()
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not server.started:  # the explorer waits for its uvicorn thread, at most SERVER_START_TIMEOUT_S
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenEnv server of {module!r} did not start within "
-                                   f"{SERVER_START_TIMEOUT_S:g}s" + ("" if thread.is_alive() else " (it exited)"))
-            time.sleep(0.05)
-        _servers[module] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, module], stdout=subprocess.PIPE, stderr=log,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        atexit.register(stop_server, proc)
+        ready, _, _ = select.select([proc.stdout], [], [], SERVER_START_TIMEOUT_S)  # the explorer waits for it
+        line = proc.stdout.readline().strip() if ready else b""
+        if not line.isdigit():
+            stop_server(proc)
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"the OpenEnv server of {module!r} did not start within {SERVER_START_TIMEOUT_S:g}s: "
+                               f"{tail[0][:300]}")
+        _servers[module] = f"http://127.0.0.1:{int(line)}"
         return _servers[module]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)  # the explorer waits for the killed server to be reaped
 
 
 def make_openenv_task(rng, index: int, difficulty: int, arg: str | None = None) -> dict:
     if not arg:
-        raise SystemExit("error: --taskset openenv:URL|MODULE: name the server (http://HOST:PORT) or the module "
-                         "of its app")
+        raise SystemExit("error: --taskset openenv:URL|MODULE[:APP]: name the server (http://HOST:PORT) or the "
+                         "module of its app")
     return {"id": f"openenv-{index}", "env": "openenv", "openenv": arg, "seed": rng.randint(0, 2**31 - 1)}
 
 
@@ -85,6 +111,8 @@ class OpenEnvSettings(EnvSettings):
     """the observation's field shown to the policy ('': its only field if that is text, else all, as JSON)"""
     message_timeout_s: float = 60.0
     """longest the client waits for one answer of the server"""
+    close_timeout_s: float = 2.0
+    """longest an episode's close waits for the server"""
     worst_reward: float = 0.0
     """the environment's lowest reward for a played episode: what an episode that ends in an error gets"""
 
@@ -137,4 +165,5 @@ class OpenEnv(Env):
     async def close(self) -> None:
         if self.client is not None:
             client, self.client = self.client, None
-            await client.close()
+            # A server still in a step the boundary gave up on does not answer the close handshake: bounded
+            await asyncio.wait_for(client.close(), self.settings.close_timeout_s)

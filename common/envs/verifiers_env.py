@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -35,11 +36,26 @@ _loaded: dict = {}  # name -> the library's environment, loaded once per process
 _load_lock = threading.Lock()
 
 
+class _KeepSignals:
+    """What the library's environment module sees as `signal`: building an environment there replaces the
+    process's SIGINT and SIGTERM handlers (and raises outside the main thread, where explorers build theirs). The
+    process is tandem's: Ctrl-C and shutdown stay as tandem set them; the library's teardown still runs at exit."""
+
+    SIGINT, SIGTERM = signal.SIGINT, signal.SIGTERM
+    default_int_handler = staticmethod(signal.default_int_handler)
+
+    @staticmethod
+    def signal(signalnum, handler):
+        return None
+
+
 def load(name: str):
     with _load_lock:
         if name not in _loaded:
             import verifiers as vf
+            from verifiers.legacy.envs import environment
 
+            environment.signal = _KeepSignals
             _loaded[name] = vf.load_environment(name)
         return _loaded[name]
 
