@@ -72,6 +72,41 @@ def test_verifiers_adapter_plays_and_scores_in_process():
     assert (last.reward, last.done) == (0.5, True) and last.info["stop_condition"] == "max_turns_reached"
 
 
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def answered(completion, answer, **kwargs) -> float:
+    return float(any(m.role == "assistant" and isinstance(m.content, str) and answer in m.content
+                     for m in completion))
+
+
+def test_a_verifiers_tool_env_gets_tandem_parsed_calls():
+    from datasets import Dataset
+
+    env = vf.ToolEnv(dataset=Dataset.from_list([{"question": "2+3?", "answer": "5"}]), tools=[add],
+                     rubric=vf.Rubric(funcs=[answered]), max_turns=4)
+    verifiers_env._loaded["tool"] = env
+    task = verifiers_env.verifiers_task_list("tool", 1, 0, "t-")[0]
+    ep = EpisodeEnv("verifiers", {}, 10)
+    try:
+        _, tools = ep.reset(task)
+        assert [t["function"]["name"] for t in tools] == ["add"]
+        call = ep.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')  # hermes
+        assert [m["content"] for m in call.messages] == ["5"] and not call.done and call.reward == 0
+        assert call.info["calls"][0]["id"] == call.messages[0]["tool_call_id"]
+        last = ep.step("It is 5.")
+    finally:
+        ep.close()
+    assert (last.reward, last.done, last.info["stop_condition"]) == (1.0, True, "no_tools_called")
+
+
 def boom(messages):
     raise RuntimeError("env_response broke")
 
@@ -166,7 +201,7 @@ def test_openenv_adapter_plays_a_served_module():
 @pytest.mark.parametrize("app,reason", [("raising", "error"), ("hanging", "timeout")])
 def test_a_bad_openenv_env_ends_one_episode_with_a_reason(app, reason):
     with pytest.raises(EnvFailure) as failure:
-        openenv_episode(f"{BAD}:{app}", timeout_s=8)
+        openenv_episode(f"{BAD}:{app}", timeout_s=3)
     assert failure.value.reason == reason and failure.value.call == "step", failure.value
     assert openenv_episode(f"{BAD}:good")[-1].reward == 0.25  # the next episode plays on
 
