@@ -61,12 +61,15 @@ def load(name: str):
 
 
 def verifiers_task_list(arg: str | None, size: int, seed: int, prefix: str) -> list[dict]:
-    """`size` rows of the environment's dataset (shuffled by `seed`), each a task carrying its row."""
+    """`size` rows of the environment's dataset (shuffled by `seed`), each a task carrying its row. The held-out
+    list (common/tasks/named.py asks for it with the prefix "NAME-eval-") comes from the environment's eval
+    dataset; the library falls back to its training dataset where it has none."""
     if not arg:
         raise SystemExit("error: --taskset verifiers:NAME: name the environment (its module)")
     try:
         env = load(arg)
-        rows = env.get_dataset(n=size, seed=seed)
+        held_out = prefix.endswith("-eval-")
+        rows = (env.get_eval_dataset if held_out else env.get_dataset)(n=size, seed=seed)
         rows = json.loads(json.dumps([dict(r) for r in rows]))
     except (ImportError, ValueError, RuntimeError, TypeError) as e:
         raise SystemExit(f"error: --taskset verifiers:{arg}: {type(e).__name__}: {e}") from None
