@@ -3,11 +3,10 @@
 - `openenv:http://HOST:PORT` plays an OpenEnv server that is already running: a Docker container
   (`docker run -p 8000:8000 IMAGE`), a Hugging Face Space, or `uvicorn PKG.server.app:app` of an installed
   environment package.
-- `openenv:MODULE[:APP]` serves the OpenEnv app `MODULE.APP` (default `app`: what `create_app(Environment, Action, Observation)`
-  returns; every OpenEnv environment package has one in `PKG.server.app`) with uvicorn on 127.0.0.1, on a free
-  port, in a process of its own (one per explorer process, ended with it), and plays it the same way: offline, no
-  container. E.g.
-  `openenv:tests.openenv_tiny_env` (tests/openenv_tiny_env.py).
+- `openenv:MODULE[:APP]` serves the OpenEnv app `MODULE.APP` (default `app`: what `create_app(Environment,
+  Action, Observation)` returns; every OpenEnv environment package has one in `PKG.server.app`) with uvicorn on
+  127.0.0.1, on a free port, in a process of its own (one per explorer process, ended with it), and plays it the
+  same way: offline, no container. E.g. `openenv:tests.openenv_tiny_env` (tests/openenv_tiny_env.py).
 
 Each episode is one WebSocket session of the library's own client (`GenericEnvClient`: reset, step, close), so the
 server gives it an environment instance of its own. The observation the server sends is shown to the policy as
@@ -18,8 +17,8 @@ environments take). The reward is the server's per-step `reward` (None: 0), summ
 the episode ends when the server says `done`. Everything the server sends is untrusted: a field missing or of the
 wrong type ends the episode as an error, through the boundary.
 
-Tasks: OpenEnv has no task list: task i is a reset with seed i (`reset(seed=...)`, which environments with
-randomness use).
+Tasks: OpenEnv has no task list: each task is a reset with a seed drawn for it (`reset(seed=...)`, which
+environments with randomness use).
 """
 
 from __future__ import annotations
