@@ -248,7 +248,7 @@ SLOW_FILES = ["test_readme.py", "test_multinode.py", "test_vllm_runs.py", "test_
               "test_train_sync.py", "test_recipes.py", "test_workflows_runs.py", "test_schedules.py", "test_vlm.py",
               "test_data_parallel.py", "test_launcher.py", "test_researcher_day.py", "test_engine_vllm.py",
               "test_algos.py", "test_fsdp.py", "test_weight_sync_methods.py", "test_replay.py", "test_agent_endpoint.py",
-              "test_lora.py", "test_http_env.py"]
+              "test_lora.py", "test_standard_envs.py", "test_http_env.py"]
 
 
 def pytest_collection_modifyitems(items):

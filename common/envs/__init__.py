@@ -33,6 +33,8 @@ ENVS = {
     "retry": "common.envs.retry:Retry",
     "textarena": "common.envs.textarena_env:TextArena",
     "reasoning_gym": "common.envs.reasoning_gym_env:ReasoningGym",
+    "verifiers": "common.envs.verifiers_env:Verifiers",  # --taskset verifiers:NAME (the verifiers library's)
+    "openenv": "common.envs.openenv_env:OpenEnv",  # --taskset openenv:URL|MODULE[:APP] (OpenEnv servers)
     "gem": "common.envs.gem_env:Gem",
     "http": "common.envs.http_env:HttpEnv",  # an environment server's (--env-server, or a task's "remote_env")
 }
