@@ -14,7 +14,8 @@ Both sides do the same token work on the same engine, in one process:
          (common/explorer/endpoint.py), each appending the reply and the same "Go on." user message, so every call
          continues the episode's one sample; all episodes run concurrently and their calls join the engine together.
 Reports sampled tokens/s of each (best of --repeats alternating runs), the ratio agent/multi (best of each, and per
-repeat), the agent side's calls/s and p50/p95 call latency (client side: request sent to reply parsed). The tiny
+repeat), the agent side's calls/s and p50/p95 call latency (client side: request sent to reply parsed), and with HF
+each batched engine call's rows and seconds (how the calls were batched). The tiny
 random model almost never emits its stop token early, so --model tiny measures the machinery at equal tokens.
 """
 
@@ -93,6 +94,16 @@ def main():
 
         path = save_servable_tiny(tempfile.mkdtemp()) if args.model == "tiny" else resolve_model(args.model)
         engine = VLLMEngine(path, tokenizer=tok, dtype="float32", kv_cache_gb=1.0)
+    calls_log: list = []  # (rows, seconds) of each batched engine call (HF; vLLM steps instead)
+    if not engine.streams:
+        generate = engine.generate
+
+        def logged(prompts, *a, **kw):
+            t0 = time.perf_counter()
+            out = generate(prompts, *a, **kw)
+            calls_log.append((len(prompts), time.perf_counter() - t0))
+            return out
+        engine.generate = logged
     total = args.turns * args.turn_tokens
     budget = 4 * total + 512
     prompts = [f"Tell me a long story about the number {i}." for i in range(args.episodes)]
@@ -119,6 +130,7 @@ def main():
         for name, ctx in runs.items():
             say(f"{name} repeat {r}: {args.episodes} episodes x {args.turns} turns x {args.turn_tokens} tokens ...")
             latencies: list[float] = []
+            calls_log.clear()
             torch.manual_seed(r)
             t0 = time.perf_counter()
             groups, counts = run_episodes(engine, ctx, tasks(name, latencies), sampling)
@@ -138,6 +150,8 @@ def main():
             else:
                 line += f" ({counts['engine_calls']} engine calls)"
             print(line, flush=True)
+            if calls_log:
+                print(f"    engine calls (rows/seconds): {', '.join(f'{n}/{t:.1f}s' for n, t in calls_log)}", flush=True)
             if name not in best or rate > best[name][0]:
                 best[name] = (rate, counts["tokens"], seconds)
                 latencies_of[name] = (latencies, seconds)
