@@ -190,7 +190,9 @@ def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_con
     made_up = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
     groups, _ = run_episodes(Scripted(tok, [made_up, "The answer is 20"]), ctx, [{"id": "m", "prompt": "1+1?"}],
                              SamplingConfig(max_new_tokens=128))
-    assert groups[0].responses[0].episode.end_reason == "done", groups[0].responses[0].episode.error
+    episode = groups[0].responses[0].episode
+    assert episode.end_reason == "done", episode.error
+    assert episode.calls == 1  # not offered in `tools`: it came back as text, as the API never calls such a function
 
 
 async def streaming(task, base_url, api_key):

@@ -363,8 +363,10 @@ class Agent(Workflow):
         if request.tools and request.call_tools:  # the tool parser sees no reasoning, as in multi_turn
             visible = strip_reasoning(text) if self.ctx.reasoning_parser == "think" else text
             content, calls = self.ctx.tool_format.split(visible, request.tools)
-            if calls and any(isinstance(c, Exception) for c in calls):  # a malformed call: the agent gets the text
-                content, calls = text, None
+            offered = {t["name"] for t in request.tools}
+            if calls and any(isinstance(c, Exception) or c["name"] not in offered for c in calls):
+                content, calls = text, None  # malformed, or a function the request did not offer (the API never
+                # calls one): the agent gets the text
         tool_calls = [{"id": "call_" + secrets.token_hex(8), "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls or []]
         with self.lock:

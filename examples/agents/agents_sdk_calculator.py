@@ -33,5 +33,5 @@ async def agent(task: dict, base_url: str, api_key: str, max_rounds: int = 4) ->
             result = await Runner.run(calculator, task["prompt"], max_turns=max_rounds,
                                       run_config=RunConfig(tracing_disabled=True))
         except (MaxTurnsExceeded, ModelBehaviorError):
-            return ""  # still calling tools after max_rounds calls, or a tool that does not exist: no answer
+            return ""  # still calling tools after max_rounds calls, or a reply the SDK refuses: no answer
     return str(result.final_output or "")
