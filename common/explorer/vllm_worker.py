@@ -40,6 +40,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from common.buckets import flat_views, map_shared_file
 from common.explorer.vllm_logits import NormalizerProcessor
+from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
 
 
@@ -281,11 +282,7 @@ class TandemWorkerExtension:
         of this process. Returns each thread's cores."""
         torch._C.set_num_threads(threads)  # what vLLM's disabled torch.set_num_threads calls
         torch.ones(threads << 16).add_(1)  # one parallel region: OpenMP starts the threads it lacks
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except ProcessLookupError:
-                pass
+        bind_threads(os.getpid(), cores)
         bound = {}
         for tid in os.listdir("/proc/self/task"):
             try:
