@@ -39,7 +39,7 @@ from common.explorer.explorer import Explorer
 from common.runtime.worker import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
 from common.tasks.stream import mark_trained
-from common.run import launch
+from common.run import launch, run_entry
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import make_weight_sync
 
@@ -180,4 +180,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_entry(main)

@@ -24,7 +24,7 @@ from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
 from common.runtime.worker import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
-from common.run import launch
+from common.run import launch, run_entry
 from common.weight_sync import make_weight_sync
 from train_sync import trainer_main  # the trainer side is the synchronous one: get, train, send weights
 
@@ -76,4 +76,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_entry(main)

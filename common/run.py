@@ -4,6 +4,7 @@ common/preflight.py) and wrap-up (timeline, plots, summary) are shared by every 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
-from common.runtime.launcher import call_forked, launch_local, start_forkserver
+from common.runtime.launcher import call_forked, launch_local, start_forkserver, stop_forkserver
 from common.runtime.worker import WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
@@ -67,6 +68,28 @@ def prepare_run(args, schedule: str) -> None:
     remove_partial(args.out_dir)  # .tmp-* of saves a killed run never finished
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
         json.dump({"schedule": schedule, **dataclasses.asdict(args)}, f, indent=2)
+
+
+def run_entry(main) -> None:
+    """An entry script's `main()`. In the launcher (`python train_X.py`), the process then ends as Python would end
+    it (exit code, a one-line error on stderr, atexit handlers run) without tearing down its modules: torch's and
+    transformers' teardown costs ~1 s of CPU on every run and every one-line error. A rank (under torch elastic)
+    returns, as the agent expects of its function and binary entrypoints."""
+    if under_elastic():
+        return main()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        if not isinstance(code, (int, type(None))):  # a message: printed, exit code 1
+            print(code, file=sys.stderr)
+            code = 1
+    stop_forkserver()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def launch(args, schedule: str, worker, title: str) -> None:

@@ -63,6 +63,20 @@ def start_forkserver(devices: list[str]) -> bool:
     return True
 
 
+def stop_forkserver() -> None:
+    """End the forkserver at once, if this process started one: left to itself it exits when the launcher has, and
+    tears down the torch and transformers it imported meanwhile (~1 s), holding the run's stdout open. Its workers
+    are processes of their own and have ended or been stopped by then."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if _forkserver_env is not None and pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def call_forked(fn, *args, timeout_s: float, what: str):
     """`fn(*args)` in a process forked from the forkserver, its result returned here: the forkserver has imported
     transformers and torch already, so the launcher need not import them a second time (on 2 cores that CPU time
