@@ -325,12 +325,14 @@ def test_a_broken_agent_ends_its_own_episode_failed_and_never_pays(tiny, agent, 
     assert sample.counts()[f"rollout/end/{reason}"] == 1
 
 
-@pytest.mark.parametrize("example", EXAMPLES)
-def test_the_example_agent_trains(tmp_path, example):
-    """One short run each (~20 s, nearly all of it the run's start-up): the random tiny model writes no tool calls,
-    so the tool loop itself is the scripted test's; this is the library inside a real explorer process."""
+@pytest.mark.parametrize("example,schedule", zip(EXAMPLES, [["train_async.py", "--num-explorers", "2"],
+                                                               ["train_offpolicy.py"], ["train_sync.py"]]))
+def test_the_example_agent_trains(tmp_path, example, schedule):
+    """One short run each (~20 s, nearly all of it the run's start-up), each under another schedule (streaming
+    episodes in two explorers, one step off-policy, synchronous): the random tiny model writes no tool calls, so
+    the tool loop itself is the scripted test's; this is the library inside a real explorer process."""
     out = tmp_path / "run"
-    result = run_script("train_sync.py", *TINY, "--steps", "2", "--max-new-tokens", "16",
+    result = run_script(schedule[0], *TINY, *schedule[1:], "--steps", "2", "--max-new-tokens", "16",
                         "--agent", f"{example}:agent", "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_trained(out, steps=2)
