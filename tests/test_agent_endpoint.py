@@ -171,6 +171,54 @@ def test_trained_ids_are_the_ids_fed_and_sampled_and_a_rewritten_context_is_a_se
     assert log == [tok.decode(g.response_ids, skip_special_tokens=True) for g in (g1, g2, g3)]
 
 
+async def completing(task, base_url, api_key):
+    """/v1/completions: a text prompt, then its ids as returned plus new ids (continues the sample), a streamed call
+    extending that, then a prompt that does not extend it (a second sample); bad prompts on the way."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    create, ids = client.completions.create, {"return_token_ids": True}
+    first = (await create(model="m", prompt="Count: 1 2", extra_body=ids)).choices[0]
+    more = task["more"]
+    second = (await create(model="m", prompt=first.prompt_token_ids + first.token_ids + more,
+                           extra_body=ids)).choices[0]
+    parts = [c async for c in await create(model="m", prompt=second.prompt_token_ids + second.token_ids + more,
+                                           stream=True, extra_body=ids)]
+    streamed = parts[0].choices[0]
+    task["log"] += [first.text, second.text, streamed.text, first.prompt_token_ids, first.token_ids,
+                    second.token_ids, streamed.token_ids, parts[-1].choices[0].finish_reason]
+    for name, call in [("vocab", create(model="m", prompt=[10 ** 9])),
+                       ("empty", create(model="m", prompt=[])),
+                       ("batch", create(model="m", prompt=["a", "b"])),
+                       ("echo", create(model="m", prompt="a", echo=True)),
+                       ("chat field", create(model="m", prompt="a", extra_body={"tools": []}))]:
+        task["log"].append((name, *await _status(call)))
+    other = (await create(model="m", prompt="Summary: go on.")).choices[0]
+    return other.text
+
+
+def test_completions_take_ids_or_text_continue_a_sample_exactly_and_refuse_bad_prompts(tiny):
+    tok, model = tiny
+    engine, log = Recording(model, tok), []
+    more = tok.encode(" and 3?", add_special_tokens=False)
+    groups = episodes(engine, tok, "completing", [{"id": "c", "prompt": "x", "log": log, "more": more}])
+    a, b = groups[0].responses
+    (p1, g1), (p2, g2), (p3, g3), (p4, g4) = engine.calls
+    assert a.episode is b.episode and a.episode.end_reason == "done" and a.episode.calls == 4
+    assert p1 == tok.encode("Count: 1 2", add_special_tokens=False) == a.prompt_ids
+    assert p2 == p1 + g1.response_ids + more and p3 == p2 + g2.response_ids + more
+    assert a.response_ids == g1.response_ids + more + g2.response_ids + more + g3.response_ids
+    assert a.mask == [1] * len(g1.response_ids) + [0] * len(more) + [1] * len(g2.response_ids) + \
+        [0] * len(more) + [1] * len(g3.response_ids)
+    assert b.prompt_ids == p4 == tok.encode("Summary: go on.", add_special_tokens=False)
+    texts, (ids1, out1, out2, out3, finish), errors = log[:3], log[3:8], {e[0]: e[1:] for e in log[8:]}
+    assert ids1 == p1 and [out1, out2, out3] == [g.response_ids for g in (g1, g2, g3)]
+    assert texts == [tok.decode(g.response_ids, skip_special_tokens=True) for g in (g1, g2, g3)]
+    assert finish in ("stop", "length")
+    for name, param in [("vocab", "prompt"), ("empty", "prompt"), ("batch", "prompt"), ("echo", "echo"),
+                        ("chat field", "tools")]:
+        status, body = errors[name]
+        assert status == 400 and body["param"] == param, (name, status, body)
+
+
 @pytest.mark.parametrize("agent", [{"agent": f"{e}:agent"} for e in EXAMPLES] + [{"agent_cmd": CMD}],
                          ids=[*EXAMPLES, "agent_cmd"])
 def test_tool_calls_come_back_openai_shaped_and_the_example_agents_tool_loop_continues_one_sample(tiny, agent):
@@ -316,7 +364,9 @@ async def lying(task, base_url, api_key):
                                           ("lying", "bad_return")])
 def test_a_broken_agent_ends_its_own_episode_failed_and_never_pays(tiny, agent, reason):
     tok, model = tiny
-    groups = episodes(HFEngine(model, tok), tok, agent, [{"id": "x", "prompt": "hi"}], timeout=1.0)
+    # Only the agents that time out run to the limit: the others must end on their own, even on a loaded machine.
+    groups = episodes(HFEngine(model, tok), tok, agent, [{"id": "x", "prompt": "hi"}],
+                      timeout=1.0 if reason == "timeout" else 60.0)
     (sample,) = groups[0].responses  # raising: its one call; the others: an empty sample that trains nothing
     assert sample.episode.end_reason == reason, sample.episode.error
     assert bool(sample.response_ids) == (agent == "raising") and sum(sample.mask) == len(sample.response_ids)
@@ -370,7 +420,8 @@ def test_agent_cmd_reads_the_result_line_and_a_crashing_hung_or_mute_program_end
     tok, model = tiny
     code, reason = PROGRAMS[program]
     pids = tmp_path / "pids"
-    ctx = Context(tok, max_new_tokens=8, episode_token_budget=512, agent_timeout_s=1.0,
+    # The hung program has 5 s to start and write its pids (it then sleeps); the others must end on their own.
+    ctx = Context(tok, max_new_tokens=8, episode_token_budget=512, agent_timeout_s=5.0 if reason == "timeout" else 60.0,
                   agent_cmd=f"{sys.executable} -c \"{code}\" {pids}")
     groups, _ = run_episodes(HFEngine(model, tok), ctx, [{"id": "p", "prompt": "hi"}], SamplingConfig(max_new_tokens=8))
     (sample,) = groups[0].responses

@@ -11,8 +11,11 @@ at least one new message (tool results, a user turn), with the same tools; its p
 so far (prompt | sampled ids) followed by the new messages' ids as the template renders them after an assistant
 turn (common/explorer/chat.py), and those observation ids are masked. Any other call (the agent rewrote or
 summarised its context, a sub-agent) starts a new sample whose prompt is the template's rendering of its messages.
-So every sample is one sequence built only by appending the exact ids the engine was fed and sampled; nothing
-sampled is decoded and re-encoded.
+A `/v1/completions` call continues a sample when its prompt, as token ids, is that sample's ids so far followed by
+at least one more id (masked, as observations are); any other prompt, and every text prompt that re-encodes
+sampled text differently, starts a new sample whose prompt is those ids. Chat and completion calls never continue
+each other's samples. So every sample is one sequence built only by appending the exact ids the engine was fed
+and sampled; nothing sampled is decoded and re-encoded.
 
 Reward: `fn` returns a number (the episode's reward) or a string (its answer, scored by the task's verifier; a
 task without one scores 0). Every sample of the episode gets that reward, and group advantages are formed over
@@ -277,10 +280,32 @@ class Agent(Workflow):
     def _continued(self, e: AgentEpisode, messages: list[dict], tools) -> AgentSample | None:
         for s in reversed(e.samples):
             n = len(s.messages)
-            if not s.busy and s.reply is not None and s.tools == tools and len(messages) > n + 1 \
+            if not s.busy and s.reply is not None and s.messages and s.tools == tools and len(messages) > n + 1 \
                     and messages[:n] == s.messages and messages[n] == s.reply:
                 return s
         return None
+
+    def _continued_ids(self, e: AgentEpisode, prompt: list[int]) -> AgentSample | None:
+        for s in reversed(e.samples):
+            n = len(s.prompt_ids) + len(s.response_ids)
+            if not s.busy and s.reply is not None and not s.messages and len(prompt) > n \
+                    and prompt[:n] == s.prompt_ids + s.response_ids:
+                return s
+        return None
+
+    def _completion_prompt(self, e: AgentEpisode, request: ChatRequest) -> tuple[AgentSample | None, list[int],
+                                                                               list[int]]:
+        """A /v1/completions call: (the sample it continues or None, its prompt ids, the new observation ids)."""
+        tokenizer = self.ctx.tokenizer
+        if isinstance(request.prompt, str):
+            prompt = tokenizer.encode(request.prompt, add_special_tokens=False)
+        else:
+            prompt, vocab = request.prompt, len(tokenizer)
+            if not all(0 <= t < vocab for t in prompt):
+                raise BadRequest(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", "prompt",
+                                 "invalid_value")
+        sample = self._continued_ids(e, prompt)
+        return sample, prompt, prompt[len(sample.prompt_ids) + len(sample.response_ids):] if sample else []
 
     def _call(self, e: AgentEpisode, request: ChatRequest) -> Future:
         renderer, budget = self.ctx.renderer, self.ctx.episode_token_budget
@@ -291,9 +316,11 @@ class Agent(Workflow):
                 e.cut = "max_calls"
                 raise BadRequest(f"the episode made --agent-max-calls {self.ctx.agent_max_calls} calls", None,
                                  "episode_call_limit")
-            sample = self._continued(e, request.messages, request.tools)
+            sample = None if request.prompt is not None else self._continued(e, request.messages, request.tools)
             try:
-                if sample is not None:
+                if request.prompt is not None:
+                    sample, prompt, new = self._completion_prompt(e, request)
+                elif sample is not None:
                     observation = request.messages[len(sample.messages) + 1:]
                     new = renderer.observation_ids(observation, sample.sampled_stop)
                     prompt = sample.prompt_ids + sample.response_ids + new
@@ -304,9 +331,9 @@ class Agent(Workflow):
                 raise BadRequest(f"the model's chat template cannot render these messages ({exc})", "messages",
                                  "template") from None
             if len(prompt) >= budget:
+                field = "messages" if request.prompt is None else "prompt"
                 raise BadRequest(f"This model's maximum context length is {budget} tokens (--episode-token-budget): "
-                                 f"your messages resulted in {len(prompt)} tokens", "messages",
-                                 "context_length_exceeded")
+                                 f"your {field} resulted in {len(prompt)} tokens", field, "context_length_exceeded")
             cap = min(request.max_tokens or self.ctx.max_new_tokens, self.ctx.max_new_tokens, budget - len(prompt),
                       budget - e.tokens)
             if cap <= 0:
@@ -378,8 +405,9 @@ class Agent(Workflow):
                 sample.reply["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
                     c["function"]["arguments"])}} for c in tool_calls]
             sample.sampled_stop = ids[-1] if stopped and stop_text is None and ids else None
+            fed = sample.prompt_ids + sample.response_ids[:len(sample.response_ids) - len(ids)]
             sample.busy = False
         finish = "tool_calls" if tool_calls else "stop" if stopped else "length"
-        future.set_result(Completion(content if content or not tool_calls else None, tool_calls, finish,
-                                     len(sample.prompt_ids) + len(sample.response_ids) - len(ids), len(ids)))
+        future.set_result(Completion(content if content or not tool_calls else None, tool_calls, finish, len(fed),
+                                     len(ids), fed, list(ids)))
         return len(ids)

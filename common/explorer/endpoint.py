@@ -1,5 +1,8 @@
-"""The explorer's OpenAI-compatible endpoint: `/v1/chat/completions` and `/v1/models` on 127.0.0.1, answered by the
-explorer's own engine, so an agent written for the `openai` client trains unchanged (common/explorer/agent.py).
+"""The explorer's OpenAI-compatible endpoint: `/v1/chat/completions`, `/v1/completions` and `/v1/models` on
+127.0.0.1, answered by the explorer's own engine, so an agent written for the `openai` client trains unchanged
+(common/explorer/agent.py). `/v1/completions` takes one prompt, as text or as token ids (ids continue a sample
+exactly: common/explorer/agent.py states the rule); its reply is text (with `return_token_ids: true`, as in vLLM,
+also the ids fed and sampled, which the next prompt can extend); tools play no part.
 
 Everything that arrives here is untrusted and is checked once, in `parse_chat`: a malformed request gets an
 OpenAI-shaped error (`{"error": {"message", "type", "param", "code"}}`, status 400) naming the field, never a
@@ -31,8 +34,10 @@ IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")  
 REFUSED_UNLESS = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None,),
                   "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None,),
                   "seed": (None,), "response_format": (None,)}
-FIELDS = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
-          "stop", "stream", "stream_options", *IGNORED, *REFUSED_UNLESS}
+COMMON = {"model", "temperature", "top_p", "max_tokens", "stop", "stream", "stream_options", *IGNORED, *REFUSED_UNLESS}
+FIELDS = {"messages", "tools", "tool_choice", "max_completion_tokens", *COMMON}
+COMPLETION_FIELDS = {"prompt", "echo", "suffix", "best_of", "return_token_ids", *COMMON}
+COMPLETION_REFUSED_UNLESS = {"echo": (None, False), "suffix": (None,), "best_of": (None, 1)}
 
 
 class BadRequest(Exception):
@@ -58,6 +63,8 @@ class ChatRequest:
     call_tools: bool = True                   # tool_choice "none": the reply is text
     stream: bool = False
     stream_usage: bool = False                # stream_options.include_usage: a last chunk with the usage
+    prompt: str | list[int] | None = None     # /v1/completions: the prompt (messages is then empty)
+    return_token_ids: bool = False            # /v1/completions: the reply carries the ids fed and sampled
 
 
 def _fail(message: str, param: str) -> BadRequest:
@@ -142,22 +149,19 @@ def _same(value, allowed) -> bool:
     return value == allowed
 
 
-def parse_chat(body, temperature: float, top_p: float) -> ChatRequest:
-    """The one check of a chat completion request (its JSON body), against the run's sampling."""
+def _checked(body, fields: set[str], refused: dict, temperature: float, top_p: float) -> ChatRequest:
+    """The checks both kinds of request share; a ChatRequest with no messages yet."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name in body:
-        if name not in FIELDS:
+        if name not in fields:
             raise BadRequest(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-    for name, allowed in REFUSED_UNLESS.items():
+    for name, allowed in refused.items():
         if name in body and not any(_same(body[name], a) for a in allowed):
             raise BadRequest(f"{name}={json.dumps(body[name])} is not supported by this endpoint (allowed: "
                              f"{', '.join(json.dumps(a) for a in allowed)})", name, "unsupported_value")
     if not isinstance(body.get("model"), str):
         raise _fail("model must be a string", "model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _fail("messages must be a non-empty list", "messages")
     _number(body, "temperature", temperature)
     _number(body, "top_p", top_p)
     caps = [(k, body[k]) for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
@@ -168,19 +172,46 @@ def parse_chat(body, temperature: float, top_p: float) -> ChatRequest:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise _fail("stop must be a non-empty string or a list of at most 4 of them", "stop")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise BadRequest("tool_choice must be 'auto' or 'none' (a sampled policy cannot be forced to call a tool)",
-                         "tool_choice", "unsupported_value")
     stream, options = body.get("stream") or False, body.get("stream_options")
     if not isinstance(stream, bool):
         raise _fail("stream must be a boolean", "stream")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise _fail("stream_options must be {'include_usage': bool}, with stream true", "stream_options")
-    return ChatRequest([_message(m, i) for i, m in enumerate(messages)], _tools(body.get("tools")),
-                       min(v for _, v in caps) if caps else None, stop, choice != "none", stream,
+    return ChatRequest([], None, min(v for _, v in caps) if caps else None, stop, True, stream,
                        bool((options or {}).get("include_usage")))
+
+
+def parse_chat(body, temperature: float, top_p: float) -> ChatRequest:
+    """The one check of a chat completion request (its JSON body), against the run's sampling."""
+    request = _checked(body, FIELDS, REFUSED_UNLESS, temperature, top_p)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _fail("messages must be a non-empty list", "messages")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise BadRequest("tool_choice must be 'auto' or 'none' (a sampled policy cannot be forced to call a tool)",
+                         "tool_choice", "unsupported_value")
+    request.messages = [_message(m, i) for i, m in enumerate(messages)]
+    request.tools, request.call_tools = _tools(body.get("tools")), choice != "none"
+    return request
+
+
+def parse_completion(body, temperature: float, top_p: float) -> ChatRequest:
+    """The one check of a /v1/completions request: one prompt, a non-empty string or a non-empty list of token ids
+    (whether each id is in the vocabulary is the agent workflow's check: it knows the tokenizer)."""
+    request = _checked(body, COMPLETION_FIELDS, {**REFUSED_UNLESS, **COMPLETION_REFUSED_UNLESS}, temperature, top_p)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        request.prompt = list(prompt)
+    elif isinstance(prompt, str) and prompt:
+        request.prompt = prompt
+    else:
+        raise _fail("prompt must be one non-empty string or one non-empty list of token ids (integers)", "prompt")
+    if not isinstance(body.get("return_token_ids", False), bool):
+        raise _fail("return_token_ids must be a boolean", "return_token_ids")
+    request.return_token_ids = body.get("return_token_ids", False)
+    return request
 
 
 @dataclass
@@ -191,6 +222,8 @@ class Completion:
     finish_reason: str       # stop | length | tool_calls
     prompt_tokens: int
     completion_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)  # the ids fed ...
+    token_ids: list[int] = field(default_factory=list)         # ... and the ids sampled (kept)
 
 
 class Endpoint:
@@ -204,6 +237,7 @@ class Endpoint:
         self.sampling = (1.0, 1.0)   # (temperature, top_p) of the run; set by whoever serves the engine
         app = web.Application(client_max_size=16 << 20)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, access_log=None)
         ready = threading.Event()
@@ -248,46 +282,73 @@ class Endpoint:
         return web.json_response({"object": "list", "data": [
             {"id": "policy", "object": "model", "created": 0, "owned_by": "tandem"}]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _answer(self, request: web.Request, parse) -> tuple[dict, ChatRequest, Completion] | web.Response:
+        """Check the call, hand it to its episode's handler and wait for the completion; or the error reply."""
         try:
             handler = self._handler(request)
             try:
                 body = json.loads(await request.read())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise BadRequest("We could not parse the JSON body of your request.") from None
-            chat = parse_chat(body, *self.sampling)
-            future = await self.loop.run_in_executor(None, handler, chat)
+            call = parse(body, *self.sampling)
+            future = await self.loop.run_in_executor(None, handler, call)
             done: Completion = await asyncio.wrap_future(future)
         except BadRequest as e:
             return self._error(e)
         except Exception as e:  # noqa: BLE001  (a bug of ours answers this one call, never stops the endpoint)
             return web.json_response({"error": {"message": f"internal error: {type(e).__name__}: {e}",
                                                 "type": "server_error", "param": None, "code": None}}, status=500)
+        return body, call, done
+
+    @staticmethod
+    def _usage(done: Completion) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        answered = await self._answer(request, parse_chat)
+        if isinstance(answered, web.Response):
+            return answered
+        body, chat, done = answered
         head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": body["model"]}
-        usage = {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                 "total_tokens": done.prompt_tokens + done.completion_tokens}
         message = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls
         if chat.stream:
-            return await self._stream(request, head, message, done.finish_reason, usage if chat.stream_usage else None)
-        return web.json_response({**head, "object": "chat.completion", "usage": usage, "choices": [
+            calls = [{"index": i, **c} for i, c in enumerate(done.tool_calls)]
+            deltas = [{"role": "assistant", "content": ""}] + ([{"content": done.content}] if done.content else []) \
+                + ([{"tool_calls": calls}] if calls else [])
+            return await self._stream(request, {**head, "object": "chat.completion.chunk"},
+                                      [{"delta": d, "finish_reason": None} for d in deltas]
+                                      + [{"delta": {}, "finish_reason": done.finish_reason}],
+                                      self._usage(done) if chat.stream_usage else None)
+        return web.json_response({**head, "object": "chat.completion", "usage": self._usage(done), "choices": [
             {"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}]})
 
-    async def _stream(self, request: web.Request, head: dict, message: dict, finish: str, usage: dict | None):
-        """The reply as server-sent `chat.completion.chunk`s: the role, the content, the tool calls, the finish
-        reason, the usage if asked for, then [DONE]. A client gone meanwhile costs its own reply only."""
-        def chunk(delta: dict | None, finish_reason=None, **extra) -> bytes:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                                  "logprobs": None}]
-            event = {**head, "object": "chat.completion.chunk", "choices": choices, **extra}
-            return f"data: {json.dumps(event)}\n\n".encode()
+    async def _completions(self, request: web.Request) -> web.Response:
+        answered = await self._answer(request, parse_completion)
+        if isinstance(answered, web.Response):
+            return answered
+        body, call, done = answered
+        head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
+                "model": body["model"]}
+        ids = {"prompt_token_ids": done.prompt_token_ids, "token_ids": done.token_ids} if call.return_token_ids else {}
+        if call.stream:
+            return await self._stream(request, head, [{"text": done.content or "", "finish_reason": None, **ids},
+                                                      {"text": "", "finish_reason": done.finish_reason}],
+                                      self._usage(done) if call.stream_usage else None)
+        return web.json_response({**head, "usage": self._usage(done), "choices": [
+            {"index": 0, "text": done.content or "", "finish_reason": done.finish_reason, "logprobs": None, **ids}]})
 
-        calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls", []))]
-        parts = [chunk({"role": "assistant", "content": ""})]
-        parts += [chunk({"content": message["content"]})] if message["content"] else []
-        parts += [chunk({"tool_calls": calls})] if calls else []
-        parts += [chunk({}, finish)] + ([chunk(None, usage=usage)] if usage else []) + [b"data: [DONE]\n\n"]
+    async def _stream(self, request: web.Request, head: dict, choices: list[dict], usage: dict | None):
+        """The reply as server-sent events, one per choice part (a chat reply: the role, the content, the tool
+        calls, the finish reason; a text completion: the text, the finish reason), the usage if asked for, then
+        [DONE]. A client gone meanwhile costs its own reply only."""
+        def event(choice: dict | None, **extra) -> bytes:
+            choices = [] if choice is None else [{"index": 0, **choice, "logprobs": None}]
+            return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n".encode()
+
+        parts = [event(c) for c in choices] + ([event(None, usage=usage)] if usage else []) + [b"data: [DONE]\n\n"]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
