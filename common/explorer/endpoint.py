@@ -4,9 +4,9 @@
 exactly: common/explorer/agent.py states the rule); its reply is text (with `return_token_ids: true`, as in vLLM,
 also the ids fed and sampled, which the next prompt can extend); tools play no part.
 
-Everything that arrives here is untrusted and is checked once, in `parse_chat`: a malformed request gets an
-OpenAI-shaped error (`{"error": {"message", "type", "param", "code"}}`, status 400) naming the field, never a
-traceback, and nothing an agent sends can stop the explorer. Each episode gets its own API key (`open`), a fresh
+Everything that arrives here is untrusted and is checked once, in `parse_chat` / `parse_completion`: a malformed
+request gets an OpenAI-shaped error (`{"error": {"message", "type", "param", "code"}}`, status 400) naming the field,
+never a traceback, and nothing an agent sends can stop the explorer. Each episode gets its own API key (`open`), a fresh
 random token that ties every call to that episode; a call with any other key (unknown, or of an episode that has
 ended: `close`) is refused with 401. The port is picked by the system and bound to localhost only.
 
