@@ -27,6 +27,9 @@ WORKERS = textwrap.dedent("""
             open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(f"{os.getpid()} {child.pid}")
             time.sleep(300)
         open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(str(os.getpid()))
+        deadline = time.time() + 60  # the trainer has mapped its file, and its guard has seen it (read every 1 s)
+        while not os.path.exists(os.path.join(pid_dir, "trainer0.pid")) and time.time() < deadline:
+            time.sleep(0.1)
         time.sleep(3)
         open(os.path.join(pid_dir, "failed_at"), "w").write(repr(time.time()))
         raise ValueError("boom from the failing worker")

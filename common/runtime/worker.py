@@ -213,7 +213,11 @@ class Watchdog:
         """A collective failed because a peer's connection closed (gloo: the peer was killed mid-broadcast): give
         the watch its timeout to end this process with the line naming that peer, instead of a traceback that
         names none. Returns if no peer goes silent."""
-        text = str(error)
+        chain, seen = [], error  # the channel's receive thread raises its own error from gloo's
+        while seen is not None and len(chain) < 10:
+            chain.append(str(seen))
+            seen = seen.__cause__ or seen.__context__
+        text = "\n".join(chain)
         if cls.running is not None and ("closed by peer" in text or "reset by peer" in text):
             try:
                 cls.running._thread.join(timeout=cls.running.timeout_s + 3)
