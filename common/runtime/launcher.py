@@ -24,7 +24,8 @@ def _free_port() -> int:
 
 
 # What every worker imports (~3 CPU-s each on a fresh interpreter): the forkserver imports it once.
-FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer"]
+FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer",
+                      "common.runtime._forkserver_exit"]
 _forkserver_env: dict[str, str] | None = None  # this process's environment when the forkserver started
 FORKSERVER_PYTHONS = {(3, 11)}
 """The Python versions the forkserver start-up was checked on: `_forked_rank` resets two pieces of CPython's private
