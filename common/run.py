@@ -101,6 +101,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
     check_machine(args)  # before anything imports vLLM or touches CUDA, in every process
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
+        check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
         if start_forkserver(args.trainer_device_list + args.explorer_device_list):
             prepared = call_forked(prepared_args, args, schedule, timeout_s=args.timeout_s, what="pre-flight checks")
             for name, value in prepared.items():
@@ -155,6 +156,16 @@ def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:
     for name, value in prepared.items():
         setattr(args, name, value)
     os.makedirs(args.out_dir, exist_ok=True)  # a node without the trainer's filesystem keeps its files here
+
+
+def check_paths(args) -> None:
+    """The checks of prepare_run that need no heavy import: --out-dir, and --model / --critic-model given as
+    folders (the built-in names and hub ids are resolved later, in prepare_run)."""
+    if args.out_dir:
+        check_out_dir(args.out_dir)
+    for flag, name in (("--model", args.model), ("--critic-model", getattr(args, "critic_model", None))):
+        if name and name != "default":
+            resolve_model(name, flag)
 
 
 def prepared_args(args, schedule: str) -> dict:
