@@ -175,6 +175,15 @@ def _validate_this_years_algos(args) -> None:
     if ALGOS[args.algo].teacher != bool(args.teacher):
         raise ConfigError("--teacher MODEL is needed by --algo distill, and only by it" if args.teacher else
                           "--algo distill needs --teacher MODEL (the model whose log-probs the student learns)")
+    if args.teacher_device:
+        d = args.teacher_device
+        if not args.teacher:
+            raise ConfigError("--teacher-device places --teacher: it needs --algo distill --teacher MODEL")
+        if not (d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ConfigError(f"--teacher-device {d!r} is neither cpu nor cuda:N")
+        if len(args.trainer_device_list) > 1:
+            raise ConfigError(f"--teacher-device with {len(args.trainer_device_list)} trainers: each would load its "
+                              "own teacher onto it; leave it empty (each trainer's own device) or train with one")
     if args.teacher:
         from common.model import load_tokenizer
 

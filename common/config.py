@@ -287,8 +287,12 @@ class CommonArgs:
     """--off-policy-correction k3_reject: sequences whose mean k3 estimate of KL(mu || pi_prox) exceeds this get
     weight 0."""
     teacher: str | None = None
-    """--algo distill: the teacher model (same choices as --model; must share its tokenizer), run on the trainer's
-    device; its per-token log-probs on the student's samples give the reverse-KL advantage."""
+    """--algo distill: the teacher model (same choices as --model; must share its tokenizer); its per-token
+    log-probs on the student's samples give the reverse-KL advantage."""
+    teacher_device: str = ""
+    """--algo distill: the device the teacher runs on (cpu, cuda:N); empty: the trainer's own. Another device keeps
+    the teacher's weights off the trainer's (its log-probs come back to the trainer); the memory planner counts it
+    there. One trainer only (each data-parallel trainer would load its own copy onto it)."""
     distill_reward_coef: float = 0.0
     """--algo distill: weight of the task reward's group advantage added to the teacher's per-token advantage
     (0: pure distillation, the verifier's reward is only logged)."""

@@ -131,6 +131,15 @@ def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int
     return saved + edges + head_bytes(shape, min(max(trained_tokens, 1), LOGPROB_CHUNK_TOKENS))
 
 
+def forward_bytes(shape: ModelShape, b: int, tokens: int) -> float:
+    """Peak bytes above the weights while one micro-batch of `tokens` tokens runs forward without autograd (a
+    frozen model's log-probs): one layer's temporaries, the hidden states, one chunk of the LM head."""
+    from common.trainer.forward import LOGPROB_CHUNK_TOKENS
+
+    return layer_bytes_per_token(shape, b) * tokens + 4 * shape.hidden * b * tokens + \
+        head_bytes(shape, min(tokens, LOGPROB_CHUNK_TOKENS))
+
+
 @dataclass
 class TrainerEstimate:
     states: float        # weights, gradients, optimizer state, reference, critic, teacher (per trainer)
@@ -264,7 +273,8 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         teacher_config = model_config(args.teacher)
         teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
     trainers, explorers = worker_devices(args)
-    memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers)))
+    own = [args.teacher_device] if args.teacher and args.teacher_device else []
+    memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers + own)))
     if args.engine == "hf" and not args.hf_cache_tokens:  # the static KV cache's positions, decided here
         args.hf_cache_tokens = StaticCacheSize.plan(1, sequence).tokens
     # what the explorers take of each device
@@ -276,6 +286,16 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     for key, need in taken.items():
         if need > memory[key][0]:
             raise ConfigError(_explorer_error(args, shape, key, need, memory[key][0]))
+    if own:  # --teacher-device: the teacher's weights and one forward there, not on the trainer's
+        key, b = own[0], 2 if args.dtype == "bfloat16" else 4
+        tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * sequence
+        need = teacher.params * b + SLACK * forward_bytes(teacher, b, tokens) + \
+            (CUDA_CONTEXT_BYTES if key != "cpu" else 0)
+        if need + taken.get(key, 0.0) > memory[key][0]:
+            raise ConfigError(f"--teacher {args.teacher} does not fit --teacher-device {key}: its weights and one "
+                              f"forward need {gib(need)} and {_where(key, memory[key][0], taken.get(key, 0.0))}")
+        taken[key] = taken.get(key, 0.0) + need
+        teacher = None  # not on the trainers' devices
     # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers)
     cpu_trainers = sum(1 for d in trainers if d == "cpu")
     notes: list[str] = []

@@ -35,18 +35,19 @@ def check_machine(args) -> None:
         if not ok:
             raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
                               "CPU: make install-vllm)")
-    check_devices(args.explorer_device_list + args.trainer_device_list)
+    check_devices(args)
 
 
-def check_devices(devices: list[str]) -> None:
+def check_devices(args) -> None:
     """Every cuda device of the placement exists here (common/checks.py check_placement: what is possible at all)."""
-    for d in devices:
+    named = [("--explorer-devices", d) for d in args.explorer_device_list] + \
+        [("--trainer-devices", d) for d in args.trainer_device_list] + [("--teacher-device", args.teacher_device)]
+    for flag, d in named:
         if d.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices: CUDA is not available here")
+                raise ConfigError(f"device {d} in {flag}: CUDA is not available here")
             if (torch.device(d).index or 0) >= torch.cuda.device_count():
-                raise ConfigError(f"device {d} in --explorer-devices/--trainer-devices does not exist here "
-                                  f"({torch.cuda.device_count()} GPU(s))")
+                raise ConfigError(f"device {d} in {flag} does not exist here ({torch.cuda.device_count()} GPU(s))")
 
 
 def check_tasks(args, model_path: str, tasks: list[dict]) -> None:

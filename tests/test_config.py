@@ -20,7 +20,7 @@ FREE_TEXT = {"config", "out_dir", "wandb_project", "model", "explorer_devices", 
              "eval_taskset", "env_setting", "chat_template", "task_processors", "reward_fn", "rm_model", "judge_model",
              "loss_fn", "processors", "critic_model", "run_name", "wandb_entity", "wandb_tags", "dataset_config",
              "dataset_split", "eval_dataset_split", "prompt_column", "answer_column", "answer_regex",
-             "prompt_template", "lora_target_modules", "env_server", "teacher", "agent",
+             "prompt_template", "lora_target_modules", "env_server", "teacher", "teacher_device", "agent",
              "agent_cmd"}
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -90,13 +91,13 @@ def test_impossible_placements_are_one_line_errors():
         check_placement(["tpu:0"], ["cpu"])
     with pytest.raises(ConfigError, match="--explorer-devices and --trainer-devices each need"):
         check_placement([], ["cpu"])
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="cuda:0 in --explorer-devices/--trainer-devices: CUDA is not available"):
-            check_devices(["cuda:0", "cpu"])
-    else:
-        n = torch.cuda.device_count()
-        with pytest.raises(ConfigError, match=f"cuda:{n} .* does not exist here"):
-            check_devices([f"cuda:{n}", "cpu"])
+    n = torch.cuda.device_count()
+    args = Namespace(explorer_device_list=["cpu"], trainer_device_list=["cpu"], teacher_device=f"cuda:{n}")
+    why = "CUDA is not available here" if not torch.cuda.is_available() else "does not exist here"
+    with pytest.raises(ConfigError, match=f"cuda:{n} in --teacher-device.* {why}"):
+        check_devices(args)
+    with pytest.raises(ConfigError, match=f"cuda:{n} in --explorer-devices.* {why}"):
+        check_devices(Namespace(explorer_device_list=[f"cuda:{n}"], trainer_device_list=["cpu"], teacher_device=""))
 
 
 def test_bad_placement_fails_before_anything_starts(run, tmp_path):

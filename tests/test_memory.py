@@ -6,7 +6,8 @@ import torch
 
 from common.cli import parse_args
 from common.knobs import ConfigError
-from common.memory import GIB, ModelShape, model_config, plan_memory, trainer_estimate
+from common.memory import (CUDA_CONTEXT_BYTES, GIB, SLACK, ModelShape, explorer_bytes, forward_bytes, model_config,
+                           plan_memory, trainer_estimate)
 from conftest import TINY, run_script
 from train_sync import Args
 
@@ -99,6 +100,15 @@ def test_what_was_left_open_is_chosen_to_fit_and_a_given_flag_is_named(tmp_path)
     alone, with_teacher = (trainer_estimate(shape, args, "cuda", 8 * seq, 8 * 512, False, teacher=t) for t in (None, shape))
     assert with_teacher.states - alone.states == shape.params * 2  # bf16
     assert "--gradient-checkpointing on" in plan(args, full * 1.01)[0]  # what fitted alone no longer does
+    # --teacher-device: the teacher counts there instead (its weights and logits), and must fit there
+    args = _args(folder, "--algo", "distill", "--teacher", folder, "--teacher-device", "cuda:1")
+    assert plan(args, full * 1.01) == []
+    need = shape.params * 2 + SLACK * forward_bytes(shape, 2, 8 * seq) + CUDA_CONTEXT_BYTES  # beside the explorer
+    explorer = explorer_bytes(shape, args, "cuda", 80 * GIB, seq)
+    room = {"cuda:0": (full * 1.01, 80 * GIB), "cuda:1": (explorer + need * 1.01, 80 * GIB)}
+    assert plan_memory(args, seq, frozenset(), room) == []
+    with pytest.raises(ConfigError, match=f"--teacher {folder} does not fit --teacher-device cuda:1: .* need"):
+        plan_memory(args, seq, frozenset(), {**room, "cuda:1": (explorer + need * 0.99, 80 * GIB)})
     # a colocated vLLM explorer takes its share of the GPU first; asking more than is free is its flag
     args = _args(folder, explorers="cuda:0")
     args.engine = "vllm"

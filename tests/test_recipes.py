@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.cli import parse_args
+from common.experience import collate
 from tests.conftest import TINY, assert_trained, run_script
 from tests.test_algos import _args, _experiences
 
@@ -55,15 +56,39 @@ def test_distill_trains_through_the_teachers_kl(tmp_path):
     assert all("filter/zero_signal_frac" in r and r["filter/zero_signal_frac"] == 0 for r in rows)  # kept whole
 
 
-def test_distill_refuses_a_teacher_with_another_tokenizer_or_none(tmp_path):
+def test_distill_refuses_a_teacher_with_another_tokenizer_or_none_and_a_bad_teacher_device(tmp_path):
     from train_sync import Args
 
     other = _teacher(tmp_path, extra_token=True)
     for flags, message in [(["--algo", "distill", "--teacher", other], f"--teacher {other}: its tokenizer differs"),
                            (["--algo", "distill"], "--algo distill needs --teacher"),
-                           (["--teacher", other], "--teacher MODEL is needed by --algo distill, and only by it")]:
+                           (["--teacher", other], "--teacher MODEL is needed by --algo distill, and only by it"),
+                           (["--teacher-device", "cpu"], "--teacher-device places --teacher"),
+                           (["--algo", "distill", "--teacher", "tiny", "--teacher-device", "gpu1"],
+                            "--teacher-device 'gpu1' is neither cpu nor cuda:N"),
+                           (["--algo", "distill", "--teacher", "tiny", "--teacher-device", "cpu", "--trainer-devices",
+                             "cpu,cpu"], "--teacher-device with 2 trainers")]:
         with pytest.raises(SystemExit, match=f"^error: {message}"):
             parse_args(Args, ["--model", "tiny", *flags])
+
+
+def test_a_teacher_on_its_own_device_gives_the_same_logprobs_on_the_trainers(tmp_path):
+    """--teacher-device: the batch goes to the teacher's device and its log-probs come back (tests/fake_device.py
+    raises where a GPU would on a tensor left behind, and marks what is on the device)."""
+    from fake_device import FAKE, FakeDevice, on_device
+
+    from common.trainer.forward import batch_logprobs
+    from common.trainer.teacher import teacher_logprobs
+    from common.trainer.trainer import Trainer
+
+    trainer = Trainer(_args(tmp_path), torch.device("cpu"))
+    batch = collate(_experiences(trainer, [1.0, 0.0] * 4), trainer.tokenizer.pad_token_id)
+    here = batch_logprobs(trainer.model, batch, trainer.args)
+    with FakeDevice():
+        teacher = trainer.model.to(FAKE)
+        there = teacher_logprobs(teacher, batch, trainer.args)
+        assert not on_device(there) and all(on_device(p) for p in teacher.parameters())
+    assert torch.allclose(here, there)
 
 
 def test_clip_higher_trains_where_the_symmetric_clip_stops(tmp_path):

@@ -40,7 +40,7 @@ from common.trainer.filters import build_processors, check_finite, drop_stale, p
 from common.trainer.lr_schedule import build_lr_scheduler, build_optimizer
 from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
-from common.trainer.teacher import load_teacher
+from common.trainer.teacher import load_teacher, teacher_logprobs
 from common.trainer.samples import SamplesLog, sample_rows, samples_due
 from common.weight_sync import full_tensor, weights_hash
 from common.runtime.plugins import load_object
@@ -70,7 +70,7 @@ class Trainer:
         self.teacher = load_teacher(args, device, self.dp)  # --algo distill (common/trainer/teacher.py), else None
         self.loss_kwargs = config_kwargs(self.algo.loss, args, skip=1)
         self.advantage_kwargs = config_kwargs(self.algo.advantages, args, skip=2, critic=self.critic,
-                                              teacher_logprobs=lambda batch: batch_logprobs(self.teacher, batch, args))
+                                              teacher_logprobs=lambda b: teacher_logprobs(self.teacher, b, args))
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
