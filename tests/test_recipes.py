@@ -73,22 +73,26 @@ def test_distill_refuses_a_teacher_with_another_tokenizer_or_none_and_a_bad_teac
 
 
 def test_a_teacher_on_its_own_device_gives_the_same_logprobs_on_the_trainers(tmp_path):
-    """--teacher-device: the batch goes to the teacher's device and its log-probs come back (tests/fake_device.py
-    raises where a GPU would on a tensor left behind, and marks what is on the device)."""
+    """--teacher-device: the teacher loads whole there, the batch goes to its device and its log-probs come back
+    (tests/fake_device.py raises where a GPU would on a tensor left behind, and marks what is on the device); padded
+    and packed micro-batches. The tiny teacher has the student's own weights: equal log-probs."""
     from fake_device import FAKE, FakeDevice, on_device
 
     from common.trainer.forward import batch_logprobs
     from common.trainer.teacher import teacher_logprobs
     from common.trainer.trainer import Trainer
 
-    trainer = Trainer(_args(tmp_path), torch.device("cpu"))
-    batch = collate(_experiences(trainer, [1.0, 0.0] * 4), trainer.tokenizer.pad_token_id)
-    here = batch_logprobs(trainer.model, batch, trainer.args)
+    for flags in (["--max-tokens-per-micro-batch", "64"], []):
+        args = _args(tmp_path, "--algo", "distill", "--teacher", "tiny", "--teacher-device", "cpu", *flags)
+        trainer = Trainer(args, torch.device("cpu"))
+        batch = collate(_experiences(trainer, [1.0, 0.0] * 4), trainer.tokenizer.pad_token_id)
+        here = batch_logprobs(trainer.model, batch, args)
+        assert torch.allclose(teacher_logprobs(trainer.teacher, batch, args), here, atol=1e-5)
     with FakeDevice():
-        teacher = trainer.model.to(FAKE)
-        there = teacher_logprobs(teacher, batch, trainer.args)
+        teacher = trainer.teacher.to(FAKE)
+        there = teacher_logprobs(teacher, batch, args)
         assert not on_device(there) and all(on_device(p) for p in teacher.parameters())
-    assert torch.allclose(here, there)
+    assert torch.allclose(here, there, atol=1e-5)
 
 
 def test_clip_higher_trains_where_the_symmetric_clip_stops(tmp_path):

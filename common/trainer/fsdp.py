@@ -71,10 +71,11 @@ def shard(model, dp, dtype: torch.dtype, cpu_offload: bool = False):
     return model
 
 
-def prepare_model(model, args, dp=None, trainable: bool = True):
+def prepare_model(model, args, dp=None, trainable: bool = True, shard_it: bool = True):
     """The model as the trainer uses it: packed attention when --max-tokens-per-micro-batch (common/trainer/forward.py
     `use_packed_attention`), checkpointed when --gradient-checkpointing and with LoRA adapters when --lora-rank
-    (trainable models only), sharded over the trainers when --trainer-shard fsdp."""
+    (trainable models only), sharded over the trainers when --trainer-shard fsdp (and `shard_it`: not a model on a
+    device of its own)."""
     if args.max_tokens_per_micro_batch > 0:
         use_packed_attention(model)
     if trainable and args.gradient_checkpointing:
@@ -83,7 +84,7 @@ def prepare_model(model, args, dp=None, trainable: bool = True):
         freeze(model, args.freeze)
     if trainable and args.lora_rank and not hasattr(model, "body"):  # the critic is trained in full
         model = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
-    if args.trainer_shard == "fsdp":
+    if args.trainer_shard == "fsdp" and shard_it:
         if dp is None or dp.group is None:
             raise RuntimeError("--trainer-shard fsdp: the model must be prepared inside a trainer worker")
         dtype = next(model.parameters()).dtype

@@ -22,7 +22,7 @@ def load_teacher(args, device: torch.device, dp=None):
     model = load_model(args.teacher, own or device, DTYPES[args.dtype], seed=args.seed).eval()
     model.requires_grad_(False)
     model.config.use_cache = False
-    return model if own is not None else prepare_model(model, args, dp, trainable=False)
+    return prepare_model(model, args, dp, trainable=False, shard_it=own is None)
 
 
 def teacher_logprobs(teacher, batch, args) -> torch.Tensor:
