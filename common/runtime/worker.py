@@ -219,9 +219,11 @@ class Watchdog:
             seen = seen.__cause__ or seen.__context__
         text = "\n".join(chain)
         if cls.running is not None and ("closed by peer" in text or "reset by peer" in text):
-            try:
-                cls.running._thread.join(timeout=cls.running.timeout_s + 3)
-            except (KeyboardInterrupt, SystemExit):  # the agent stops this worker meanwhile: report the error
+            deadline = time.time() + cls.running.timeout_s + 3
+            try:  # until the watch names the peer, or the agent stops this worker (it knows who died): report
+                while cls.running._thread.is_alive() and time.time() < deadline and not stop_requested.is_set():
+                    cls.running._thread.join(timeout=0.2)
+            except (KeyboardInterrupt, SystemExit):
                 pass
 
     def _run(self):
