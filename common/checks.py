@@ -179,7 +179,7 @@ def _validate_this_years_algos(args) -> None:
         d = args.teacher_device
         if not args.teacher:
             raise ConfigError("--teacher-device places --teacher: it needs --algo distill --teacher MODEL")
-        if not (d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit())):
+        if d == "cuda" or not is_device(d):
             raise ConfigError(f"--teacher-device {d!r} is neither cpu nor cuda:N")
         if len(args.trainer_device_list) > 1:
             raise ConfigError(f"--teacher-device with {len(args.trainer_device_list)} trainers: each would load its "
@@ -209,6 +209,11 @@ def check_chat_template(path: str) -> None:
         raise ConfigError(f"--chat-template {path}:{e.lineno}: {e.message}") from None
 
 
+def is_device(d: str) -> bool:
+    """cpu, cuda (each rank's own GPU) or cuda:N."""
+    return d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())
+
+
 def check_placement(explorers: list[str], trainers: list[str]) -> None:
     """Impossible device placements, before any process starts (whether the GPUs exist here is
     common/preflight.py's check_devices). Explorer and trainer may share a GPU (colocated: their weight sync then
@@ -216,7 +221,7 @@ def check_placement(explorers: list[str], trainers: list[str]) -> None:
     if not explorers or not trainers:
         raise ConfigError("--explorer-devices and --trainer-devices each need at least one device")
     for d in explorers + trainers:
-        if not (d == "cpu" or d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit())):
+        if not is_device(d):
             raise ConfigError(f"device {d!r} in --explorer-devices/--trainer-devices is neither cpu nor cuda[:N]")
     kinds = {d.split(":")[0] for d in trainers}
     if len(kinds) > 1:

@@ -102,6 +102,11 @@ def model_config(name: str):
 
 
 # ----------------------------------------------------------------------------- the trainer
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per weight of --dtype (bfloat16 or float32)."""
+    return 2 if dtype == "bfloat16" else 4
+
+
 def layer_bytes_per_token(shape: ModelShape, b: int) -> float:
     """What autograd keeps of one decoder layer per token (Llama-style: RMSNorm, attention with rotary embeddings,
     gated MLP; a multiplication by a constant such as the rotary cos/sin keeps only the constant): each norm's
@@ -156,7 +161,7 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
                      checkpointing: bool, critic: ModelShape | None = None,
                      teacher: ModelShape | None = None) -> TrainerEstimate:
     """One trainer's memory with micro-batches of `tokens` tokens (module docstring)."""
-    b = 2 if args.dtype == "bfloat16" else 4
+    b = dtype_bytes(args.dtype)
     shards = len(args.trainer_device_list) if args.trainer_shard == "fsdp" else 1
     trained = lora_params(shape, args) if args.lora_rank else shape.params
     states = (shape.params + 3 * trained) * b / shards
@@ -187,7 +192,7 @@ def lora_params(shape: ModelShape, args) -> int:
 
 def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequence_tokens: int) -> float:
     """One explorer's memory: weights plus the engine's KV cache (vLLM: its whole share of a GPU)."""
-    b = 2 if args.dtype == "bfloat16" else 4
+    b = dtype_bytes(args.dtype)
     weights = shape.params * b
     if args.engine == "vllm" and device_type == "cuda":
         return args.vllm_gpu_memory_utilization * total
@@ -287,7 +292,7 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         if need > memory[key][0]:
             raise ConfigError(_explorer_error(args, shape, key, need, memory[key][0]))
     if own:  # --teacher-device: the teacher's weights and one forward there, not on the trainer's
-        key, b = own[0], 2 if args.dtype == "bfloat16" else 4
+        key, b = own[0], dtype_bytes(args.dtype)
         tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * sequence
         need = teacher.params * b + SLACK * forward_bytes(teacher, b, tokens) + \
             (CUDA_CONTEXT_BYTES if key != "cpu" else 0)
@@ -379,7 +384,7 @@ def _largest_fit(fits, upper: int) -> int:
 
 
 def _explorer_error(args, shape: ModelShape, key: str, need: float, free: float) -> str:
-    weights = shape.params * (2 if args.dtype == "bfloat16" else 4)
+    weights = shape.params * dtype_bytes(args.dtype)
     if weights > free and not (args.engine == "vllm" and key != "cpu"):
         return (f"--model {args.model} does not fit an explorer on {key}: its weights in {args.dtype} need "
                 f"{gib(weights)} and {_where(key, free, 0)}" + ("" if args.dtype == "bfloat16" else
