@@ -14,7 +14,7 @@ import time
 import pytest
 
 from common.trainer.checkpoints import step_checkpoints, verify
-from common.runtime.metrics import read_metrics, wandb_offline_steps
+from common.runtime.metrics import read_metrics, rewind_metrics, wandb_offline_steps
 from tests.conftest import ROOT, TINY, assert_trained, left_of, process_tree, run_script, worker_pid
 
 
@@ -28,6 +28,18 @@ def _checkpoints(out) -> list[str]:
 
 def _leftovers(out) -> list[str]:
     return [os.path.join(root, d) for root, dirs, _ in os.walk(out) for d in dirs if d.startswith(".tmp-")]
+
+
+def test_a_half_written_metrics_row_is_left_out_by_readers_and_dropped_on_resume(tmp_path):
+    """A reader polling metrics.jsonl while the trainer appends (or after a kill mid-write) sees the complete rows
+    only; resuming drops the cut row so the file is whole again."""
+    rows = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.write(json.dumps({"step": 3, "loss": 0.125})[:12])
+    assert read_metrics(str(tmp_path)) == rows
+    assert rewind_metrics(str(tmp_path), step=2) == 1
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows)
 
 
 def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path):

@@ -61,11 +61,17 @@ def peak_gpu_memory(device, who: str) -> dict:
     return {f"memory/{who}_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
+def read_jsonl(path: str) -> list[dict]:
+    """The complete rows of a JSON-lines file another process may be appending to: a last line without its newline
+    is being written (or was cut by a kill) and is left out."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
+
+
 def read_timeline(out_dir: str) -> list[dict]:
     events = []
     for path in sorted(glob.glob(os.path.join(out_dir, "timeline", "*.jsonl"))):
-        with open(path) as f:
-            events += [json.loads(line) for line in f if line.strip()]
+        events += read_jsonl(path)
     return sorted(events, key=lambda e: e["start"])
 
 
@@ -264,10 +270,7 @@ def rewind_metrics(out_dir: str, step: int) -> int:
 
 def read_metrics(out_dir: str) -> list[dict]:
     path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(path) if os.path.exists(path) else []
 
 
 def reward_curve_points(out_dir: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
