@@ -16,9 +16,18 @@ from typing import Literal
 from common.knobs import ConfigError, coerce_value, field_types, read_utf8_lines
 
 
+LAUNCHED_ARGS = "TANDEM_ARGS"
+"""Set by the launcher of `python train_X.py` (common/run.py `launch`) for its ranks: the configuration it parsed,
+validated and prepared, as JSON."""
+
+
 def parse_args(cls, argv: list[str] | None = None):
     """tyro over `cls` (choices checked), then its `validate()`. Defaults, lowest first: the fields' own, the run's
-    saved config.json (with `--resume`: only flags given again change it), `--config file.yaml`, the command line."""
+    saved config.json (with `--resume`: only flags given again change it), `--config file.yaml`, the command line.
+    A rank of `python train_X.py` takes what its launcher parsed instead (parsing argv again costs every rank
+    tyro's import and parse, ~0.5 CPU-s, for the same values)."""
+    if LAUNCHED_ARGS in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        return cls(**json.loads(os.environ[LAUNCHED_ARGS]))
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()
     saved = load_saved_config(cls, argv) if "--resume" in argv else {}

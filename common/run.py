@@ -14,6 +14,7 @@ import time
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from common.cli import LAUNCHED_ARGS
 from common.explorer.engine import resolve_engine
 from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
@@ -108,7 +109,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
                 setattr(args, name, value)
         else:
             prepare_run(args, schedule)
-        os.environ["TANDEM_ARGS"] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
+        os.environ[LAUNCHED_ARGS] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:
             launch_local([os.path.abspath(sys.argv[0]), *sys.argv[1:]], [w.name for w in plan])
         except SignalException as e:  # Ctrl-C / SIGTERM: the agent passed it on; trainers checkpointed
@@ -137,8 +138,8 @@ def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:
     resolved engine, the out_dir, --resume after a restart); every rank continues with exactly those values."""
     if ctx.rank == 0:
         try:
-            if "TANDEM_ARGS" in os.environ:
-                prepared = json.loads(os.environ["TANDEM_ARGS"])
+            if LAUNCHED_ARGS in os.environ:
+                prepared = json.loads(os.environ[LAUNCHED_ARGS])
             else:
                 if ctx.restart:  # torchrun restarted the group: continue from the newest checkpoint, if any
                     args.resume = bool(args.out_dir and newest_valid(args.out_dir, warn=False))
