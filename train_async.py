@@ -25,6 +25,7 @@ Launch (one rank per worker: trainers first, then explorers; `python` starts the
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,6 +43,8 @@ from common.tasks.stream import mark_trained
 from common.run import launch, run_entry
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import make_weight_sync
+
+REDO_KEY = "batches_redo"  # in the run's store: batches the trainer dropped whole (too stale), each owed again
 
 
 @dataclass
@@ -104,6 +107,10 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             explorer.poll(sent)  # the admission window may wait for the next weights
         batch = stream.take_batch()  # --tasks-per-step groups, once that many are scored
         if batch is None:
+            if stream.past_the_end():  # the trainer may have dropped a batch whole since: it then needs one more
+                stream.redo = int(ctx.store.add(REDO_KEY, 0))
+            if not (explorer.in_flight.workflows or stream.scoring or stream.scored):
+                time.sleep(0.01)  # nothing to generate or score: wait for weights or the end without spinning
             continue
         sent += 1
         if sent == 1:  # the trainer starts computing: its cores go back to it (common/runtime/cores.py)
@@ -154,6 +161,8 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
             key = str(batch.explorer)
             ledgers[key] = mark_trained(ledgers.get(key), batch.positions)  # trained or dropped: used once
             if not batch.experiences:
+                if ctx.rank == 0:
+                    ctx.store.add(REDO_KEY, 1)  # one batch more than the explorers planned (common/explorer/streaming.py)
                 continue
             run.log(batch, run.train(batch, run.step + 1))
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up

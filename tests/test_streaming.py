@@ -128,6 +128,29 @@ def test_a_group_starts_only_within_max_staleness_of_the_weights(explorer):
     assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1, 2]
 
 
+@pytest.mark.timeout(300)
+def test_no_group_starts_past_the_runs_last_batch_until_the_trainer_drops_one(explorer):
+    """--steps 2 x 1 task: positions 0 and 1 start, however many --inflight-groups and versions are free; a batch
+    the trainer drops whole (`redo`) admits one batch more; a resumed explorer counts the positions it trained."""
+    e = explorer()
+    e.args.steps = 2
+    e.stream.end = e.args.steps * e.args.tasks_per_step  # as a stream built with --steps 2 has it
+    e.version = 5
+    e.stream.start_groups()
+    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1] and e.stream.past_the_end()
+    e.stream.redo = 1
+    e.stream.start_groups()
+    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1, 2]
+    e.stream.stop()
+    e.args.steps = 3
+    resumed = explorer()
+    # 2 steps trained and a position a processor dropped (0-2 used): one batch left, at position 3
+    resumed.stream.resume(mark_trained(None, [0, 1, 2]), step=2)
+    resumed.version = 5
+    resumed.stream.start_groups()
+    assert sorted(p for p, _ in resumed.stream.position_of.values()) == [3]
+
+
 def test_ledger_of_trained_positions():
     assert mark_trained(None, [0, 2, 5]) == [1, [2, 5]]
     assert mark_trained([1, [2, 5]], [1, 3]) == [4, [5]]

@@ -33,6 +33,11 @@ class Stream:
         self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
         self.batch_tokens, self.batch_busy = 0, 0.0
         self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
+        # The stream position after the run's last batch, were this explorer to make every batch left: positions
+        # used without a batch (processor drops, replaced groups) and batches the trainer had to drop whole
+        # (`redo`, from the trainer) move it on.
+        self.end = self.args.steps * self.args.tasks_per_step
+        self.unused, self.redo = 0, 0
 
     def start_groups(self) -> None:
         """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
@@ -47,7 +52,9 @@ class Stream:
         # order, so one started now is at most --max-staleness versions old when its batch is trained.
         # Zero-signal groups replaced under --refill-rounds took stream positions that no batch trains: they move the
         # window on as far.
-        window = (ex.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced
+        # Nor past the run's last batch: what it would make is never trained, and on shared cores it slows the
+        # trainer's last steps.
+        window = min((ex.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced, self.end_position())
         while len(ex.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
                 and self.next_position() < window:
             if not self.drawn:
@@ -61,8 +68,17 @@ class Stream:
                 self.task_counts[name] = self.task_counts.get(name, 0) + dropped
             if not kept:
                 self.used.append(position)
+                self.unused += 1
                 continue
             self.position_of[ex.start_group(kept[0])] = (position, time.time())
+
+    def end_position(self) -> int:
+        """The stream position after the groups of the run's last batch."""
+        return self.end + self.unused + self.redo * self.args.tasks_per_step
+
+    def past_the_end(self) -> bool:
+        """Every group the run's remaining batches need is started."""
+        return self.next_position() >= self.end_position()
 
     def next_position(self) -> int:
         """The task stream position of the next group to start."""
@@ -105,6 +121,7 @@ class Stream:
         if len({reward for reward, _ in self.explorer.shaped([(group, r) for r in group.responses], scores)}) > 1:
             return False
         self.used.append(self.position_of.pop(group.group_id)[0])
+        self.unused += 1
         self.batch_replaced += 1
         self.replaced += 1
         return True
@@ -163,4 +180,5 @@ class Stream:
         n = self.args.tasks_per_step
         ex.train_tasks.position = below // n * n  # draws start at multiples of --tasks-per-step, as they did
         self.trained_before = set(range(ex.train_tasks.position, below)) | set(beyond)
+        self.end = below + len(beyond) + (self.args.steps - step) * n
         ex.first_step = step + 1
