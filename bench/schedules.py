@@ -7,7 +7,8 @@ as a share of the trainer step. Writes bench/out/schedules.png with the four tim
 
     python bench/schedules.py                      # default model, about 15 minutes on 2 cores
     python bench/schedules.py --model tiny --steps 4 --out bench/out/tiny
-    python bench/schedules.py --as-user            # the three entry scripts with their defaults, ~15 minutes
+    python bench/schedules.py --as-user            # the three entry scripts with their defaults, ~7 minutes
+    python bench/schedules.py --as-user --repeats 3   # three rounds and the median of their ratios, ~21 minutes
 
 --as-user runs `python train_sync.py --model default --steps 6`, then train_offpolicy.py and train_async.py with the
 same two flags and nothing else (each script's own defaults: threads, core binding, in-flight groups, engine),
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -52,11 +54,27 @@ def phase_time(events, process_prefix, phases):
 
 
 def as_user(opts) -> None:
-    """The three entry scripts as a new user runs them (see the module docstring)."""
+    """The three entry scripts as a new user runs them (see the module docstring), --repeats rounds."""
+    rounds = [as_user_round(opts, i) for i in range(opts.repeats)]
+    if len(rounds) > 1:
+        print(f"\nmedian over {len(rounds)} rounds (each ratio taken within its round):")
+        for i, script in enumerate(SCRIPTS):
+            whole = statistics.median(r["runs"][0]["whole_s"] / r["runs"][i]["whole_s"] for r in rounds)
+            steady = statistics.median(r["runs"][0]["steady_s"] / r["runs"][i]["steady_s"] for r in rounds)
+            print(f"{script:20s} whole {whole:5.2f}x sync   steady {steady:5.2f}x sync")
+    os.makedirs(opts.out, exist_ok=True)
+    with open(os.path.join(opts.out, "as_user.json"), "w") as f:
+        json.dump({"rounds": rounds}, f, indent=2)
+
+
+SCRIPTS = ("train_sync.py", "train_offpolicy.py", "train_async.py")
+
+
+def as_user_round(opts, index: int) -> dict:
     rows = []
-    for script in ("train_sync.py", "train_offpolicy.py", "train_async.py"):
+    for script in SCRIPTS:
         out = os.path.join(opts.out, "as_user", script.replace(".py", ""))
-        print(f"--- python {script} --model {opts.model} --steps {opts.steps}", flush=True)
+        print(f"--- round {index + 1}: python {script} --model {opts.model} --steps {opts.steps}", flush=True)
         start = time.time()
         run_entry(script, ["--model", opts.model, "--steps", str(opts.steps), "--overwrite", *opts.extra.split()], out)
         whole = time.time() - start
@@ -74,10 +92,8 @@ def as_user(opts) -> None:
     print(f"{'script':20s} {'whole s':>8s} {'x sync':>7s} {'in-run s':>9s} {'steady s/step':>14s} {'x sync':>7s}")
     for r in rows:
         print(f"{r['script']:20s} {r['whole_s']:8.0f} {sync['whole_s'] / r['whole_s']:6.2f}x {r['elapsed_s']:9.0f} "
-              f"{r['steady_s']:14.1f} {sync['steady_s'] / r['steady_s']:6.2f}x")
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, "as_user.json"), "w") as f:
-        json.dump({"R": R, "T": T, "runs": rows}, f, indent=2)
+              f"{r['steady_s']:14.1f} {sync['steady_s'] / r['steady_s']:6.2f}x", flush=True)
+    return {"R": R, "T": T, "runs": rows}
 
 
 def main():
@@ -87,6 +103,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "schedules"))
     p.add_argument("--extra", default="", help="more flags for every run, e.g. '--sync-method checkpoint'")
     p.add_argument("--as-user", action="store_true", help="the entry scripts with their own defaults (docstring)")
+    p.add_argument("--repeats", type=int, default=1, help="--as-user: rounds of the three runs (a shared machine's "
+                   "speed drifts between runs: the median of the rounds' ratios)")
     opts = p.parse_args()
     if opts.as_user:
         return as_user(opts)
