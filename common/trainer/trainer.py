@@ -21,6 +21,7 @@ from collections import defaultdict
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -199,7 +200,9 @@ class Trainer:
         """The end of every step, trained or skipped: one step and one weights version more (the one place either
         moves), and the learning-rate schedule moved on. Returns the learning rate the step used."""
         lr = self.optimizer.param_groups[0]["lr"]
-        self.lr_scheduler.step()
+        with warnings.catch_warnings():  # torch warns when the schedule moves before any update: a skip does by design
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.lr_scheduler.step()
         self.step += 1
         self.version += 1
         return lr
