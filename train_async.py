@@ -25,7 +25,6 @@ Launch (one rank per worker: trainers first, then explorers; `python` starts the
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -109,8 +108,6 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         if batch is None:
             if stream.past_the_end():  # the trainer may have dropped a batch whole since: it then needs one more
                 stream.redo = int(ctx.store.add(REDO_KEY, 0))
-            if not (explorer.in_flight.workflows or stream.scoring or stream.scored):
-                time.sleep(0.01)  # nothing to generate or score: wait for weights or the end without spinning
             continue
         sent += 1
         if sent == 1:  # the trainer starts computing: its cores go back to it (common/runtime/cores.py)

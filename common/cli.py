@@ -14,6 +14,7 @@ import typing
 from typing import Literal
 
 from common.knobs import ConfigError, coerce_value, field_types, read_utf8_lines
+from common.runtime.worker import under_elastic
 
 
 LAUNCHED_ARGS = "TANDEM_ARGS"
@@ -26,7 +27,7 @@ def parse_args(cls, argv: list[str] | None = None):
     saved config.json (with `--resume`: only flags given again change it), `--config file.yaml`, the command line.
     A rank of `python train_X.py` takes what its launcher parsed instead (parsing argv again costs every rank
     tyro's import and parse, ~0.5 CPU-s, for the same values)."""
-    if LAUNCHED_ARGS in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+    if LAUNCHED_ARGS in os.environ and under_elastic():
         return cls(**json.loads(os.environ[LAUNCHED_ARGS]))
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()

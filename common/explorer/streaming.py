@@ -34,10 +34,10 @@ class Stream:
         self.batch_tokens, self.batch_busy = 0, 0.0
         self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
         # The stream position after the run's last batch, were this explorer to make every batch left: positions
-        # used without a batch (processor drops, replaced groups) and batches the trainer had to drop whole
-        # (`redo`, from the trainer) move it on.
+        # used without a batch (replaced groups, tasks a processor dropped) and batches the trainer had to drop
+        # whole (`redo`, from the trainer) move it on.
         self.end = self.args.steps * self.args.tasks_per_step
-        self.unused, self.redo = 0, 0
+        self.dropped, self.redo = 0, 0  # tasks a processor dropped, in all
 
     def start_groups(self) -> None:
         """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
@@ -68,13 +68,13 @@ class Stream:
                 self.task_counts[name] = self.task_counts.get(name, 0) + dropped
             if not kept:
                 self.used.append(position)
-                self.unused += 1
+                self.dropped += 1
                 continue
             self.position_of[ex.start_group(kept[0])] = (position, time.time())
 
     def end_position(self) -> int:
         """The stream position after the groups of the run's last batch."""
-        return self.end + self.unused + self.redo * self.args.tasks_per_step
+        return self.end + self.replaced + self.dropped + self.redo * self.args.tasks_per_step
 
     def past_the_end(self) -> bool:
         """Every group the run's remaining batches need is started."""
@@ -100,8 +100,9 @@ class Stream:
             flat = [(group, r) for r in group.responses]
             self.scoring.append((group, ScoreFuture(ex.rewards, flat, ex.tokenizer, self.args.env_reward,
                                                     bool(self.args.reward_fn))))
-        if not ex.in_flight.workflows and self.scoring and not any(f.done() for _, f in self.scoring):
-            time.sleep(0.005)  # nothing to generate, every group with the verifiers: do not spin
+        if not ex.in_flight.workflows and not any(f.done() for _, f in self.scoring):
+            time.sleep(0.005)  # nothing to generate, no score to collect (verifiers busy, or waiting for weights or
+            # the run's end): do not spin
         for group, future in [gf for gf in self.scoring if gf[1].done()]:
             self.scoring.remove((group, future))
             scores = future.result(timeout=self.args.timeout_s)
@@ -121,7 +122,6 @@ class Stream:
         if len({reward for reward, _ in self.explorer.shaped([(group, r) for r in group.responses], scores)}) > 1:
             return False
         self.used.append(self.position_of.pop(group.group_id)[0])
-        self.unused += 1
         self.batch_replaced += 1
         self.replaced += 1
         return True
