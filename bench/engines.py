@@ -179,7 +179,8 @@ def main():
                 results[key] = continuous_batching(hf, tokenizer, prompts, sampling, args.repeats)
             else:
                 size = StaticCacheSize.plan(len(prompts) * args.n, max(map(len, prompts)) + args.max_new_tokens)
-                engine = HFEngine(hf, tokenizer, static_cache=size if cache == "static" else None)
+                engine = HFEngine(hf, tokenizer, static_cache=size if cache.startswith("static") else None,
+                                  decode="generate" if cache == "static-generate" else "loop")
                 warm_up_s = engine.warm_up(prompts[0])
                 results[key] = {**timed_generate(engine, prompts, sampling, args.repeats),
                                 "warm_up_s": round(warm_up_s, 1), **after_update(engine, tokenizer, prompts, sampling)}

@@ -98,7 +98,13 @@ def test_static_cache_equals_dynamic_cache():
             torch.manual_seed(seed)
             outs.append(e.generate(prompts, sampled))
         _same(*outs)
-    assert static._cache is not None and static._cache.layers[0].keys.shape[0] == 4
+    assert static._decoder.cache.layers[0].keys.shape[0] == 4
+    nucleus = SamplingConfig(temperature=0.7, top_p=0.8, max_new_tokens=12, n=2)  # the top-p warper, in the loop
+    outs = []
+    for e in (engine, static):
+        torch.manual_seed(3)
+        outs.append(e.generate(prompts, nucleus))
+    _same(*outs)
     greedy = SamplingConfig(temperature=0, max_new_tokens=10, n=3)  # 6 rows: a full chunk of 4, then 2 + 2 padding
     _same(engine.generate(prompts, greedy), static.generate(prompts, greedy))
     _same(engine.generate(prompts[:1], greedy), static.generate(prompts[:1], greedy))  # 3 rows + 1 padding
@@ -125,7 +131,7 @@ def test_static_cache_too_short_takes_the_dynamic_path(capsys):
     static = _static_engine(model, tokenizer, slots=4, tokens=64)
     greedy = SamplingConfig(temperature=0, max_new_tokens=40, n=1)  # the longer prompt + 40 > 64
     _same(engine.generate(prompts, greedy), static.generate(prompts, greedy))
-    assert static._cache is None
+    assert static._decoder is None
     assert "over the static KV cache's 64" in capsys.readouterr().err
     static.generate(prompts, greedy)
     assert "static KV cache" not in capsys.readouterr().err
@@ -138,16 +144,16 @@ def test_static_cache_plan_and_choice():
     assert not use_static_cache("dynamic", "cuda", vlm=False)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled decode step (CUDA graphs) runs on CUDA only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode step's CUDA graphs run on CUDA only")
 def test_compiled_static_cache_on_cuda_equals_dynamic():
-    """On CUDA the static path compiles the decode step (CUDA graphs): it makes the dynamic path's greedy tokens,
+    """On CUDA the static path captures its decode step as CUDA graphs: it makes the dynamic path's greedy tokens,
     log-probs the trainer recomputes, and it keeps doing so after an in-place weight update (no re-capture)."""
     tokenizer = build_tiny_tokenizer()
     model = load_model("tiny", device="cuda", seed=1)
     prompts = [chat_prompt_ids(tokenizer, {"prompt": p}) for p in ["1+1?", "A much longer prompt about apples?"]]
     dynamic = HFEngine(model, tokenizer)
     static = _static_engine(model, tokenizer, slots=8)
-    assert static.warm_up(prompts[0]) > 0 and getattr(model, "_compiled_call", None) is not None
+    assert static.warm_up(prompts[0]) > 0 and static._decoder.graphs and not static._decoder.graph_error
     greedy = SamplingConfig(temperature=0, max_new_tokens=24, n=2)
     for update in range(2):
         _same(dynamic.generate(prompts, greedy), static.generate(prompts, greedy), atol=1e-3)

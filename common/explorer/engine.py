@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.explorer import static_decode
 from common.vlm import is_frozen, is_vlm, stack_images
 from common.weight_sync.base import Buffers, Folder, WeightSource, weights_hash
 
@@ -132,23 +133,25 @@ class HFEngine(RolloutEngine):
     and the model's generation config's.
 
     Two KV caches (`static_cache`, `--hf-cache`):
-    - dynamic (the CPU's default): the cache grows by concatenation each decode step, sized to the call;
+    - dynamic (the CPU's default): HF `generate`, its cache grown by concatenation each decode step;
     - static (the default on CUDA for text models): one pre-allocated cache of `slots` rows x `tokens` positions,
-      kept for the whole run. Its fixed shapes let transformers compile the decode step on CUDA (torch.compile,
-      mode "reduce-overhead": the step replays as CUDA graphs instead of a Python-driven launch of every layer's
-      kernels). A call's rows go through in chunks of `slots` rows, the last chunk padded with rows that stop at
-      their first token; a call whose prompt plus new tokens would not fit `tokens` takes the dynamic path.
-      Weight updates copy into the parameters in place, so the captured graphs stay valid (no re-capture).
+      kept for the whole run, and tandem's own decode loop over it (common/explorer/static_decode.py): on CUDA each
+      decode step is one replayed CUDA graph instead of generate's Python-driven launch of every kernel. A call's
+      rows go through in chunks of `slots` rows, the last chunk padded with rows stopped from the start; a call
+      whose prompt plus new tokens would not fit `tokens` takes the dynamic path. Weight updates copy into the
+      parameters in place, so the captured graphs stay valid (no re-capture).
     """
 
     def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none",
-                 static_cache: StaticCacheSize | None = None):
+                 static_cache: StaticCacheSize | None = None, decode: str = "loop"):
         self.model = model.eval()
         self.freeze = freeze
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
-        self.static = static_cache
-        self._cache = None  # the StaticCache, allocated at the first call that uses it
+        self.static = static_cache if static_cache is not None and static_decode.supported(model) else None
+        self.decode = decode
+        self._cache = None  # the StaticCache of decode="generate", allocated at the first call that uses it
+        self._decoder = None  # the StaticDecoder, allocated at the first call that uses it
         self.warned_too_long = False
 
     @property
@@ -159,8 +162,11 @@ class HFEngine(RolloutEngine):
         """One line for the run's first lines: which generation path this engine takes."""
         if self.static is None:
             return "HF generate, dynamic KV cache"
-        compiled = ", decode step compiled into CUDA graphs" if self.device.type == "cuda" else ""
-        return f"HF generate, static KV cache of {self.static.slots} rows x {self.static.tokens} tokens{compiled}"
+        size = f"a static KV cache of {self.static.slots} rows x {self.static.tokens} tokens"
+        if self.decode == "generate":
+            return f"HF generate over {size}" + (", decode step compiled" if self.device.type == "cuda" else "")
+        return f"HF model, tandem's decode loop over {size}" + (
+            ", each decode step one CUDA graph" if self.device.type == "cuda" else "")
 
     @torch.no_grad()
     def generate(self, prompts, sampling, images=None):
@@ -176,11 +182,24 @@ class HFEngine(RolloutEngine):
                       "dynamic cache", file=sys.stderr, flush=True)
         if static:
             slots = self.static.slots
-            flat = [g for i in range(0, len(rows), slots) for g in self._generate_rows(rows[i:i + slots], sampling,
-                                                                                       cache=self._static_cache())]
+            flat = [g for i in range(0, len(rows), slots) for g in self._static_rows(rows[i:i + slots], sampling)]
         else:
             flat = self._generate_rows(rows, sampling, pictures)
         return [flat[i:i + sampling.n] for i in range(0, len(flat), sampling.n)]
+
+    def _static_rows(self, rows, sampling, min_new_tokens: int = 0) -> list[Generation]:
+        """At most `slots` rows through the static cache, padded to `slots` with copies of the first row."""
+        if self.decode == "generate":
+            return self._generate_rows(rows, sampling, cache=self._static_cache(), min_new_tokens=min_new_tokens)
+        if self._decoder is None:
+            self._decoder = static_decode.StaticDecoder(self.model, self.static.slots, self.static.tokens,
+                                                        self.pad_id, self.stop_ids)
+        start = time.time()
+        new_tokens, logprobs = self._decoder.run(rows + [rows[0]] * (self.static.slots - len(rows)), len(rows),
+                                                 sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                                                 min_new_tokens)
+        self.busy_s += time.time() - start
+        return self._cut(rows, new_tokens, logprobs)
 
     def _static_cache(self):
         from transformers import StaticCache
@@ -222,10 +241,12 @@ class HFEngine(RolloutEngine):
                                   generation_config=config, logits_processor=processors,
                                   **{k: v.to(device) if torch.is_tensor(v) else v for k, v in extra.items()})
         self.busy_s += time.time() - start
-        new_tokens = out.sequences[:real, width:].cpu()
-        logprobs = chosen.finish(out.sequences)[:real].cpu()
+        return self._cut(rows[:real], out.sequences[:real, width:].cpu(), chosen.finish(out.sequences)[:real].cpu())
+
+    def _cut(self, rows, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Generation]:
+        """One Generation per row from its new tokens and their log-probs, cut after its first stop id."""
         generations = []
-        for i, p in enumerate(rows[:real]):
+        for i, p in enumerate(rows):
             ids = new_tokens[i].tolist()
             length, finish = len(ids), "length"
             for j, t in enumerate(ids):
@@ -237,16 +258,17 @@ class HFEngine(RolloutEngine):
         return generations
 
     def warm_up(self, prompt: list[int], new_tokens: int = 4) -> float:
-        """Run the static path once over full slots (every row decoding `new_tokens` tokens) so that the decode
-        step is compiled and captured before the first rollout; returns the seconds it took (0: nothing to do)."""
+        """Capture the static path's decode step for each sampling kind (greedy, sampled, sampled with top-p) over
+        full slots before the first rollout; returns the seconds it took (0: nothing to capture)."""
         if self.static is None or self.device.type != "cuda":
             return 0.0
-        print(f"[tandem] HF engine: compiling the decode step for {self.static.slots} rows (once per run, about a "
-              "minute at 1.5B)...", flush=True)
+        print(f"[tandem] HF engine: capturing the decode step for {self.static.slots} rows (once per run)...",
+              flush=True)
         start = time.time()
-        warm = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
-        # no row stops early: every decode step runs at full slots, as the rollouts' will
-        self._generate_rows([prompt] * self.static.slots, warm, cache=self._static_cache(), min_new_tokens=new_tokens)
+        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
+            # no row stops early: every decode step runs at full slots, as the rollouts' will
+            self._static_rows([prompt] * self.static.slots, SamplingConfig(temperature, top_p, new_tokens),
+                              min_new_tokens=new_tokens)
         return time.time() - start
 
     def weight_buffers(self):
