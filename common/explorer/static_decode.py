@@ -4,7 +4,10 @@ HF `generate` drives every decode step from Python: its logits processors, stop 
 kernels one by one between the model's replays, which on a GPU costs more than the step's own arithmetic. Here the
 whole step (the model's forward over the static cache, the behaviour log-prob, sampling, the stop check) reads and
 writes fixed tensors only, so on CUDA it is captured once as a CUDA graph and each step is a single replay; the
-host checks whether every row has stopped once every `CHECK_EVERY` steps, not after each.
+host checks whether every row has stopped once every `CHECK_EVERY` steps, not after each. On CUDA the model's
+forward inside that step is compiled first (torch.compile: fused kernels, about a minute at 1.5B, once per run);
+attention reads each KV head once for all the query heads that share it (`grouped_attention`), where transformers'
+sdpa copies the whole cache to every query head whenever a mask is given.
 
 What it keeps from `generate`, so the two agree token for token on the CPU for a fixed seed: left padding, the
 positions of each row's real tokens, the temperature then top-p warpers, `torch.multinomial`'s draw over the same
@@ -21,8 +24,29 @@ from __future__ import annotations
 import sys
 
 import torch
+from transformers import AttentionInterface
 
 CHECK_EVERY = 8  # decode steps between the host's "has every row stopped?" reads on CUDA (each one a sync)
+GROUPED = "tandem_grouped_sdpa"  # the attention this loop's forwards use (registered below)
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa under this loop's boolean mask [rows, 1, queries, keys], with the query heads that share a KV head
+    stacked as extra query rows of that head: query head h reads KV head h // groups (transformers' grouping), so
+    [rows, kv_heads x groups, queries, dim] is viewed as [rows, kv_heads, groups x queries, dim], and each KV head
+    is read once."""
+    rows, heads, queries, dim = query.shape
+    groups = heads // key.shape[1]
+    if groups > 1:
+        mask = attention_mask.expand(-1, -1, groups, -1) if queries == 1 else attention_mask.repeat(1, 1, groups, 1)
+    else:
+        mask = attention_mask
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(rows, key.shape[1], groups * queries, dim),
+                                                           key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED, grouped_attention)
 
 
 def supported(model) -> bool:
@@ -55,15 +79,28 @@ class StaticDecoder:
         self.out_logprobs = torch.zeros(slots, tokens, dtype=torch.float32, device=device)
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)  # of the log-probs; sampling's too
         self.top_p = torch.ones(1, dtype=torch.float32, device=device)
-        additive = model.config._attn_implementation == "eager"
-        self.mask_min = torch.finfo(next(model.parameters()).dtype).min if additive else None
+        # the step's forward: compiled on CUDA (its kernels fused), then captured with the rest of the step
+        self.forward = torch.compile(self._forward, dynamic=False) if self.cuda else self._forward
         self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self.graph_error = ""  # why the CUDA graph could not be captured (then the steps run eagerly)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
 
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        return allowed if self.mask_min is None else torch.zeros(allowed.shape, dtype=next(
-            self.model.parameters()).dtype, device=allowed.device).masked_fill(~allowed, self.mask_min)
+    def _forward(self, input_ids, position_ids, mask) -> torch.Tensor:
+        """The model over `input_ids` at `position_ids` into the static cache, attending where `mask` [rows, 1,
+        queries, cache positions] is True: the last position's logits."""
+        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def _model(self, forward, *inputs) -> torch.Tensor:
+        """`forward` with the model's attention set to `grouped_attention` for the call (every forward of this loop;
+        the model keeps its own attention for anyone else)."""
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = GROUPED
+        try:
+            return forward(*inputs)
+        finally:
+            config._attn_implementation = before
 
     # ------------------------------------------------------------------ one step: fixed tensors in, fixed tensors out
     def _choose(self, logits: torch.Tensor, greedy: bool, top_p: bool) -> None:
@@ -94,9 +131,7 @@ class StaticDecoder:
 
     def _decode_step(self, greedy: bool, top_p: bool) -> None:
         self.valid.index_fill_(1, self.column, True)
-        logits = self.model(input_ids=self.next_ids, position_ids=self.positions,
-                            attention_mask=self._mask(self.valid[:, None, None, :]), past_key_values=self.cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self._model(self.forward, self.next_ids, self.positions, self.valid[:, None, None, :])
         self._choose(logits, greedy, top_p)
         self.column += 1
         self.positions += 1
@@ -107,36 +142,45 @@ class StaticDecoder:
                 *(layer.cumulative_length for layer in self.cache.layers)]
 
     def _graph(self, greedy: bool, top_p: bool):
-        """The decode step captured as a CUDA graph (None on the CPU, or where capture failed: said once)."""
+        """The decode step captured as a CUDA graph (None on the CPU, or where capture failed: said once). The
+        first capture also compiles the forward; a forward that fails to compile is captured uncompiled."""
         key = (greedy, top_p)
         if not self.cuda or self.graph_error:
             return None
-        if key not in self.graphs:
+        while key not in self.graphs:
             saved = [t.clone() for t in self._state()]
             try:
-                # kernels chosen and workspaces allocated on a side stream before capture, as CUDA graphs require
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._decode_step(greedy, top_p)
-                torch.cuda.current_stream().wait_stream(side)
-                for t, s in zip(self._state(), saved):
-                    t.copy_(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    self._decode_step(greedy, top_p)
-                self.graphs[key] = graph
-            except Exception as e:  # an op the capture refuses (a host sync in some model's forward): run eagerly
-                self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                print(f"[tandem] HF engine: the decode step could not be captured as a CUDA graph "
-                      f"({self.graph_error}); it runs eagerly", file=sys.stderr, flush=True)
+                self.graphs[key] = self._capture(greedy, top_p)
+            except Exception as e:  # an op the compiler or the capture refuses in some model's forward
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 torch.cuda.synchronize()
+                if self.forward is not self._forward:
+                    print(f"[tandem] HF engine: the decode step's forward did not compile ({error}); capturing it "
+                          "uncompiled", file=sys.stderr, flush=True)
+                    self.forward = self._forward
+                    continue
+                self.graph_error = error
+                print(f"[tandem] HF engine: the decode step could not be captured as a CUDA graph ({error}); it "
+                      "runs eagerly", file=sys.stderr, flush=True)
                 return None
             finally:  # the warm-up steps and the capture wrote nothing a rollout keeps: back to after the prefill
                 for t, s in zip(self._state(), saved):
                     t.copy_(s)
         return self.graphs[key]
+
+    def _capture(self, greedy: bool, top_p: bool) -> torch.cuda.CUDAGraph:
+        # kernels chosen (and the forward compiled) on a side stream before capture, as CUDA graphs require; the
+        # capture itself records without running
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_step(greedy, top_p)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._decode_step(greedy, top_p)
+        return graph
 
     # ------------------------------------------------------------------ a batch
     @torch.no_grad()
@@ -166,8 +210,7 @@ class StaticDecoder:
         causal = columns[None, :] <= torch.arange(width, device=device)[:, None]
         allowed = (causal[None] & self.valid[:, None, :]) | (columns[None, None, :] == torch.arange(
             width, device=device)[None, :, None])
-        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._mask(allowed[:, None]),
-                            past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self._model(self._forward, input_ids, positions, allowed[:, None])
         self.step.zero_()
         self.done.zero_()
         self.done[real:] = True
