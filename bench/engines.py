@@ -5,8 +5,8 @@
     python bench/engines.py --model FOLDER --device cuda --dtype bfloat16 --engines hf \
         --hf-caches dynamic,static,cb --prompts 32 --n 4 --max-new-tokens 256   # the HF paths on a GPU
 
-The HF engine's paths (--hf-caches): dynamic (KV cache grown each step), static (one pre-allocated cache; on CUDA
-the decode step compiled into CUDA graphs: its warm-up seconds are the compile), and cb (transformers' own
+The HF engine's paths (--hf-caches): dynamic (HF generate, KV cache grown each step), static (tandem's decode loop
+over one pre-allocated cache; on CUDA each step one CUDA graph: its warm-up seconds are the compile and captures), and cb (transformers' own
 continuous batching, `generate_batch` with paged attention: tokens/s only, for comparison; tandem does not use
 it). For each HF path after its timed calls: the weights are changed in place (as weight sync does), then the
 time to the first token of the whole batch, and the largest |behaviour - recomputed| log-prob over 16 new tokens
@@ -179,8 +179,7 @@ def main():
                 results[key] = continuous_batching(hf, tokenizer, prompts, sampling, args.repeats)
             else:
                 size = StaticCacheSize.plan(len(prompts) * args.n, max(map(len, prompts)) + args.max_new_tokens)
-                engine = HFEngine(hf, tokenizer, static_cache=size if cache.startswith("static") else None,
-                                  decode="generate" if cache == "static-generate" else "loop")
+                engine = HFEngine(hf, tokenizer, static_cache=size if cache == "static" else None)
                 warm_up_s = engine.warm_up(prompts[0])
                 results[key] = {**timed_generate(engine, prompts, sampling, args.repeats),
                                 "warm_up_s": round(warm_up_s, 1), **after_update(engine, tokenizer, prompts, sampling)}

@@ -11,7 +11,7 @@
    Then the suite's tests that skip without CUDA (CUDA_TESTS), with pytest's verdict (a skip there is a failure).
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
    - rollout tokens/s of each HF generation path at 128 x 256 new tokens (bench/engines.py --device cuda: dynamic
-     cache, static cache with the decode step in CUDA graphs, transformers' continuous batching), each path's
+     cache, tandem's decode loop over a static cache in CUDA graphs, transformers' continuous batching), each path's
      warm-up (compile) seconds, and after an in-place weight update the first token's latency and the behaviour
      log-probs against a recomputation;
    - rollout tokens/s in a run, its rollout : train time, and the weight hand-off's GB/s of each --sync-method:
@@ -334,7 +334,7 @@ def rollout_rows(folder: str, logs: str) -> list[tuple[str, str, str]]:
         r = json.load(f)
     rows = []
     how = {"dynamic": "HF generate, dynamic KV cache (the CPU default)",
-           "static": "HF generate, static KV cache, decode compiled into CUDA graphs (the CUDA default)",
+           "static": "tandem's decode loop, static KV cache, each step one CUDA graph (the CUDA default)",
            "cb": "transformers continuous batching (generate_batch, paged attention), not used by tandem"}
     for path in ("dynamic", "static", "cb"):
         got = r.get(f"hf_{path}", {})

@@ -83,9 +83,10 @@ class CommonArgs:
     vllm_kv_cache_gb: float = 1.0
     """--engine vllm on CPU: KV cache size in GiB (vLLM's CPU backend otherwise reserves a share of all memory)."""
     hf_cache: Literal["auto", "dynamic", "static"] = "auto"
-    """--engine hf's KV cache: static (one pre-allocated cache for the run; on CUDA the decode step is compiled into
-    CUDA graphs, once, at start-up), dynamic (grown each step), or auto: static on CUDA for text models, dynamic on
-    the CPU and for vision-language policies. The run's first lines say which."""
+    """--engine hf's KV cache: static (one pre-allocated cache for the run and tandem's decode loop over it; on CUDA
+    each decode step is one CUDA graph, compiled and captured once, at start-up), dynamic (HF generate, grown each
+    step), or auto: static on CUDA for text models, dynamic on the CPU and for vision-language policies. The run's
+    first lines say which."""
     hf_cache_tokens: int = 0
     """Positions (prompt + response) of each row of the static KV cache; 0 = planned before any model loads from the
     longest prompt + --max-new-tokens (or --episode-token-budget). Longer calls take the dynamic cache."""

@@ -204,11 +204,14 @@ def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequ
     if use_static_cache(args.hf_cache, device_type, vlm=False):
         size = StaticCacheSize.plan(args.rollout_batch_size, args.hf_cache_tokens or sequence_tokens)
         kv = 2 * shape.layers * shape.kv_dim * b * size.tokens * size.slots
+        # the decode step's fp32 rows x vocabulary tensors (scores, log-probs, probabilities, the draw; with top-p
+        # its sort, indices and cumulative sums), held in the CUDA graphs' memory pool
+        logits = 8 * 4 * shape.vocab * size.slots
     else:
         kv = 2 * shape.layers * shape.kv_dim * b * sequence_tokens * args.rollout_batch_size
         if device_type == "cpu":  # HF's cache grows by concatenation; glibc keeps the freed copies in its heap
             kv *= 2  # (measured: 2.92 GiB resident against a 1.91 GiB live peak, docs/BENCHMARKS.md)
-    logits = 3 * 4 * shape.vocab * args.rollout_batch_size  # one decoding step's fp32 logits and their softmax
+        logits = 3 * 4 * shape.vocab * args.rollout_batch_size  # one decoding step's fp32 logits and their softmax
     process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     return SLACK * (weights + kv + logits) + process
 

@@ -143,14 +143,12 @@ class HFEngine(RolloutEngine):
     """
 
     def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none",
-                 static_cache: StaticCacheSize | None = None, decode: str = "loop"):
+                 static_cache: StaticCacheSize | None = None):
         self.model = model.eval()
         self.freeze = freeze
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
         self.static = static_cache if static_cache is not None and static_decode.supported(model) else None
-        self.decode = decode
-        self._cache = None  # the StaticCache of decode="generate", allocated at the first call that uses it
         self._decoder = None  # the StaticDecoder, allocated at the first call that uses it
         self.warned_too_long = False
 
@@ -162,11 +160,9 @@ class HFEngine(RolloutEngine):
         """One line for the run's first lines: which generation path this engine takes."""
         if self.static is None:
             return "HF generate, dynamic KV cache"
-        size = f"a static KV cache of {self.static.slots} rows x {self.static.tokens} tokens"
-        if self.decode == "generate":
-            return f"HF generate over {size}" + (", decode step compiled" if self.device.type == "cuda" else "")
-        return f"HF model, tandem's decode loop over {size}" + (
-            ", each decode step one CUDA graph" if self.device.type == "cuda" else "")
+        return (f"HF model, tandem's decode loop over a static KV cache of {self.static.slots} rows x "
+                f"{self.static.tokens} tokens" + (", each decode step one CUDA graph" if self.device.type == "cuda"
+                                                  else ""))
 
     @torch.no_grad()
     def generate(self, prompts, sampling, images=None):
@@ -187,37 +183,22 @@ class HFEngine(RolloutEngine):
             flat = self._generate_rows(rows, sampling, pictures)
         return [flat[i:i + sampling.n] for i in range(0, len(flat), sampling.n)]
 
-    def _static_rows(self, rows, sampling, min_new_tokens: int = 0) -> list[Generation]:
+    def _static_rows(self, rows, sampling) -> list[Generation]:
         """At most `slots` rows through the static cache, padded to `slots` with copies of the first row."""
-        if self.decode == "generate":
-            return self._generate_rows(rows, sampling, cache=self._static_cache(), min_new_tokens=min_new_tokens)
         if self._decoder is None:
             self._decoder = static_decode.StaticDecoder(self.model, self.static.slots, self.static.tokens,
                                                         self.pad_id, self.stop_ids)
         start = time.time()
         new_tokens, logprobs = self._decoder.run(rows + [rows[0]] * (self.static.slots - len(rows)), len(rows),
-                                                 sampling.max_new_tokens, sampling.temperature, sampling.top_p,
-                                                 min_new_tokens)
+                                                 sampling.max_new_tokens, sampling.temperature, sampling.top_p)
         self.busy_s += time.time() - start
         return self._cut(rows, new_tokens, logprobs)
 
-    def _static_cache(self):
-        from transformers import StaticCache
-
-        if self._cache is None:
-            self._cache = StaticCache(config=self.model.config, max_cache_len=self.static.tokens)
-        self._cache.reset()
-        return self._cache
-
-    def _generate_rows(self, rows, sampling, pictures=None, cache=None, min_new_tokens: int = 0) -> list[Generation]:
-        """One `generate` over `rows` (prompt ids): one Generation each. With `cache` (static), the batch is
-        padded to the cache's rows with copies of the first row that end at their first token."""
+    def _generate_rows(self, rows, sampling, pictures=None) -> list[Generation]:
+        """One `generate` over `rows` (prompt ids), its KV cache grown each step: one Generation each."""
         from transformers import GenerationConfig
 
         device = self.device
-        real = len(rows)
-        if cache is not None:
-            rows = rows + [rows[0]] * (self.static.slots - real)
         width = max(len(p) for p in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -227,21 +208,17 @@ class HFEngine(RolloutEngine):
         greedy = sampling.temperature == 0
         sample = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
         config = GenerationConfig(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens, **sample,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
-                                  min_new_tokens=min_new_tokens)
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True)
         chosen = _ChosenLogprobs(1.0 if greedy else sampling.temperature)
-        processors = [chosen] + ([_EndRows(real, self.stop_ids[0])] if len(rows) > real else [])
         extra = stack_images(pictures) if pictures else {}
         if extra:  # a VLM: its 3-D rope positions need to know which ids are image placeholders
             extra["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
-        if cache is not None:
-            extra["past_key_values"] = cache
         start = time.time()
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                  generation_config=config, logits_processor=processors,
+                                  generation_config=config, logits_processor=[chosen],
                                   **{k: v.to(device) if torch.is_tensor(v) else v for k, v in extra.items()})
         self.busy_s += time.time() - start
-        return self._cut(rows[:real], out.sequences[:real, width:].cpu(), chosen.finish(out.sequences)[:real].cpu())
+        return self._cut(rows, out.sequences[:, width:].cpu(), chosen.finish(out.sequences).cpu())
 
     def _cut(self, rows, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Generation]:
         """One Generation per row from its new tokens and their log-probs, cut after its first stop id."""
@@ -257,18 +234,16 @@ class HFEngine(RolloutEngine):
                                           logprobs=logprobs[i, :length].tolist(), finish_reason=finish))
         return generations
 
-    def warm_up(self, prompt: list[int], new_tokens: int = 4) -> float:
-        """Capture the static path's decode step for each sampling kind (greedy, sampled, sampled with top-p) over
-        full slots before the first rollout; returns the seconds it took (0: nothing to capture)."""
+    def warm_up(self, prompt: list[int]) -> float:
+        """On CUDA, compile the static path's decode step and capture it for each sampling kind (greedy, sampled,
+        sampled with top-p) before the first rollout; returns the seconds it took (0: nothing to capture)."""
         if self.static is None or self.device.type != "cuda":
             return 0.0
-        print(f"[tandem] HF engine: capturing the decode step for {self.static.slots} rows (once per run)...",
-              flush=True)
+        print(f"[tandem] HF engine: compiling and capturing the decode step for {self.static.slots} rows (once per "
+              "run, about a minute at 1.5B)...", flush=True)
         start = time.time()
         for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
-            # no row stops early: every decode step runs at full slots, as the rollouts' will
-            self._static_rows([prompt] * self.static.slots, SamplingConfig(temperature, top_p, new_tokens),
-                              min_new_tokens=new_tokens)
+            self._static_rows([prompt], SamplingConfig(temperature, top_p, max_new_tokens=2))
         return time.time() - start
 
     def weight_buffers(self):
@@ -292,18 +267,6 @@ def use_static_cache(hf_cache: str, device_type: str, vlm: bool) -> bool:
     """--hf-cache auto: static on CUDA for text models (compiled decode), dynamic on the CPU (as fast there, and
     nothing to compile) and for vision-language policies (their generate takes images the static path does not)."""
     return hf_cache == "static" or (hf_cache == "auto" and device_type == "cuda" and not vlm)
-
-
-class _EndRows:
-    """A logits processor that ends the padding rows (index >= `first`) at their first token."""
-
-    def __init__(self, first: int, stop_id: int):
-        self.first, self.stop_id = first, stop_id
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores[self.first:] = float("-inf")
-        scores[self.first:, self.stop_id] = 0.0
-        return scores
 
 
 class _ChosenLogprobs:

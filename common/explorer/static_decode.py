@@ -184,11 +184,11 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ a batch
     @torch.no_grad()
-    def run(self, rows: list[list[int]], real: int, max_new_tokens: int, temperature: float, top_p: float,
-            min_new_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: list[list[int]], real: int, max_new_tokens: int, temperature: float,
+            top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`rows` (exactly `slots` prompts, left-padded here; rows from `real` on are padding, stopped from the
         start): new token ids and behaviour log-probs, [real, steps] each on the CPU, each row to be cut at its
-        first stop id. At most `max_new_tokens` steps; fewer once every row has stopped (and `min_new_tokens` ran)."""
+        first stop id. At most `max_new_tokens` steps; fewer once every row has stopped."""
         device = self.valid.device
         width = max(map(len, rows))
         assert len(rows) == self.slots and width + max_new_tokens <= self.tokens, (len(rows), width, max_new_tokens)
@@ -220,7 +220,7 @@ class StaticDecoder:
         graph = self._graph(greedy, top_p < 1.0) if max_new_tokens > 1 else None
         check = CHECK_EVERY if self.cuda else 1
         steps = 1
-        while steps < max_new_tokens and (steps < min_new_tokens or steps % check or not bool(self.done.all())):
+        while steps < max_new_tokens and (steps % check or not bool(self.done.all())):
             if graph is not None:
                 graph.replay()
             else:
