@@ -6,6 +6,7 @@ import torch
 from common.explorer.engine import HFEngine, SamplingConfig, StaticCacheSize, use_static_cache
 from common.experience import Experience, collate
 from common.model import build_tiny_tokenizer, chat_prompt_ids, load_model
+from common.weight_sync import Buffers
 from common.trainer.forward import sequence_logprobs
 from tests.conftest import MaxTensor
 
@@ -147,7 +148,8 @@ def test_static_cache_plan_and_choice():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode step's CUDA graphs run on CUDA only")
 def test_compiled_static_cache_on_cuda_equals_dynamic():
     """On CUDA the static path captures its decode step as CUDA graphs: it makes the dynamic path's greedy tokens,
-    log-probs the trainer recomputes, and it keeps doing so after an in-place weight update (no re-capture)."""
+    log-probs the trainer recomputes, and it keeps doing so after an in-place weight update (no re-capture), also for
+    requests that join its slots one after another."""
     tokenizer = build_tiny_tokenizer()
     model = load_model("tiny", device="cuda", seed=1)
     prompts = [chat_prompt_ids(tokenizer, {"prompt": p}) for p in ["1+1?", "A much longer prompt about apples?"]]
@@ -168,3 +170,88 @@ def test_compiled_static_cache_on_cuda_equals_dynamic():
         with torch.no_grad():
             for _, p in static.weight_buffers():
                 p.add_(0.05 * torch.randn_like(p))
+    # requests joining the running slots at different steps: each as it would be alone
+    greedy = SamplingConfig(temperature=0, max_new_tokens=20)
+    out = _stream(static, object(), {0: [(k, prompts[k % 2], 20, greedy) for k in range(5)],
+                                     1: [(k, prompts[k % 2], 20, greedy) for k in range(5, 11)]})
+    for k in range(11):
+        _same([[dynamic.generate([prompts[k % 2]], greedy)[0][0]]], [[out[k]]], atol=1e-3)
+
+
+def _stream(engine, owner, requests, between=None) -> dict:
+    """Step `engine` until every one of `owner`'s requests has finished; `requests`: {step: [(key, prompt, cap,
+    sampling)]} added before that step (requests joining a running batch). Returns key -> Generation."""
+    out, steps = {}, 0
+    while steps == 0 or engine.running(owner) or any(s >= steps for s in requests):
+        for key, prompt, cap, sampling in requests.pop(steps, []):
+            engine.add(owner, key, prompt, cap, sampling)
+        out.update(engine.step(owner))
+        if between:
+            between(steps)
+        steps += 1
+    return out
+
+
+def test_static_slots_take_requests_as_they_come():
+    """The static cache's rows are slots: requests join a running batch at any step, each with its own cap,
+    temperature and top-p, more requests than slots wait for a free one, and each comes back as it would alone
+    (greedy: the dynamic path's tokens; sampled: behaviour log-probs the trainer recomputes)."""
+    engine, tokenizer, model, prompts = _engine_and_prompts()
+    static = _static_engine(model, tokenizer, slots=4)
+    assert static.streams and not engine.streams
+    greedy, hot, nucleus = SamplingConfig(0, 1.0, 10), SamplingConfig(1.0, 1.0, 9), SamplingConfig(0.7, 0.8, 9)
+    owner = object()
+    torch.manual_seed(0)
+    out = _stream(static, owner, {0: [("g0", prompts[0], 10, greedy), ("s0", prompts[1], 9, hot)],
+                                  3: [("g1", prompts[1], 6, greedy), ("n0", prompts[0], 9, nucleus),
+                                      ("n1", prompts[1], 9, nucleus), ("g2", prompts[0], 4, greedy)]})
+    assert sorted(out) == ["g0", "g1", "g2", "n0", "n1", "s0"] and not static._slots and not static._queue
+    for key, prompt, cap in (("g0", prompts[0], 10), ("g1", prompts[1], 6), ("g2", prompts[0], 4)):
+        alone = engine.generate([prompt], SamplingConfig(0, 1.0, cap))[0][0]
+        assert out[key].response_ids == alone.response_ids and out[key].finish_reason == alone.finish_reason
+        assert torch.allclose(torch.tensor(out[key].logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+    for key, temperature in (("s0", 1.0), ("n0", 0.7), ("n1", 0.7)):
+        g = out[key]
+        assert 1 <= len(g.response_ids) <= 9 and (g.finish_reason == "stop") == (g.response_ids[-1] in static.stop_ids)
+        batch = collate([Experience(g.prompt_ids, g.response_ids, g.logprobs, [1] * len(g.response_ids), 0.0, 0, "t",
+                                    0)], tokenizer.pad_token_id)
+        with torch.no_grad():
+            recomputed = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature)
+        mask = batch.response_mask.bool()
+        assert (recomputed[mask] - batch.old_logprobs[mask]).abs().max().item() < 1e-4, key
+
+
+def test_static_slots_weights_between_steps_and_abort():
+    """Weights loaded between two steps are used from the next step on and each token says which version made it;
+    a batch `generate` joins requests already in the slots; an aborted owner's requests leave their slots."""
+    engine, tokenizer, model, prompts = _engine_and_prompts()
+    static = _static_engine(model, tokenizer, slots=2)
+    static.stop_ids = [4095]  # never sampled: every request runs to its cap
+    sampling = SamplingConfig(1.0, 1.0, 8)
+
+    def update(step):
+        if step == 2:
+            with torch.no_grad():
+                for _, p in static.weight_buffers():
+                    p.add_(0.05 * torch.randn_like(p))
+            static.load_weights(Buffers(), version=7)
+
+    owner = object()
+    out = _stream(static, owner, {0: [(k, prompts[0], 8, sampling) for k in "ab"] + [("c", prompts[1], 8, sampling)]},
+                  between=update)
+    assert [out[k].versions for k in "ab"] == [[0] * 4 + [7] * 4] * 2  # joined + 1 step, 2 steps, then the update
+    assert out["c"].versions == [7] * 8  # waited for a slot; joined after the update
+    g = out["c"]  # made with the new weights: the trainer's recomputation with them agrees
+    batch = collate([Experience(g.prompt_ids, g.response_ids, g.logprobs, [1] * 8, 0.0, 0, "t", 0)],
+                    tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0)
+    mask = batch.response_mask.bool()
+    assert (recomputed[mask] - batch.old_logprobs[mask]).abs().max().item() < 1e-4
+    later = object()
+    static.add(later, "x", prompts[0], 8, sampling)
+    static.step(later)
+    (g,), = static.generate([prompts[1]], sampling)  # beside "x" in the other slot
+    assert len(g.response_ids) == 8 and g.versions is None and static.running(later) == 1
+    static.abort(later)
+    assert static.running(later) == 0 and not static._slots and static.step(later) == []

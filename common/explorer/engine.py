@@ -6,6 +6,7 @@ recomputes with `common.trainer.forward.sequence_logprobs` (top-p truncation is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -139,7 +140,8 @@ class HFEngine(RolloutEngine):
       decode step is one replayed CUDA graph instead of generate's Python-driven launch of every kernel. A call's
       rows go through in chunks of `slots` rows, the last chunk padded with rows stopped from the start; a call
       whose prompt plus new tokens would not fit `tokens` takes the dynamic path. Weight updates copy into the
-      parameters in place, so the captured graphs stay valid (no re-capture).
+      parameters in place, so the captured graphs stay valid (no re-capture). The cache's rows are slots that
+      requests join and leave one by one (`streams`: `add` / `step`, continuous batching as vLLM's).
     """
 
     def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none",
@@ -151,6 +153,14 @@ class HFEngine(RolloutEngine):
         self.static = static_cache if static_cache is not None and static_decode.supported(model) else None
         self._decoder = None  # the StaticDecoder, allocated at the first call that uses it
         self.warned_too_long = False
+        self.version = 0  # of the weights generating now (load_weights), for stepwise requests' tokens
+        self._queue: list[tuple] = []  # added requests waiting for a slot: (owner, key, prompt, cap, sampling, stepwise)
+        self._slots: dict[int, list] = {}  # slot -> [owner, key, prompt, stepwise, versions of its tokens so far]
+        self._done: dict[int, list] = {}  # id(owner) -> finished (key, Generation) not yet taken
+
+    @property
+    def streams(self) -> bool:
+        return self.static is not None
 
     @property
     def device(self) -> torch.device:
@@ -168,28 +178,50 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts, sampling, images=None):
         rows = [p for p in prompts for _ in range(sampling.n)]
         pictures = [im for im in images for _ in range(sampling.n)] if images else None
-        static = self.static is not None and not pictures
-        if static and max(map(len, rows)) + sampling.max_new_tokens > self.static.tokens:
-            static = False
-            if not self.warned_too_long:
-                self.warned_too_long = True
-                print(f"[tandem] HF engine: a call needs {max(map(len, rows)) + sampling.max_new_tokens} positions, "
-                      f"over the static KV cache's {self.static.tokens} (--hf-cache-tokens): such calls take the "
-                      "dynamic cache", file=sys.stderr, flush=True)
-        if static:
+        static = self.static is not None and not pictures and self._fits(max(map(len, rows)) + sampling.max_new_tokens)
+        if static and (self._slots or self._queue):  # streamed requests hold slots: these join them
+            flat = self._stepped(rows, sampling)
+        elif static:
             slots = self.static.slots
             flat = [g for i in range(0, len(rows), slots) for g in self._static_rows(rows[i:i + slots], sampling)]
         else:
             flat = self._generate_rows(rows, sampling, pictures)
         return [flat[i:i + sampling.n] for i in range(0, len(flat), sampling.n)]
 
-    def _static_rows(self, rows, sampling) -> list[Generation]:
-        """At most `slots` rows through the static cache, padded to `slots` with copies of the first row."""
+    def _fits(self, positions: int) -> bool:
+        """Whether a request of `positions` (prompt + new tokens) fits the static cache's rows (said once if not)."""
+        if positions <= self.static.tokens:
+            return True
+        if not self.warned_too_long:
+            self.warned_too_long = True
+            print(f"[tandem] HF engine: a call needs {positions} positions, over the static KV cache's "
+                  f"{self.static.tokens} (--hf-cache-tokens): such calls take the dynamic cache", file=sys.stderr,
+                  flush=True)
+        return False
+
+    def _static_decoder(self) -> static_decode.StaticDecoder:
         if self._decoder is None:
             self._decoder = static_decode.StaticDecoder(self.model, self.static.slots, self.static.tokens,
                                                         self.pad_id, self.stop_ids)
+        return self._decoder
+
+    def _stepped(self, rows, sampling) -> list[Generation]:
+        """`rows` as requests of their own beside those in the slots (`add` / `step`), in their order."""
+        owner, out = object(), [None] * len(rows)
+        try:
+            for i, row in enumerate(rows):
+                self.add(owner, i, row, sampling.max_new_tokens, sampling, stepwise=False)
+            while self.running(owner):
+                for i, generation in self.step(owner):
+                    out[i] = generation
+        finally:
+            self.abort(owner)
+        return out
+
+    def _static_rows(self, rows, sampling) -> list[Generation]:
+        """At most `slots` rows through the static cache, padded to `slots` with copies of the first row."""
         start = time.time()
-        new_tokens, logprobs = self._decoder.run(rows + [rows[0]] * (self.static.slots - len(rows)), len(rows),
+        new_tokens, logprobs = self._static_decoder().run(rows + [rows[0]] * (self.static.slots - len(rows)), len(rows),
                                                  sampling.max_new_tokens, sampling.temperature, sampling.top_p)
         self.busy_s += time.time() - start
         return self._cut(rows, new_tokens, logprobs)
@@ -248,6 +280,74 @@ class HFEngine(RolloutEngine):
 
     def weight_buffers(self):
         return [(n, p) for n, p in self.model.named_parameters() if not is_frozen(n, self.freeze)]
+
+    def load_weights(self, source: WeightSource, version: int | None = None) -> None:
+        super().load_weights(source, version)
+        if version is not None:
+            self.version = version
+
+    # ------------------------------------------------------------------ where `streams` (the static cache)
+    def add(self, owner, key, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
+            stepwise: bool = True) -> None:
+        """Queue one request; it takes a free slot of the static cache at the next `step`. One too long for the
+        cache's rows is generated at once on the dynamic path. `stepwise`: its Generation carries each token's
+        weights version (weights may change between steps)."""
+        if not self._fits(len(prompt) + max_new_tokens):
+            (generation,), = self.generate([prompt], dataclasses.replace(sampling, n=1, max_new_tokens=max_new_tokens))
+            if stepwise:
+                generation.versions = [self.version] * len(generation.response_ids)
+            self._done.setdefault(id(owner), []).append((key, generation))
+            return
+        self._queue.append((owner, key, list(prompt), max_new_tokens, sampling, stepwise))
+
+    def running(self, owner) -> int:
+        """Requests of `owner` queued, generating, or finished and not yet taken by `step`."""
+        return (sum(q[0] is owner for q in self._queue) + sum(s[0] is owner for s in self._slots.values())
+                + len(self._done.get(id(owner), [])))
+
+    def step(self, owner) -> list[tuple[object, Generation]]:
+        """Queued requests join free slots, then a few decode steps over every slot (static_decode.CHECK_EVERY on
+        CUDA, one on the CPU); (key, Generation) of `owner`'s requests finished by now. Time spent counts in
+        `busy_s`."""
+        if not self._done.get(id(owner)) and (self._queue or self._slots):
+            decoder = self._static_decoder()
+            start = time.time()
+            try:
+                free = [s for s in range(self.static.slots) if s not in self._slots]
+                joining, self._queue = self._queue[:len(free)], self._queue[len(free):]
+                if joining:
+                    decoder.join(free[:len(joining)], [q[2] for q in joining], [q[3] for q in joining],
+                                 [(q[4].temperature, q[4].top_p) for q in joining])
+                    for slot, (who, key, prompt, _, _, stepwise) in zip(free, joining):
+                        self._slots[slot] = [who, key, prompt, stepwise, []]
+                decoder.decode(static_decode.CHECK_EVERY if self.device.type == "cuda" else 1, sorted(self._slots))
+                done, count = decoder.progress()
+            except BaseException:  # an error mid-way: leave nothing running in the engine
+                decoder.free(list(self._slots))
+                self._slots.clear()
+                self._queue.clear()
+                raise
+            for slot, entry in self._slots.items():  # the tokens made since the last step: the weights of now
+                entry[4] += [self.version] * (int(count[slot]) - len(entry[4]))
+            finished = sorted(s for s in self._slots if done[s])
+            for slot, (ids, logprobs) in zip(finished, decoder.outputs(finished, count)):
+                who, key, prompt, stepwise, versions = self._slots.pop(slot)
+                stop = bool(ids) and ids[-1] in self.stop_ids
+                self._done.setdefault(id(who), []).append((key, Generation(
+                    prompt_ids=prompt, response_ids=ids, logprobs=logprobs, finish_reason="stop" if stop else "length",
+                    versions=versions if stepwise else None)))
+            self.busy_s += time.time() - start
+        return self._done.pop(id(owner), [])
+
+    def abort(self, owner) -> None:
+        """Drop every request of `owner` (a stream that stops)."""
+        self._queue = [q for q in self._queue if q[0] is not owner]
+        mine = [slot for slot, entry in self._slots.items() if entry[0] is owner]
+        if self._decoder is not None:
+            self._decoder.free(mine)
+        for slot in mine:
+            del self._slots[slot]
+        self._done.pop(id(owner), None)
 
 
 @dataclass(frozen=True)

@@ -288,16 +288,22 @@ class StaticDecoder:
                 self._decode_step(*key)
             self.clock = (self.clock + 1) % self.tokens
 
-    def finished(self, slots: list[int]) -> list[tuple[int, list[int], list[float]]]:
-        """(slot, new token ids, behaviour log-probs) of each of `slots` that has finished (one read from the
-        device)."""
-        done, count = self.done.cpu(), self.count.cpu()
-        out = [s for s in slots if done[s]]
-        if not out:
+    def progress(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's (finished, new tokens so far), on the CPU (one read from the device)."""
+        return self.done.cpu(), self.count.cpu()
+
+    def outputs(self, slots: list[int], count: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+        """The new token ids and behaviour log-probs of `slots`, `count` of each (from `progress`)."""
+        if not slots:
             return []
-        rows = torch.tensor(out, device=self.out_ids.device)
+        rows = torch.tensor(slots, device=self.out_ids.device)
         ids, logprobs = self.out_ids[rows].cpu(), self.out_logprobs[rows].cpu()
-        return [(s, ids[i, :count[s]].tolist(), logprobs[i, :count[s]].tolist()) for i, s in enumerate(out)]
+        return [(ids[i, :count[s]].tolist(), logprobs[i, :count[s]].tolist()) for i, s in enumerate(slots)]
+
+    def free(self, slots: list[int]) -> None:
+        """Stop `slots` where they are (their requests were dropped)."""
+        if slots:
+            self.done[torch.tensor(slots, device=self.done.device)] = True
 
     # ------------------------------------------------------------------ a batch
     @torch.no_grad()
