@@ -10,14 +10,14 @@ attention reads each KV head once for all the query heads that share it (`groupe
 sdpa copies the whole cache to every query head whenever a mask is given.
 
 What it keeps from `generate`, so the two agree token for token on the CPU for a fixed seed: left padding, the
-positions of each row's real tokens, the temperature then top-p warpers, `torch.multinomial`'s draw over the same
-probabilities (temperature and top-p per row), finished rows fed the pad token, the behaviour log-prob as log_softmax(logits / temperature) before
-top-p (what the trainer recomputes). Simplifications: text models with sdpa or eager attention only (the engine
+positions of each row's real tokens, the temperature then top-p warpers (per row here), `torch.multinomial`'s draw
+over the same probabilities, finished rows fed the pad token, the behaviour log-prob as log_softmax(logits /
+temperature) before top-p (what the trainer recomputes). Simplifications: text models with sdpa or eager attention only (the engine
 takes `generate` otherwise); every call runs all `slots` rows; no top-k, no repetition penalty (tandem's sampling
 has neither).
 
-The cache's rows are slots that requests join and leave (`join`, `decode`, `finished`: continuous batching, the
-streaming explorer's `add`/`step` on the HF engine). All slots write the same cache column each step, a clock that
+The cache's rows are slots that requests join and leave (`join`, `decode`, `progress`, `outputs`: continuous
+batching, the streaming explorer's `add`/`step` on the HF engine). All slots write the same cache column each step, a clock that
 wraps around the cache; a joining request's prompt goes into the columns just before the clock, so its tokens stay
 contiguous (attention is order-free over the cached keys: their positions were applied before caching). `run` is a
 whole batch joined at once from column 0, as `generate` has it.
@@ -30,10 +30,9 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import AttentionInterface
 
 CHECK_EVERY = 8  # decode steps between the host's "has every row stopped?" reads on CUDA (each one a sync)
-GROUPED = "tandem_grouped_sdpa"  # the attention this loop's forwards use (registered below)
+GROUPED = "tandem_grouped_sdpa"  # the attention this loop's forwards use (registered with transformers)
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -51,8 +50,6 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                                            key, value, attn_mask=mask, scale=scaling)
     return out.reshape(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
 
-
-AttentionInterface.register(GROUPED, grouped_attention)
 
 
 def supported(model) -> bool:
@@ -93,6 +90,9 @@ class StaticDecoder:
     device. `run` decodes one batch to its end; `join` / `decode` / `finished` let requests come and go."""
 
     def __init__(self, model, slots: int, tokens: int, pad_id: int, stop_ids: list[int]):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(GROUPED, grouped_attention)
         self.model, self.slots, self.tokens = model, slots, tokens
         device = next(model.parameters()).device
         self.cuda = device.type == "cuda"
