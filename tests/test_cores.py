@@ -9,6 +9,7 @@ import time
 import pytest
 
 from common.runtime.cores import CoreShare, apply, describe, plan_cores
+from common.runtime.metrics import read_timeline
 from tests.conftest import ROOT, TINY, worker_pid
 
 ASYNC = [("trainer0", "trainer", "cpu"), ("explorer0", "explorer", "cpu")]
@@ -94,6 +95,7 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     try:
         pids = {name: worker_pid(proc.pid, rank) for rank, name in enumerate(("trainer0", "explorer0"))}
         seen = {name: [] for name in pids}  # each process's distinct thread bindings, in the order seen
+        since = {name: [] for name in pids}  # when each was first seen
         deadline = time.time() + 240
         while proc.poll() is None and time.time() < deadline:
             for name, pid in pids.items():
@@ -103,6 +105,7 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
                     continue
                 if not seen[name] or seen[name][-1] != state:
                     seen[name].append(state)
+                    since[name].append(time.time())
             time.sleep(0.02)
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -111,11 +114,15 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     assert f"[tandem] cores: {describe(expected)}" in out
     assert {expected["trainer0"].cores} in seen["trainer0"]
     assert all(expected["explorer0"].cores not in s for s in seen["trainer0"]), seen
+    # The rank binds itself to its own cores as it starts and widens at once, before it records anything (the poll
+    # often finds the process after both); it narrows to its own as it hands its first batch over, and widens for
+    # the final evaluation
     explorer, own = seen["explorer0"], {expected["explorer0"].cores}
-    bound = explorer.index(own)  # as the rank starts (before: the launcher's cores, inherited)
-    assert {wide.cores} in explorer[bound:], explorer  # then every thread on every core: start-up, first batch
-    widened = explorer.index({wide.cores}, bound)
-    assert own in explorer[widened:], explorer  # then its own cores again while the trainer trains
+    begun = min(e["start"] for e in read_timeline(str(tmp_path / "run")) if e["process"] == "explorer0")
+    narrowed = [i for i, (state, t) in enumerate(zip(explorer, since["explorer0"])) if state == own and t > begun]
+    assert narrowed, (explorer, since["explorer0"], begun)  # its own cores while the trainer trains
+    assert {wide.cores} in explorer[:narrowed[0]], explorer  # before: every thread on every core (first batch)
+    assert {wide.cores} in explorer[narrowed[0]:], explorer  # after: the final evaluation's
 
 
 def test_async_defaults_follow_the_placement():
