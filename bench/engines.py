@@ -6,11 +6,11 @@
         --hf-caches dynamic,static,cb --prompts 32 --n 4 --max-new-tokens 256   # the HF paths on a GPU
 
 The HF engine's paths (--hf-caches): dynamic (HF generate, KV cache grown each step), static (tandem's decode loop
-over one pre-allocated cache; on CUDA each step one CUDA graph: its warm-up seconds are the compile and captures), and cb (transformers' own
-continuous batching, `generate_batch` with paged attention: tokens/s only, for comparison; tandem does not use
-it). For each HF path after its timed calls: the weights are changed in place (as weight sync does), then the
-time to the first token of the whole batch, and the largest |behaviour - recomputed| log-prob over 16 new tokens
-(a compiled step that kept reading old weights would show here).
+over one pre-allocated cache; on CUDA each step one CUDA graph: its warm-up seconds are the compile and captures),
+and cb (transformers' own continuous batching, `generate_batch` with paged attention: tokens/s only, for comparison;
+tandem does not use it). For each HF path after its timed calls: the weights are changed in place (as weight sync
+does), then the time to the first token of the whole batch, and the largest |behaviour - recomputed| log-prob over
+16 new tokens (a compiled step that kept reading old weights would show here).
 
 Prints generated tokens/s of each engine at batch prompts x n (best of --repeats timed calls after one warm-up
 call), and for vLLM the time of one weight update through weight_buffers() and load_weights(Buffers()) (the

@@ -154,7 +154,7 @@ class HFEngine(RolloutEngine):
         self._decoder = None  # the StaticDecoder, allocated at the first call that uses it
         self.warned_too_long = False
         self.version = 0  # of the weights generating now (load_weights), for stepwise requests' tokens
-        self._queue: list[tuple] = []  # added requests waiting for a slot: (owner, key, prompt, cap, sampling, stepwise)
+        self._queue: list[tuple] = []  # requests waiting for a slot: (owner, key, prompt, cap, sampling, stepwise)
         self._slots: dict[int, list] = {}  # slot -> [owner, key, prompt, stepwise, versions of its tokens so far]
         self._done: dict[int, list] = {}  # id(owner) -> finished (key, Generation) not yet taken
 
@@ -178,7 +178,8 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts, sampling, images=None):
         rows = [p for p in prompts for _ in range(sampling.n)]
         pictures = [im for im in images for _ in range(sampling.n)] if images else None
-        static = self.static is not None and not pictures and self._fits(max(map(len, rows)) + sampling.max_new_tokens)
+        static = (self.static is not None and not pictures
+                  and self._fits(max(map(len, rows)) + sampling.max_new_tokens))
         if static and (self._slots or self._queue):  # streamed requests hold slots: these join them
             flat = self._stepped(rows, sampling)
         elif static:
@@ -221,8 +222,9 @@ class HFEngine(RolloutEngine):
     def _static_rows(self, rows, sampling) -> list[Generation]:
         """At most `slots` rows through the static cache, padded to `slots` with copies of the first row."""
         start = time.time()
-        new_tokens, logprobs = self._static_decoder().run(rows + [rows[0]] * (self.static.slots - len(rows)), len(rows),
-                                                 sampling.max_new_tokens, sampling.temperature, sampling.top_p)
+        padded = rows + [rows[0]] * (self.static.slots - len(rows))
+        new_tokens, logprobs = self._static_decoder().run(padded, len(rows), sampling.max_new_tokens,
+                                                          sampling.temperature, sampling.top_p)
         self.busy_s += time.time() - start
         return self._cut(rows, new_tokens, logprobs)
 

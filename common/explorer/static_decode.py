@@ -12,15 +12,15 @@ sdpa copies the whole cache to every query head whenever a mask is given.
 What it keeps from `generate`, so the two agree token for token on the CPU for a fixed seed: left padding, the
 positions of each row's real tokens, the temperature then top-p warpers (per row here), `torch.multinomial`'s draw
 over the same probabilities, finished rows fed the pad token, the behaviour log-prob as log_softmax(logits /
-temperature) before top-p (what the trainer recomputes). Simplifications: text models with sdpa or eager attention only (the engine
-takes `generate` otherwise); every call runs all `slots` rows; no top-k, no repetition penalty (tandem's sampling
-has neither).
+temperature) before top-p (what the trainer recomputes). Simplifications: text models with sdpa or eager attention
+only (the engine takes `generate` otherwise); every call runs all `slots` rows; no top-k, no repetition penalty
+(tandem's sampling has neither).
 
 The cache's rows are slots that requests join and leave (`join`, `decode`, `progress`, `outputs`: continuous
-batching, the streaming explorer's `add`/`step` on the HF engine). All slots write the same cache column each step, a clock that
-wraps around the cache; a joining request's prompt goes into the columns just before the clock, so its tokens stay
-contiguous (attention is order-free over the cached keys: their positions were applied before caching). `run` is a
-whole batch joined at once from column 0, as `generate` has it.
+batching, the streaming explorer's `add`/`step` on the HF engine). All slots write the same cache column each step,
+a clock that wraps around the cache; a joining request's prompt goes into the columns just before the clock, so its
+tokens stay contiguous (attention is order-free over the cached keys: their positions were applied before caching).
+`run` is a whole batch joined at once from column 0, as `generate` has it.
 
 Weight updates copy into the parameters in place, so a captured graph keeps reading the current weights.
 """
@@ -265,7 +265,8 @@ class StaticDecoder:
         chosen, behaviour = self._pick(logits, temperature, top_p, greedy, sample,
                                        any(t > 0 and p < 1 for t, p in sampling))
         limit = torch.tensor(limits, device=device)
-        self.temperature[rows], self.top_p[rows], self.greedy[rows], self.limit[rows] = temperature, top_p, greedy, limit
+        self.temperature[rows], self.top_p[rows], self.greedy[rows] = temperature, top_p, greedy
+        self.limit[rows] = limit
         self.out_ids[rows, 0], self.out_logprobs[rows, 0] = chosen, behaviour
         self.count[rows] = 1
         self.done[rows] = torch.isin(chosen, self.stop_ids) | (limit <= 1)
