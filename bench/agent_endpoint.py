@@ -2,6 +2,7 @@
 
     python bench/agent_endpoint.py                                   # default model, 64 episodes x 3 turns x 32 tokens, HF
     python bench/agent_endpoint.py --engine vllm                     # the same with vLLM (continuous batching)
+    python bench/agent_endpoint.py --engine hf-static                # HF over its static cache's slots (streams)
     python bench/agent_endpoint.py --model tiny                      # quick run (the tiny random model)
     python bench/agent_endpoint.py --episodes 64 --turns 3 --turn-tokens 16   # a reduced size on the default model
 
@@ -62,7 +63,9 @@ def main():
     p.add_argument("--turn-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--engine", choices=["hf", "hf-static", "vllm"], default="hf",
+                   help="hf: generate with the dynamic cache (batched calls); hf-static: tandem's decode loop over a "
+                   "static cache, whose slots calls join one by one; vllm")
     args = p.parse_args()
     t_start = time.perf_counter()
 
@@ -74,7 +77,7 @@ def main():
 
     from bench.multiturn import Chatter  # noqa: F401  (registered below by name)
     from common.envs import ENVS
-    from common.explorer.engine import HFEngine, SamplingConfig
+    from common.explorer.engine import HFEngine, SamplingConfig, StaticCacheSize
     from common.explorer.rollouts import run_episodes
     from common.explorer.workflow import Context
     from common.model import load_model, load_tokenizer
@@ -84,8 +87,9 @@ def main():
     ENVS["bench_chatter"] = "bench.multiturn:Chatter"
     say(f"building the {args.engine} engine on model {args.model}")
     tok = load_tokenizer(args.model)
-    if args.engine == "hf":
-        engine = HFEngine(load_model(args.model), tok)
+    if args.engine.startswith("hf"):  # a slot per episode, room for every turn (and the user replies between)
+        size = StaticCacheSize.plan(args.episodes, 256 + args.turns * (args.turn_tokens + 32))
+        engine = HFEngine(load_model(args.model), tok, static_cache=size if args.engine == "hf-static" else None)
     else:  # as bench/multiturn.py builds it
         import tempfile
 
