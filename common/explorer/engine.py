@@ -92,6 +92,25 @@ class RolloutEngine(ABC):
         """Free what the engine holds outside this process (vLLM: its engine core, shared memory)."""
 
     # ------------------------------------------------------------------ where `streams`
+    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None) -> None:
+        """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). The moment a request
+        finishes, `on_finish(key, Generation)` runs and the requests it returns (an episode's next turn) join the
+        running batch, so no episode waits for the slowest of its turn. `between_steps()`, if given, runs after
+        every engine step (new weights may land there; each token's version is then in `Generation.versions`).
+        Requests that others added (`add`) step alongside and stay theirs."""
+        owner = object()
+        try:
+            for request in requests:
+                self.add(owner, *request, sampling, stepwise=between_steps is not None)
+            while self.running(owner):
+                for key, generation in self.step(owner):
+                    for request in on_finish(key, generation):
+                        self.add(owner, *request, sampling, stepwise=between_steps is not None)
+                if between_steps is not None:
+                    between_steps()
+        finally:
+            self.abort(owner)  # after an error: leave nothing of this call running in the engine
+
     def add(self, owner, key, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
             stepwise: bool = True) -> None:
         """Queue one request of `owner` under `key`; it joins the running batch at the next engine step."""
@@ -181,7 +200,13 @@ class HFEngine(RolloutEngine):
         static = (self.static is not None and not pictures
                   and self._fits(max(map(len, rows)) + sampling.max_new_tokens))
         if static and (self._slots or self._queue):  # streamed requests hold slots: these join them
-            flat = self._stepped(rows, sampling)
+            flat = [None] * len(rows)
+
+            def finished(i, generation):
+                flat[i] = generation
+                return []  # no follow-up request
+
+            self.generate_turns([(i, row, sampling.max_new_tokens) for i, row in enumerate(rows)], sampling, finished)
         elif static:
             slots = self.static.slots
             flat = [g for i in range(0, len(rows), slots) for g in self._static_rows(rows[i:i + slots], sampling)]
@@ -205,19 +230,6 @@ class HFEngine(RolloutEngine):
             self._decoder = static_decode.StaticDecoder(self.model, self.static.slots, self.static.tokens,
                                                         self.pad_id, self.stop_ids)
         return self._decoder
-
-    def _stepped(self, rows, sampling) -> list[Generation]:
-        """`rows` as requests of their own beside those in the slots (`add` / `step`), in their order."""
-        owner, out = object(), [None] * len(rows)
-        try:
-            for i, row in enumerate(rows):
-                self.add(owner, i, row, sampling.max_new_tokens, sampling, stepwise=False)
-            while self.running(owner):
-                for i, generation in self.step(owner):
-                    out[i] = generation
-        finally:
-            self.abort(owner)
-        return out
 
     def _static_rows(self, rows, sampling) -> list[Generation]:
         """At most `slots` rows through the static cache, padded to `slots` with copies of the first row."""
@@ -308,8 +320,8 @@ class HFEngine(RolloutEngine):
                 + len(self._done.get(id(owner), [])))
 
     def step(self, owner) -> list[tuple[object, Generation]]:
-        """Queued requests join free slots, then a few decode steps over every slot (static_decode.CHECK_EVERY on
-        CUDA, one on the CPU); (key, Generation) of `owner`'s requests finished by now. Time spent counts in
+        """Queued requests join free slots, then a few decode steps over every slot (the decoder's `check_every`:
+        8 on CUDA, one on the CPU); (key, Generation) of `owner`'s requests finished by now. Time spent counts in
         `busy_s`."""
         if not self._done.get(id(owner)) and (self._queue or self._slots):
             decoder = self._static_decoder()
@@ -322,7 +334,7 @@ class HFEngine(RolloutEngine):
                                  [(q[4].temperature, q[4].top_p) for q in joining])
                     for slot, (who, key, prompt, _, _, stepwise) in zip(free, joining):
                         self._slots[slot] = [who, key, prompt, stepwise, []]
-                decoder.decode(static_decode.CHECK_EVERY if self.device.type == "cuda" else 1, sorted(self._slots))
+                decoder.decode(decoder.check_every, sorted(self._slots))
                 done, count = decoder.progress()
             except BaseException:  # an error mid-way: leave nothing running in the engine
                 decoder.free(list(self._slots))

@@ -174,25 +174,6 @@ class VLLMEngine(RolloutEngine):
                             between_steps)
         return results
 
-    def generate_turns(self, requests, sampling: SamplingConfig, on_finish, between_steps=None) -> None:
-        """Continuous batching across turns. `requests`: (key, prompt ids, max new tokens). The moment a request
-        finishes, `on_finish(key, Generation)` runs and the requests it returns (an episode's next turn) join the
-        running batch, so no episode waits for the slowest of its turn. `between_steps()`, if given, runs after
-        every engine step (new weights may land there; each token's version is then in `Generation.versions`).
-        Requests that others added (`add`) step alongside and stay theirs."""
-        owner = object()
-        try:
-            for request in requests:
-                self.add(owner, *request, sampling, stepwise=between_steps is not None)
-            while self.running(owner):
-                for key, generation in self.step(owner):
-                    for request in on_finish(key, generation):
-                        self.add(owner, *request, sampling, stepwise=between_steps is not None)
-                if between_steps is not None:
-                    between_steps()
-        finally:
-            self.abort(owner)  # after an error: leave nothing of this call running in the engine
-
     # The stepping interface (common/explorer/rollouts.py streams through it): requests of several owners share
     # one running batch; each engine step's finished requests go to their owner.
     def add(self, owner, key, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,

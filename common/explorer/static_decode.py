@@ -96,6 +96,7 @@ class StaticDecoder:
         self.model, self.slots, self.tokens = model, slots, tokens
         device = next(model.parameters()).device
         self.cuda = device.type == "cuda"
+        self.check_every = CHECK_EVERY if self.cuda else 1  # decode steps between reads of the stop flags
         self.cache = SlotCache(slots, tokens, model.config.num_hidden_layers)
         long = dict(dtype=torch.long, device=device)
         self.pad = torch.tensor(pad_id, **long)
@@ -252,7 +253,7 @@ class StaticDecoder:
                                                                                      device=device)
         mask = torch.zeros(len(slots), width, self.tokens, dtype=torch.bool, device=device)
         mask[:, :, columns] = seen
-        everyone = len(slots) == self.slots and slots == list(range(self.slots))
+        everyone = slots == list(range(self.slots))
         self.cache.rows, self.cache.columns = (None if everyone else rows), columns
         try:
             logits = self._model(self._forward, input_ids, positions, mask[:, None])
@@ -319,9 +320,8 @@ class StaticDecoder:
         self.column.fill_(width)
         self.join(list(range(self.slots)), rows, [max_new_tokens] * self.slots, [(temperature, top_p)] * self.slots)
         self.done[real:] = True
-        check = CHECK_EVERY if self.cuda else 1
         steps = 1
-        while steps < max_new_tokens and (steps % check or not bool(self.done.all())):
+        while steps < max_new_tokens and (steps % self.check_every or not bool(self.done.all())):
             self.decode(1, list(range(real)))
             steps += 1
         return self.out_ids[:real, :steps].cpu(), self.out_logprobs[:real, :steps].cpu()
