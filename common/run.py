@@ -20,7 +20,7 @@ from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
-from common.runtime.launcher import call_forked, launch_local, start_forkserver, stop_forkserver
+from common.runtime.launcher import launch_local, start_forkserver, stop_forkserver
 from common.runtime.worker import WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
@@ -103,12 +103,8 @@ def launch(args, schedule: str, worker, title: str) -> None:
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
         check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
-        if start_forkserver(args.trainer_device_list + args.explorer_device_list):
-            prepared = call_forked(prepared_args, args, schedule, timeout_s=args.timeout_s, what="pre-flight checks")
-            for name, value in prepared.items():
-                setattr(args, name, value)
-        else:
-            prepare_run(args, schedule)
+        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # CPU: before any thread starts
+        prepare_run(args, schedule)
         os.environ[LAUNCHED_ARGS] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:
             launch_local([os.path.abspath(sys.argv[0]), *sys.argv[1:]], [w.name for w in plan])
@@ -167,12 +163,6 @@ def check_paths(args) -> None:
     for flag, name in (("--model", args.model), ("--critic-model", getattr(args, "critic_model", None))):
         if name and name != "default":
             resolve_model(name, flag)
-
-
-def prepared_args(args, schedule: str) -> dict:
-    """prepare_run in a process of its own: the values it resolved."""
-    prepare_run(args, schedule)
-    return dataclasses.asdict(args)
 
 
 def check_out_dir(out_dir: str) -> None:

@@ -33,7 +33,8 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
 def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
     """The pid of the run's rank `rank` (trainers first, then explorers) under `parent`: torch elastic starts each
     rank with RANK=<rank> in its environment; under `python train_X.py` on the CPU the ranks are the children of
-    the launcher's forkserver instead (rank order is start order: torch elastic starts them one after another)."""
+    the launcher's forkserver instead, a fork of the launcher (rank order is start order: torch elastic starts them
+    one after another)."""
     import time
 
     deadline = time.time() + timeout
@@ -45,12 +46,11 @@ def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
                         return int(pid)
             except OSError:
                 continue
-            if "multiprocessing.forkserver" in _command(int(pid)):
+            if _command(int(pid)) == _command(parent):  # the forkserver (common/runtime/launcher.py)
                 try:
                     children = subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True).stdout.split()
                     if any(int(_stat(p)[3]) != int(p) for p in children):
-                        continue  # a rank leads a session of its own once started (launcher.py _forked_rank); the
-                        # pre-flight child (launcher.py call_forked) never does
+                        continue  # one just forked: a rank leads a session of its own once started (_forked_rank)
                     ranks = sorted(children, key=lambda p: (int(_stat(p)[19]), int(p)))
                 except OSError:  # one ended while we looked
                     continue

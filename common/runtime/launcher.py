@@ -23,44 +23,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# What every worker imports (~3 CPU-s each on a fresh interpreter): the forkserver imports it once.
-FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer",
-                      "common.runtime._forkserver_exit"]
+# What every worker imports (~3 CPU-s on a fresh interpreter): the launcher imports it once, then forks the server.
+FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer"]
 _forkserver_env: dict[str, str] | None = None  # this process's environment when the forkserver started
 FORKSERVER_PYTHONS = {(3, 11)}
-"""The Python versions the forkserver start-up was checked on: `_forked_rank` resets two pieces of CPython's private
-state (multiprocessing's resource tracker, atexit's handlers) that another version may hold differently. Elsewhere
-every rank is a fresh interpreter, as on a GPU."""
+"""The Python versions the forked server was checked on: `start_forkserver` sets multiprocessing's forkserver client
+state (the address, alive fd and pid `ForkServer.ensure_running` sets after spawning a server) and `_forked_rank`
+resets two pieces of CPython's private state (multiprocessing's resource tracker, atexit's handlers) that another
+version may hold differently. Elsewhere every rank is a fresh interpreter, as on a GPU."""
 
 
 def start_forkserver(devices: list[str]) -> bool:
-    """`python train_X.py` with every rank on the CPU of a machine without CUDA: start, now, a multiprocessing
-    forkserver that imports FORKSERVER_PRELOAD once; the pre-flight checks (`call_forked`) and then the workers
-    (launch_local) are forked from it instead of each importing the same modules again (the run's start-up CPU
-    time halves on 2 workers). A placement with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never
-    be initialised before a fork, and importing transformers may call torch.cuda.is_available(), which initialises
-    the driver. Returns whether it started."""
+    """`python train_X.py` with every rank on the CPU of a machine without CUDA: import FORKSERVER_PRELOAD here, then
+    fork a multiprocessing forkserver from this process; torch elastic's workers are forked from it (launch_local)
+    instead of each importing the same modules again, and the server imports nothing (a spawned one would import
+    torch a second time: ~1.4 CPU-s a run). Call it before this process starts a thread or runs the pre-flight
+    checks (tokenizers, progress bars and vLLM's import may start threads, which a fork must not copy). A placement
+    with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never be initialised before a fork, and
+    importing transformers may call torch.cuda.is_available(), which initialises the driver. Returns whether it
+    started."""
     global _forkserver_env
-    import multiprocessing
-    from multiprocessing import forkserver
+    import importlib
+    from multiprocessing import connection, forkserver, resource_tracker
 
     if any(d != "cpu" for d in devices) or torch.cuda.is_available() or sys.version_info[:2] not in FORKSERVER_PYTHONS:
         return False
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    # The workers inherit the server's interpreter: unbuffered, as `python -u` workers are (their streams are the
-    # launcher's). SIGTERM blocked in it (and, until they unblock it, in the workers): a SIGTERM to this process
-    # group (`timeout`, Slurm) must not end the server first, which would end the workers before the trainers
-    # checkpoint. Blocked, not ignored: a SIGTERM to this process meanwhile is delivered once unblocked.
-    unbuffered = os.environ.get("PYTHONUNBUFFERED")
-    os.environ["PYTHONUNBUFFERED"] = "1"
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        forkserver.ensure_running()
-        _forkserver_env = dict(os.environ)
-    finally:
+    for name in FORKSERVER_PRELOAD:
+        importlib.import_module(name)
+    resource_tracker.ensure_running()  # the server and its workers inherit this process's tracker, as a spawned
+    # server is passed it
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server ends once every holder of alive_w has: this process, its workers
+        sys.stdout.flush()  # nothing buffered here may be written again by a worker
+        sys.stderr.flush()
+        # SIGTERM blocked in the server (and, until they unblock it, in the workers): a SIGTERM to this process
+        # group (`timeout`, Slurm) must not end the server first, which would end the workers before the trainers
+        # checkpoint. Blocked, not ignored: a SIGTERM to this process meanwhile is delivered once unblocked.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        pid = os.fork()
+        if pid == 0:  # the server: serves until its last client has ended, then exits without tearing down the
+            code = 1  # torch and transformers imported above (seconds of CPU, with the run's output held open)
+            try:
+                os.close(alive_w)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:  # every client has ended
+                code = 0
+            finally:
+                os._exit(code)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        if unbuffered is None:
-            os.environ.pop("PYTHONUNBUFFERED")
+        os.close(alive_r)
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    _forkserver_env = dict(os.environ)
     return True
 
 
@@ -78,46 +96,6 @@ def stop_forkserver() -> None:
             pass
 
 
-def call_forked(fn, *args, timeout_s: float, what: str):
-    """`fn(*args)` in a process forked from the forkserver, its result returned here: the forkserver has imported
-    transformers and torch already, so the launcher need not import them a second time (on 2 cores that CPU time
-    comes out of the workers' start-up). A SystemExit in it (a one-line error) is raised here as it was."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_send_result, args=(send, fn, args), name=what)
-    proc.start()
-    send.close()
-    try:
-        if not receive.poll(timeout_s):
-            proc.kill()
-            raise SystemExit(f"error: launcher: {what} gave no answer in {timeout_s:.0f}s (--timeout-s)")
-        kind, value = receive.recv()
-    except EOFError:
-        proc.join(5)
-        raise SystemExit(f"error: launcher: {what} ended with exit code {proc.exitcode} before answering") from None
-    finally:
-        receive.close()
-    proc.join(timeout_s)
-    if kind == "exit":
-        raise SystemExit(value)
-    if kind == "error":
-        raise RuntimeError(f"{what} failed:\n{value}")
-    return value
-
-
-def _send_result(conn, fn, args) -> None:
-    import traceback
-
-    try:
-        conn.send(("ok", fn(*args)))
-    except SystemExit as e:
-        conn.send(("exit", e.code))
-    except Exception:  # noqa: BLE001  (sent to the launcher, which raises it with this traceback)
-        conn.send(("error", traceback.format_exc()))
-
-
 def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[str]) -> None:
     """One worker, forked from the forkserver (torch elastic's function entrypoint): the launcher's environment as
     it is now (torch elastic has set the rank's own variables), then the entry script run as `python -u script`
@@ -129,6 +107,8 @@ def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[
 
     os.setsid()  # as torch elastic starts binary workers: a session of their own (Ctrl-C reaches the launcher only)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    for stream in (sys.stdout, sys.stderr):  # the launcher's streams, written through as a `python -u` worker's are
+        stream.reconfigure(line_buffering=True, write_through=True)
     # A resource tracker of its own, started on first use in this worker's process group, as a fresh interpreter's
     # is: the launcher's, inherited through the forkserver, would outlive a killed worker and warn about the
     # semaphores and shared memory the worker's guard already removed.
