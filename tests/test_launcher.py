@@ -3,6 +3,7 @@ with its traceback, leaving nothing; the launcher killed with SIGKILL leaves not
 size is one line before anything loads."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ WORKERS = textwrap.dedent("""
             child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                                       "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
             mapped = map_shared_file(f"/dev/shm/tandem-test-{os.getpid()}", 4096, create=True)  # never removed here
+            os.makedirs(f"/dev/shm/tandem-test-dir-{os.getpid()}")  # a run's own file (an --out-dir under /dev/shm),
+            held = open(f"/dev/shm/tandem-test-dir-{os.getpid()}/metrics.jsonl", "a")  # open when the guard looks
             open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(f"{os.getpid()} {child.pid}")
             time.sleep(300)
         open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(str(os.getpid()))
@@ -51,6 +54,9 @@ def test_failing_worker_stops_run_with_traceback_and_no_leftovers(tmp_path):
     time.sleep(0.5)
     assert len(pids) == 3 and not [p for p in pids if alive(p)]
     assert not files_left({f"/dev/shm/tandem-test-{pids[0]}"})  # the trainer mapped it, and was killed: removed
+    kept = f"/dev/shm/tandem-test-dir-{pids[0]}"
+    assert os.path.exists(f"{kept}/metrics.jsonl")  # a file, not a shared-memory object: kept
+    shutil.rmtree(kept)
 
 
 def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):

@@ -7,7 +7,7 @@ node). The FILEs are the /dev/shm files the worker already mapped when it starte
 its starter's (a worker forked by the launcher's forkserver maps torch elastic's queues), so they are left alone.
 It waits until WORKER has ended (this process's parent changes: kill -9 included) or WORKER has lost its parent
 AGENT (the torch elastic agent, or `python train_X.py`, killed), then:
-- leaves the group, stops every process in it (SIGSTOP: none forks or maps anything more), reads which files under
+- leaves the group, stops every process in it (SIGSTOP: none forks or maps anything more), reads which objects in
   /dev/shm they map or hold open (vLLM's message queues, the weight buffers, multiprocessing semaphores; the
   worker's own, read every second while it lived), SIGKILLs the group and removes those files. A killed process cannot remove its own, and the group's resource tracker dies
   with it, so these would otherwise hold memory until the node reboots. Other processes that mapped such a file
@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-SHM = "/dev/shm/"
+SHM = "/dev/shm"
 
 
 def parent_of(pid: int) -> int | None:
@@ -44,21 +44,22 @@ def members(group: int) -> list[int]:
 
 
 def shared_files(pid: int) -> set[str]:
-    """The /dev/shm files `pid` maps or holds open (not those already removed)."""
+    """The shared-memory objects `pid` maps or holds open (not those already removed): /dev/shm's own entries.
+    Files in folders below it are a run's or a user's (an --out-dir there: a timeline file open for one append)."""
     found = set()
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
                 path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                if path.startswith(SHM) and not path.endswith(" (deleted)"):
+                if os.path.dirname(path) == SHM and not path.endswith(" (deleted)"):
                     found.add(path)
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
                 path = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if path.startswith(SHM) and not path.endswith(" (deleted)"):
+            if os.path.dirname(path) == SHM and not path.endswith(" (deleted)"):
                 found.add(path)
     except OSError:  # ended, or not ours to read
         pass

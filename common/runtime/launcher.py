@@ -48,6 +48,9 @@ def start_forkserver(devices: list[str]) -> bool:
 
     if any(d != "cpu" for d in devices) or torch.cuda.is_available() or sys.version_info[:2] not in FORKSERVER_PYTHONS:
         return False
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None and not os.waitpid(server._forkserver_pid, os.WNOHANG)[0]:
+        return True  # started by an earlier launch in this process (tests call main() in theirs), still serving
     for name in FORKSERVER_PRELOAD:
         importlib.import_module(name)
     resource_tracker.ensure_running()  # the server and its workers inherit this process's tracker, as a spawned
@@ -76,16 +79,15 @@ def start_forkserver(devices: list[str]) -> bool:
                 os._exit(code)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         os.close(alive_r)
-    server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     _forkserver_env = dict(os.environ)
     return True
 
 
 def stop_forkserver() -> None:
-    """End the forkserver at once, if this process started one: left to itself it exits when the launcher has, and
-    tears down the torch and transformers it imported meanwhile (~1 s), holding the run's stdout open. Its workers
-    are processes of their own and have ended or been stopped by then."""
+    """End the forkserver at once, if this process started one: left to itself it waits for every process that
+    holds its alive pipe (a worker's own children may), holding the run's stdout open. Its workers are processes of
+    their own and have ended or been stopped by then."""
     from multiprocessing import forkserver
 
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
