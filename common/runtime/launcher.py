@@ -98,19 +98,25 @@ def stop_forkserver() -> None:
             pass
 
 
-def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[str]) -> None:
+def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> None:
     """One worker, forked from the forkserver (torch elastic's function entrypoint): the launcher's environment as
-    it is now (torch elastic has set the rank's own variables), then the entry script run as `python -u script`
-    would, so the worker's code path is the same."""
+    it is now (torch elastic has set the rank's own variables), then `python -u *command` as a fresh interpreter
+    would run it (an entry script, or run_function's `-m common.runtime.launcher`), so the worker's code path is the
+    same."""
     import atexit
+    import io
     import multiprocessing
     import runpy
     from multiprocessing import resource_tracker
 
     os.setsid()  # as torch elastic starts binary workers: a session of their own (Ctrl-C reaches the launcher only)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    for stream in (sys.stdout, sys.stderr):  # the launcher's streams, written through as a `python -u` worker's are
-        stream.reconfigure(line_buffering=True, write_through=True)
+    # Streams over the inherited descriptors, written through as a `python -u` worker's are (the server's may be
+    # buffered, or a test's capture of this process's output).
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=like.encoding,
+                                               errors=like.errors, write_through=True)
+                              for fd, like in ((1, sys.__stdout__), (2, sys.__stderr__)))
+    atexit._clear()  # the launcher's exit handlers are not this worker's (a fresh interpreter starts with none)
     # A resource tracker of its own, started on first use in this worker's process group, as a fresh interpreter's
     # is: the launcher's, inherited through the forkserver, would outlive a killed worker and warn about the
     # semaphores and shared memory the worker's guard already removed.
@@ -122,9 +128,12 @@ def _forked_rank(script: str, argv: list[str], env: dict[str, str], unset: list[
     for name in unset:
         os.environ.pop(name, None)
     os.environ.update(env)
-    sys.argv = [script, *argv]
     try:
-        runpy.run_path(script, run_name="__main__")
+        if command[:2] == ["-m", __name__]:  # what `python -m common.runtime.launcher` runs (the end of this file)
+            run_worker(_function_rank, *command[2:])
+        else:
+            sys.argv = list(command)
+            runpy.run_path(command[0], run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # as the script's interpreter would at exit (a multiprocessing child never does)
 
@@ -145,11 +154,11 @@ def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0)
                           monitor_interval=0.1, start_method="spawn", **newer)
     os.environ["TANDEM_LOCAL"] = "1"  # workers leave one-line errors to this process
     try:
-        if _forkserver_env is not None and command[0] != "-m":
+        if _forkserver_env is not None and (command[0] != "-m" or command[1] == __name__):
             config.start_method = "forkserver"
             env = {k: v for k, v in os.environ.items() if _forkserver_env.get(k) != v}
             unset = [k for k in _forkserver_env if k not in os.environ]
-            elastic_launch(config, _forked_rank)(command[0], command[1:], env, unset)
+            elastic_launch(config, _forked_rank)(command, env, unset)
         else:
             elastic_launch(config, sys.executable)("-u", *command)
     except ChildFailedError as e:
@@ -188,6 +197,7 @@ def run_function(target: str, trainers: int, explorers: int, *args: str, timeout
     """Run `module:function(ctx, *args)` on every rank of a CPU world of `trainers` + `explorers` ranks (tests and
     benchmarks that drive the workers' parts directly)."""
     names = [w.name for w in plan_world(["cpu"] * trainers, ["cpu"] * explorers)]
+    start_forkserver(["cpu"] * len(names))  # the ranks forked from this process's imports, where it can
     launch_local(["-m", "common.runtime.launcher", target, str(trainers), str(explorers), str(timeout_s), *args],
                  names)
 
