@@ -103,7 +103,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
         check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
-        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # CPU: before any thread starts
+        start_forkserver(args.trainer_device_list + args.explorer_device_list, args.engine)  # CPU: before any thread
         prepare_run(args, schedule)
         os.environ[LAUNCHED_ARGS] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:

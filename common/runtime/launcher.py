@@ -33,7 +33,7 @@ resets two pieces of CPython's private state (multiprocessing's resource tracker
 version may hold differently. Elsewhere every rank is a fresh interpreter, as on a GPU."""
 
 
-def start_forkserver(devices: list[str]) -> bool:
+def start_forkserver(devices: list[str], engine: str = "hf") -> bool:
     """`python train_X.py` with every rank on the CPU of a machine without CUDA: import FORKSERVER_PRELOAD here, then
     fork a multiprocessing forkserver from this process; torch elastic's workers are forked from it (launch_local)
     instead of each importing the same modules again, and the server imports nothing (a spawned one would import
@@ -41,7 +41,8 @@ def start_forkserver(devices: list[str]) -> bool:
     checks (tokenizers, progress bars and vLLM's import may start threads, which a fork must not copy). A placement
     with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never be initialised before a fork, and
     importing transformers may call torch.cuda.is_available(), which initialises the driver. Returns whether it
-    started."""
+    started. With `engine` auto or vllm, vLLM is imported first too, where it imports (auto decides after the
+    fork, in the pre-flight checks)."""
     global _forkserver_env
     import importlib
     from multiprocessing import connection, forkserver, resource_tracker
@@ -53,6 +54,10 @@ def start_forkserver(devices: list[str]) -> bool:
         return True  # started by an earlier launch in this process (tests call main() in theirs), still serving
     for name in FORKSERVER_PRELOAD:
         importlib.import_module(name)
+    if engine != "hf":
+        from common.explorer.engine import vllm_available
+
+        vllm_available()  # imports it (it starts no thread), or says why not
     resource_tracker.ensure_running()  # the server and its workers inherit this process's tracker, as a spawned
     # server is passed it
     with socket.socket(socket.AF_UNIX) as listener:
@@ -116,7 +121,6 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=like.encoding,
                                                errors=like.errors, write_through=True)
                               for fd, like in ((1, sys.__stdout__), (2, sys.__stderr__)))
-    atexit._clear()  # the launcher's exit handlers are not this worker's (a fresh interpreter starts with none)
     # A resource tracker of its own, started on first use in this worker's process group, as a fresh interpreter's
     # is: the launcher's, inherited through the forkserver, would outlive a killed worker and warn about the
     # semaphores and shared memory the worker's guard already removed.
