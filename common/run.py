@@ -15,7 +15,7 @@ import time
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.cli import LAUNCHED_ARGS
-from common.explorer.engine import resolve_engine
+from common.explorer.engine import resolve_engine, vllm_available
 from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
@@ -103,7 +103,9 @@ def launch(args, schedule: str, worker, title: str) -> None:
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
         check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
-        start_forkserver(args.trainer_device_list + args.explorer_device_list, args.engine)  # CPU: before any thread
+        if args.engine == "auto":  # vLLM imported here, where it imports, so the forked workers have it too
+            vllm_available()  # (it starts no thread); which engine runs is decided in prepare_run
+        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # CPU: before any thread starts
         prepare_run(args, schedule)
         os.environ[LAUNCHED_ARGS] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:

@@ -33,7 +33,7 @@ resets two pieces of CPython's private state (multiprocessing's resource tracker
 version may hold differently. Elsewhere every rank is a fresh interpreter, as on a GPU."""
 
 
-def start_forkserver(devices: list[str], engine: str = "hf") -> bool:
+def start_forkserver(devices: list[str]) -> bool:
     """`python train_X.py` with every rank on the CPU of a machine without CUDA: import FORKSERVER_PRELOAD here, then
     fork a multiprocessing forkserver from this process; torch elastic's workers are forked from it (launch_local)
     instead of each importing the same modules again, and the server imports nothing (a spawned one would import
@@ -41,8 +41,7 @@ def start_forkserver(devices: list[str], engine: str = "hf") -> bool:
     checks (tokenizers, progress bars and vLLM's import may start threads, which a fork must not copy). A placement
     with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never be initialised before a fork, and
     importing transformers may call torch.cuda.is_available(), which initialises the driver. Returns whether it
-    started. With `engine` auto or vllm, vLLM is imported first too, where it imports (auto decides after the
-    fork, in the pre-flight checks)."""
+    started."""
     global _forkserver_env
     import importlib
     from multiprocessing import connection, forkserver, resource_tracker
@@ -54,10 +53,6 @@ def start_forkserver(devices: list[str], engine: str = "hf") -> bool:
         return True  # started by an earlier launch in this process (tests call main() in theirs), still serving
     for name in FORKSERVER_PRELOAD:
         importlib.import_module(name)
-    if engine != "hf":
-        from common.explorer.engine import vllm_available
-
-        vllm_available()  # imports it (it starts no thread), or says why not
     resource_tracker.ensure_running()  # the server and its workers inherit this process's tracker, as a spawned
     # server is passed it
     with socket.socket(socket.AF_UNIX) as listener:
