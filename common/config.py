@@ -39,6 +39,9 @@ class CommonArgs:
     cannot change). Steps after that checkpoint are redone, each logged once."""
     track: bool = False
     """Also log metrics to Weights & Biases (offline mode when no API key is configured)."""
+    plots: bool = True
+    """Draw timeline.png and reward.png at the end (~0.5 CPU-s of matplotlib: --no-plots for many short runs; the
+    data stays in timeline.json and metrics.jsonl)."""
     wandb_project: str = "tandem"
     """W&B project name when --track is on."""
     checkpoint_every: int = 20

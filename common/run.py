@@ -206,9 +206,10 @@ def node_cores(args, schedule: str, plan) -> dict:
 
 
 def finish_run(args, title: str) -> None:
-    """timeline.json/png and reward.png from what the workers wrote; a one-paragraph summary on stdout."""
-    write_timeline(args.out_dir, title=title)
-    plot_reward_curve(args.out_dir, title=f"{title} ({os.path.basename(os.path.normpath(args.out_dir))})")
+    """timeline.json/png and reward.png (--plots) from what the workers wrote; a one-paragraph summary on stdout."""
+    write_timeline(args.out_dir, title=title, plot=args.plots)
+    if args.plots:
+        plot_reward_curve(args.out_dir, title=f"{title} ({os.path.basename(os.path.normpath(args.out_dir))})")
     rows = read_metrics(args.out_dir)
     summary_path = os.path.join(args.out_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}

@@ -21,7 +21,9 @@ TINY = ["--model", "tiny", "--taskset", "parity", "--tasks-per-step", "4", "--sa
         # tests at a time on 2 cores, and the tiny model gains nothing from more (3 runs at once: 15 % faster).
         # No core binding: with two runs at once, each run's plan would put both trainers on one core and both
         # explorers on the other (tests/test_cores.py binds on purpose).
-        "--engine", "hf", "--num-threads", "1", "--no-bind-cores"]
+        "--engine", "hf", "--num-threads", "1", "--no-bind-cores",
+        # No timeline.png / reward.png (~0.5 CPU-s of matplotlib a run): the tests of the outputs draw them.
+        "--no-plots"]
 
 
 def run_script(script: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:

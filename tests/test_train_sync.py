@@ -47,6 +47,7 @@ def test_sync_schedule_hashes_and_no_overlap(tmp_path):
     rows = assert_trained(out, steps=3)
     assert all(r["filter/zero_signal_frac"] < 1 for r in rows)  # the smoke task gives groups a signal
     assert "eval/accuracy" in rows[0]  # the evaluation before step 1 came on the control channel
+    assert (out / "timeline.json").exists() and not list(out.glob("*.png"))  # --no-plots (TINY): data, no PNGs
     assert json.loads((out / "summary.json").read_text())["eval_after"] is not None  # so did the final one
     events = read_timeline(str(out))
     # The experience queue carried rollout batches only: one get per step, nothing else.

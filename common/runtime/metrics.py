@@ -82,12 +82,15 @@ def buffer_spans(events: list[dict]) -> list[dict]:
             for e in events if e.get("get") in puts]
 
 
-def write_timeline(out_dir: str, title: str = "") -> list[dict]:
+def write_timeline(out_dir: str, title: str = "", plot: bool = True) -> list[dict]:
+    """timeline.json and timeline.trace.json from the processes' timeline files, and timeline.png unless not `plot`."""
     events = read_timeline(out_dir)
     events = events + buffer_spans(events)
     with open(os.path.join(out_dir, "timeline.json"), "w") as f:
         json.dump(events, f)
     write_chrome_trace(out_dir, events)  # timeline.trace.json: Perfetto / chrome://tracing
+    if not plot:
+        return events
     import matplotlib
 
     matplotlib.use("Agg")
