@@ -1,7 +1,8 @@
 """One process per rank, started by torch elastic: `torchrun ... train_X.py` on one or several nodes, or
 `python train_X.py`, which starts the same script once per rank through torch's elastic launcher API on this node
-(`launch_local`; forked from a forkserver that imported the heavy modules once when every rank is on the CPU:
-`start_forkserver`). What each rank does once started (its world, its watch, its end) is common/runtime/worker.py.
+(`launch_local`; when every rank is on the CPU, forked from a forkserver that the launcher forks from itself once it
+has imported the heavy modules: `start_forkserver`). What each rank does once started (its world, its watch, its
+end) is common/runtime/worker.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 import uuid
 
 import torch
@@ -75,6 +77,8 @@ def start_forkserver(devices: list[str]) -> bool:
                 forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:  # every client has ended
                 code = 0
+            except BaseException:  # the server's own failure: said here, then it ends (its workers see it)
+                traceback.print_exc()
             finally:
                 os._exit(code)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
