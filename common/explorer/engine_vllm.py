@@ -137,10 +137,10 @@ class VLLMEngine(RolloutEngine):
         if bind:
             cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        if on_cpu:  # vLLM's sampler is compiled to C++ by inductor, which first precompiles torch's header; that
-            # header's cache key hashes its preprocessed text, whose line markers name a fresh temporary folder, so
-            # it never hits: ~7 CPU-s of g++ and a new 155 MB file in the inductor cache every engine start (torch
-            # 2.11). Without it the compiled kernel itself is cached and reused across runs.
+        if on_cpu:  # vLLM's sampler is compiled to C++ by inductor, which precompiles torch's header first: at
+            # every engine start it runs g++'s preprocessor over that header to compute the cache key (~7 CPU-s in
+            # the first generate), and the key often misses (a new 155 MB file in the inductor cache; torch 2.11).
+            # Without it the compiled kernel itself is cached and reused across runs.
             os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
         start = time.time()
         try:
