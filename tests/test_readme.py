@@ -2,10 +2,10 @@
 
 The copy holds what a clone holds (git's tracked and unignored files: no runs/, no caches); its `.venv` is the
 environment running this test, and each command runs through bash after the block's own activation line. To keep
-it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags and
-`--engine hf` where it does not set them itself; everything else stays as the README writes it. `--engine vllm`
-commands are skipped (and said so) where vLLM cannot be imported. The flag lines of the block after it are parsed
-and validated with every entry script.
+it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags,
+`--no-plots` and `--engine hf` where it does not set them itself; everything else stays as the README writes it.
+`--engine vllm` commands are skipped (and said so) where vLLM cannot be imported. The flag lines of the block after
+it are parsed and validated with every entry script.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORCED = {"--model": "tiny"}  # always replaced (appended last: the last occurrence of a flag wins)
 VISION_MODELS = ("default-vlm", "tiny-vlm")  # ... by tiny-vlm, the tiny model's vision-language twin
 # Added when the command does not set them. `--engine hf` too: starting vLLM costs ~25 s a run on 2 cores, so only
-# the commands that name `--engine vllm` start it (test_vllm_runs.py runs every schedule with vLLM).
+# the commands that name `--engine vllm` start it (test_vllm_runs.py runs every schedule with vLLM). No PNGs: the
+# outputs are checked where they are tested (tests/test_train_sync.py).
 SMALL = {"--tasks-per-step": "2", "--samples-per-task": "2", "--max-new-tokens": "20", "--eval-size": "2",
          "--eval-every": "0", "--lr": "1e-3", "--timeout-s": "300", "--engine": "hf",
-         "--num-threads": "1"}
+         "--num-threads": "1", "--no-plots": None}  # None: a flag without a value
 ENTRY = ("python", "torchrun")
 
 
@@ -70,7 +71,8 @@ def small_run(words: list[str], index: int) -> tuple[list[str], str | None, int]
     if "--help" in words:
         return words, None, 0
     steps = 2 if "--resume" in words else 1
-    extra = [w for flag, value in SMALL.items() if flag not in words for w in (flag, value)]
+    extra = [w for flag, value in SMALL.items() if flag not in words
+             for w in ((flag,) if value is None else (flag, value))]
     out_dir = flag_value(words, "--out-dir")
     if out_dir is None:  # parallel runs of one schedule would pick the same runs/<schedule>-<second>/
         out_dir = f"runs/readme-{index}"
