@@ -118,7 +118,6 @@ def measure(setting, flags, opts, result_dir):
             "--minibatch-size", str(opts.samples), "--micro-batch-size", str(opts.micro_batch_size),
             "--no-drop-zero-signal-groups", "--trainer-devices", "cpu,cpu", "--max-new-tokens", str(10 * opts.shortest + 1),
             *[str(opts.pack_tokens) if f == "PACK" else f for f in flags]]
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])  # the ranks import this file
     run_function("memory:worker", 2, 0, json.dumps(argv), str(opts.steps), str(opts.prompt_len), str(opts.shortest),
                  result_dir, setting, str(opts.threads), timeout_s=1800)
     return [json.load(open(os.path.join(result_dir, f"{setting}-trainer{i}.json"))) for i in range(2)]

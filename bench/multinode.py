@@ -80,7 +80,6 @@ def buffer(opts) -> None:
     from common.runtime.launcher import run_function
 
     size_mb = len(pickle.dumps(make_batch(opts.samples, opts.tokens))) / 2**20
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "bench")])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "mailbox.json")
         run_function("multinode:mailbox_ranks", 1, 1, str(opts.batches), str(opts.samples), str(opts.tokens), out)

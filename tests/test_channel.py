@@ -9,7 +9,6 @@ import time
 import pytest
 
 from common.runtime.launcher import run_function
-from conftest import ROOT
 
 CAPACITY, BATCHES = 2, 5
 
@@ -59,7 +58,6 @@ def ranks(ctx, out_dir):
 
 
 def test_buffer_and_control_between_ranks(tmp_path):
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # the ranks import this file
     run_function("test_channel:ranks", 1, 2, str(tmp_path))
     trainer = json.loads((tmp_path / "trainer0.json").read_text())
     assert trainer["held_while_full"] == CAPACITY  # full, and bounded: the rest waited at the explorers

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.cli import parse_args
-from conftest import ROOT, TINY, reference_varlen_attn
+from conftest import TINY, reference_varlen_attn
 from fake_device import FAKE, FakeDevice, on_device
 
 pytestmark = pytest.mark.timeout(180)
@@ -102,7 +102,6 @@ def sync_ranks(ctx, comm: str, out: str):
 def test_weight_sync_on_a_device(tmp_path, comm):
     from common.runtime.launcher import run_function
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # the ranks import this file
     run_function("test_fake_device:sync_ranks", 1, 1, comm, str(tmp_path))
     trainer, explorer = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("trainer0", "explorer0"))
     assert trainer["hash"] == explorer["hash"] and trainer["on_device"] and explorer["on_device"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from common.runtime.launcher import run_function
 from common.trainer import checkpoints as ckpt
-from conftest import ROOT, TINY
+from conftest import TINY
 from test_scale_trainer import uneven_experiences
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,7 +78,6 @@ def worker(ctx, out_dir, flags, resume):
 
 def run_workers(out_dir, flags, trainers=2, explorer=True, resume=False):
     os.makedirs(out_dir, exist_ok=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # the ranks import this file
     run_function("test_fsdp:worker", trainers, int(explorer), str(out_dir), json.dumps(flags), str(resume))
 
 

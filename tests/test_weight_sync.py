@@ -9,7 +9,6 @@ import torch
 from common.runtime.launcher import run_function
 from common.weight_sync import weights_hash
 from common.weight_sync.broadcast import broadcast_weights
-from tests.conftest import ROOT
 
 
 def ranks(ctx, out_dir, bucket_mb):
@@ -24,7 +23,6 @@ def ranks(ctx, out_dir, bucket_mb):
 
 @pytest.mark.parametrize("bucket_mb", [0, 256])  # 0: one bucket per tensor; 256: everything in one bucket
 def test_broadcast_makes_receivers_bit_identical(bucket_mb, tmp_path):
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])  # where ranks are new processes
     run_function("test_weight_sync:ranks", 1, 2, str(tmp_path), str(bucket_mb))
     got = [json.load(open(tmp_path / f"{rank}.json")) for rank in range(3)]
     sender_hash = got[0][3]

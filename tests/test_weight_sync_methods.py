@@ -12,7 +12,7 @@ import torch
 from common.explorer.engine import RolloutEngine
 from common.runtime.launcher import run_function
 from common.weight_sync import METHODS
-from tests.conftest import ROOT, TINY
+from tests.conftest import TINY
 
 VERSIONS = 3
 PROMPT = [[5, 17, 42, 99, 7]]
@@ -67,7 +67,6 @@ def ranks(ctx, out_dir, method):
 # colocated through auto, the default, which picks it for ranks on one CPU (one world fewer to start)
 @pytest.mark.parametrize("method", sorted(set(METHODS) - {"colocated"}) + ["auto"])
 def test_each_method_hands_over_exact_versions_that_generate(tmp_path, method):
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
     run_function("test_weight_sync_methods:ranks", 1, 1, str(tmp_path), method)
     sent, got = (json.load(open(tmp_path / f"seen-{n}.json")) for n in ("trainer0", "explorer0"))
     assert sent["method"] == got["method"] == {"auto": "colocated"}.get(method, method)
@@ -138,7 +137,6 @@ def race(ctx, out_dir):
 
 
 def test_colocated_never_hands_over_a_half_written_version(tmp_path):
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
     run_function("test_weight_sync_methods:race", 1, 1, str(tmp_path))
     got = json.load(open(tmp_path / "race.json"))
     assert got["torn"] == [] and got["taken"] == sorted(set(got["taken"])) and len(got["taken"]) > 2, got

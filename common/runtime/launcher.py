@@ -19,6 +19,9 @@ import torch
 
 from common.runtime.worker import join_world, plan_world, run_worker
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -199,10 +202,26 @@ def _root_cause(e, names: list[str]) -> str:
 def run_function(target: str, trainers: int, explorers: int, *args: str, timeout_s: float = 120) -> None:
     """Run `module:function(ctx, *args)` on every rank of a CPU world of `trainers` + `explorers` ranks (tests and
     benchmarks that drive the workers' parts directly)."""
+    import importlib.util
+
     names = [w.name for w in plan_world(["cpu"] * trainers, ["cpu"] * explorers)]
     start_forkserver(["cpu"] * len(names))  # the ranks forked from this process's imports, where it can
-    launch_local(["-m", "common.runtime.launcher", target, str(trainers), str(explorers), str(timeout_s), *args],
-                 names)
+    # Ranks that are fresh interpreters import the target as this process does: the folder it is found in (a test's
+    # or a benchmark's) and the repository go first on their PYTHONPATH.
+    module = target.split(":")[0]
+    folder = os.path.dirname(importlib.util.find_spec(module).origin)
+    for _ in module.split(".")[1:]:
+        folder = os.path.dirname(folder)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([folder, ROOT, *([saved] if saved else [])])
+    try:
+        launch_local(["-m", "common.runtime.launcher", target, str(trainers), str(explorers), str(timeout_s),
+                      *args], names)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _function_rank(target: str, trainers: str, explorers: str, timeout_s: str, *args: str) -> None:
