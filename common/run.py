@@ -78,6 +78,17 @@ def run_entry(main) -> None:
     returns, as the agent expects of its function and binary entrypoints."""
     if under_elastic():
         return main()
+    code = exit_code(main)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_code(main) -> int:
+    """Run the launcher's `main()` and return the exit code Python would give it: 0, or 1 with the message of a
+    `SystemExit("error: ...")` printed on stderr; the forkserver, if it started one, is stopped. Any other exception
+    is raised."""
     try:
         main()
         code = 0
@@ -86,11 +97,9 @@ def run_entry(main) -> None:
         if not isinstance(code, (int, type(None))):  # a message: printed, exit code 1
             print(code, file=sys.stderr)
             code = 1
-    stop_forkserver()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+    finally:
+        stop_forkserver()
+    return code or 0
 
 
 def launch(args, schedule: str, worker, title: str) -> None:

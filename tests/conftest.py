@@ -2,8 +2,8 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,6 +30,55 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
     """Run an entry script as a user would, in a fresh process."""
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})})
+
+
+def run_in_process(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python script *args` as run_script runs it (cwd the repository, `env` added to the environment, stdout and
+    stderr read back, the exit code), but by this process: the entry script's `main()` as common/run.py's
+    `run_entry` runs it, its workers forked from a forkserver forked from this process, which has torch and
+    transformers imported already (a fresh interpreter's imports are ~4 CPU-s of a tiny run's ~6). The output is
+    taken at the descriptors, which the forkserver and so the workers inherit. For tests of what the run computes;
+    tests of a process's own behaviour (signals, kill -9, its exit, its imports) use run_script. Bounded by the
+    test's timeout (pytest.ini)."""
+    import importlib
+    import io
+    import signal
+    import tempfile
+
+    from common.run import exit_code
+    from common.runtime.launcher import stop_forkserver
+
+    stop_forkserver()  # one left by run_function: its workers would write to that test's descriptors
+    saved = dict(os.environ), os.getcwd(), sys.argv, sys.stdout, sys.stderr, torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    fds = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
+                                  for fd in (1, 2))
+        try:
+            os.environ.update(env or {})
+            os.chdir(ROOT)
+            sys.argv = [os.path.join(ROOT, script), *args]
+            try:
+                code = exit_code(importlib.import_module(script.removesuffix(".py")).main)
+            except Exception:  # what the interpreter would print, and its exit code
+                traceback.print_exc()
+                code = 1
+        finally:
+            os.dup2(fds[0], 1), os.dup2(fds[1], 2)
+            os.close(fds[0]), os.close(fds[1])
+            os.environ.clear()
+            os.environ.update(saved[0])
+            os.chdir(saved[1])
+            sys.argv, sys.stdout, sys.stderr = saved[2:5]
+            torch.set_num_threads(saved[5])
+            for number, handler in handlers.items():  # torch elastic's agent installed its own
+                signal.signal(number, handler)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess([script, *args], code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
 
 
 def worker_pid(parent: int, rank: int, timeout: float = 120) -> int:
@@ -239,11 +288,6 @@ def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = Tr
         changed = [n for n, p in final.state_dict().items() if not torch.equal(p, initial.state_dict()[n])]
         assert changed, "final/ holds the initial weights: nothing was learned"
     return rows
-
-
-@pytest.fixture
-def run():
-    return run_script
 
 
 # The files whose tests take longest (each starts vLLM or several training runs), longest first, by the per-test

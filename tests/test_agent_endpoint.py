@@ -24,7 +24,7 @@ from common.explorer.rollouts import run_episodes
 from common.explorer.workflow import Context
 from common.knobs import ConfigError
 from common.model import build_tiny_model, build_tiny_tokenizer
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 from tests.test_agents import Scripted
 
 HERE = "tests/test_agent_endpoint.py"
@@ -378,12 +378,12 @@ def test_a_broken_agent_ends_its_own_episode_failed_and_never_pays(tiny, agent, 
 @pytest.mark.parametrize("example,schedule", zip(EXAMPLES, [["train_async.py", "--num-explorers", "2"],
                                                                ["train_offpolicy.py"], ["train_sync.py"]]))
 def test_the_example_agent_trains(tmp_path, example, schedule):
-    """One short run each (~20 s, nearly all of it the run's start-up), each under another schedule (streaming
-    episodes in two explorers, one step off-policy, synchronous): the random tiny model writes no tool calls, so
-    the tool loop itself is the scripted test's; this is the library inside a real explorer process."""
+    """One short run each, under another schedule (streaming episodes in two explorers, one step off-policy,
+    synchronous): the random tiny model writes no tool calls, so the tool loop itself is the scripted test's; this
+    is the library inside a real explorer process."""
     out = tmp_path / "run"
-    result = run_script(schedule[0], *TINY, *schedule[1:], "--steps", "2", "--max-new-tokens", "16",
-                        "--agent", f"{example}:agent", "--out-dir", str(out))
+    result = run_in_process(schedule[0], *TINY, *schedule[1:], "--steps", "2", "--max-new-tokens", "16",
+                            "--agent", f"{example}:agent", "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert rows[0]["rollout/agent_calls"] >= rows[0]["rollout/episodes"] > 0

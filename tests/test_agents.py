@@ -6,7 +6,6 @@ verifier scores the final answer only (a cut last turn scores 0) and cut episode
 calls append the result as masked tokens and go on; turn-level advantages; a slow tool does not slow the other
 episodes' decoding (vLLM); grpo_turn and --in-turn-tools each train 2 tiny steps."""
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 from common.envs import ENVS, Env, StepResult, env_class, make_env, parse_env_settings
-from common.envs.tools import ToolEnv
 from common.experience import Experience, collate
 from common.explorer.chat import ChatRenderer, strip_reasoning
 from common.explorer.engine import Generation, HFEngine, RolloutEngine, SamplingConfig
@@ -24,7 +22,7 @@ from common.explorer.workflow import Context
 from common.model import build_tiny_model, build_tiny_tokenizer
 from common.trainer.forward import sequence_logprobs
 from common.trainer.losses import turn_group_advantages, turn_returns
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process, run_script
 
 # The published Qwen3 chat template (Qwen/Qwen3-8B tokenizer_config.json), as its text: it drops the <think> block
 # of every assistant turn before the last user message and adds an empty one to the last assistant turn.
@@ -490,8 +488,8 @@ def test_grpo_turn_and_in_turn_tools_each_train_two_steps(tmp_path):
     assert {"turns", "loss_mask_spans", "turn_rewards", "end_reason"} <= set(sample)
     assert inturn.returncode == 0, inturn.stderr[-3000:]
     assert_trained(tmp_path / "inturn", steps=2)
-    bad = run_script("train_sync.py", *common, "--taskset", "guess_number", "--chat-template", str(tmp_path / "no"),
-                     "--out-dir", str(tmp_path / "bad"))
+    bad = run_in_process("train_sync.py", *common, "--taskset", "guess_number", "--chat-template", str(tmp_path / "no"),
+                         "--out-dir", str(tmp_path / "bad"))
     assert bad.returncode != 0 and "--chat-template" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -645,8 +643,8 @@ def test_an_over_long_environment_task_is_rejected_at_load_with_file_and_line(tm
     rows = [{"env": "retry", "prompt": "2+2?", "answer": "4"}, {"env": "retry", "prompt": "x" * 3000, "answer": "1"}]
     path = tmp_path / "tasks.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    proc = run_script("train_sync.py", *TINY, "--taskset", str(path), "--eval-size", "1", "--steps", "1",
-                      "--episode-token-budget", "1000", "--out-dir", str(tmp_path / "r"), timeout=120)
+    proc = run_in_process("train_sync.py", *TINY, "--taskset", str(path), "--eval-size", "1", "--steps", "1",
+                          "--episode-token-budget", "1000", "--out-dir", str(tmp_path / "r"))
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {path}:2: the episode cannot start") and "--episode-token-budget 1000" in last

@@ -13,7 +13,7 @@ from common.trainer import checkpoints as ckpt
 from common.trainer.filters import PROCESSORS, build_processors, drop_stale, process
 from common.trainer.forward import batch_logprobs
 from common.trainer.trainer import Trainer
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 
 def _args(tmp_path, *flags):
@@ -166,7 +166,7 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     # Parity rewards plus a KL in the reward: per-token returns for the critic to fit.
     flags = [*TINY, "--algo", "ppo", "--kl-coef", "0.05", "--kl-mode", "reward", "--samples-per-task", "1",
              "--tasks-per-step", "8", "--critic-lr", "1e-3", "--checkpoint-every", "1", "--out-dir", str(out)]
-    proc = run_script(script, *flags, "--steps", "2", timeout=240)
+    proc = run_in_process(script, *flags, "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert all("value_loss" in r and "value/explained_var" in r for r in rows)
@@ -175,7 +175,7 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
     if script != "train_sync.py":
         return
     assert rows[1]["kl"] > 0 and rows[1]["value_loss"] > 0  # batch 2 comes from the updated policy: KL-shaped returns
-    second = run_script(script, *flags, "--steps", "3", "--resume", timeout=240)
+    second = run_in_process(script, *flags, "--steps", "3", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert_trained(out, steps=3)
     state = torch.load(out / "checkpoints" / "step_3" / "critic" / "optimizer.pt", weights_only=False)
@@ -183,8 +183,8 @@ def test_ppo_runs_in_every_schedule(tmp_path, script):
 
 
 def test_missing_critic_model_is_one_line_error(tmp_path):
-    proc = run_script("train_sync.py", *TINY, "--algo", "ppo", "--critic-model", str(tmp_path / "nope"),
-                      "--out-dir", str(tmp_path / "r"))
+    proc = run_in_process("train_sync.py", *TINY, "--algo", "ppo", "--critic-model", str(tmp_path / "nope"),
+                          "--out-dir", str(tmp_path / "r"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --critic-model {tmp_path / 'nope'}: no such")
 

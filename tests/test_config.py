@@ -12,7 +12,7 @@ import yaml
 
 from common.cli import choices, parse_args
 from common.config import CommonArgs
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT, run_in_process
 
 # The text fields whose value is open (a path, a name, a list, a template): every other text field of a schedule's
 # Args is a choice and must be a Literal, so a new choice field typed `str` fails here until it is one.
@@ -62,13 +62,13 @@ def test_help_lists_every_choice_and_field(script, capsys):
 
 
 def test_wrong_choice_is_a_one_line_error(tmp_path):
-    proc = run_script("train_sync.py", "--algo", "ppo2", "--out-dir", str(tmp_path / "r"), timeout=60)
+    proc = run_in_process("train_sync.py", "--algo", "ppo2", "--out-dir", str(tmp_path / "r"))
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "error: --algo 'ppo2': not one of grpo, grpo_turn, dr_grpo, opmd, ppo, gspo, cispo, distill"]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("kl_mode: sideways\n")
-    proc = run_script("train_sync.py", "--config", str(cfg), "--out-dir", str(tmp_path / "r"), timeout=60)
+    proc = run_in_process("train_sync.py", "--config", str(cfg), "--out-dir", str(tmp_path / "r"))
     assert proc.stderr.strip().splitlines() == [f"error: --config {cfg}: --kl-mode 'sideways': not one of loss, reward"]
 
 

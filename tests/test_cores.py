@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from common.runtime.cores import CoreShare, apply, describe, plan_cores
+from common.runtime.cores import CoreShare, describe, plan_cores
 from common.runtime.metrics import read_timeline
 from tests.conftest import ROOT, TINY, worker_pid
 

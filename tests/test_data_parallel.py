@@ -3,7 +3,6 @@
 import json
 import os
 from argparse import Namespace
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from common.knobs import ConfigError
 from common.preflight import check_devices
 from common.runtime.worker import choose_backend
 from common.model import load_model
-from conftest import TINY, assert_trained
+from conftest import TINY, assert_trained, run_in_process, run_script
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,13 +32,10 @@ def _final_weights(out_dir):
     return load_file(os.path.join(out_dir, "final", "model.safetensors"))
 
 
-def test_two_trainers_stay_identical_and_match_one_trainer(run, tmp_path):
+def test_two_trainers_stay_identical_and_match_one_trainer(tmp_path):
     common = [*TINY, "--steps", "3", "--verify-sync", "--checkpoint-every", "0"]
-    with ThreadPoolExecutor(2) as pool:  # at once: a tiny run keeps about half a core busy
-        dp = pool.submit(run, "train_sync.py", *common, "--trainer-devices", "cpu,cpu", "--out-dir",
-                         str(tmp_path / "dp"), timeout=240)
-        single = pool.submit(run, "train_sync.py", *common, "--out-dir", str(tmp_path / "one"), timeout=240)
-        dp, single = dp.result(), single.result()
+    dp = run_in_process("train_sync.py", *common, "--trainer-devices", "cpu,cpu", "--out-dir", str(tmp_path / "dp"))
+    single = run_in_process("train_sync.py", *common, "--out-dir", str(tmp_path / "one"))
     assert dp.returncode == 0, dp.stderr[-2000:]
     assert single.returncode == 0, single.stderr[-2000:]
     dp_rows = assert_trained(tmp_path / "dp", steps=3)
@@ -61,13 +57,13 @@ def test_two_trainers_stay_identical_and_match_one_trainer(run, tmp_path):
     assert differ < moved / 100, (differ, moved)
 
 
-def test_data_parallel_ppo_with_checkpoint_sync(run, tmp_path):
+def test_data_parallel_ppo_with_checkpoint_sync(tmp_path):
     """Actor and critic both train data-parallel (--kl-mode reward gives the critic something to fit once the policy
     has moved away from the reference, i.e. from step 2 on)."""
     out = tmp_path / "run"
-    r = run("train_sync.py", *TINY, "--steps", "3", "--trainer-devices", "cpu,cpu", "--sync-method", "checkpoint",
-            "--algo", "ppo", "--kl-coef", "0.1", "--kl-mode", "reward",
-            "--verify-sync", "--out-dir", str(out), timeout=240)
+    r = run_in_process("train_sync.py", *TINY, "--steps", "3", "--trainer-devices", "cpu,cpu", "--sync-method",
+                       "checkpoint", "--algo", "ppo", "--kl-coef", "0.1", "--kl-mode", "reward", "--verify-sync",
+                       "--out-dir", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = assert_trained(out, steps=3)  # one metrics row per step: only trainer 0 logs
     assert rows[-1]["value_loss"] > 0
@@ -100,8 +96,8 @@ def test_impossible_placements_are_one_line_errors():
         check_devices(Namespace(explorer_device_list=[f"cuda:{n}"], trainer_device_list=["cpu"], teacher_device=""))
 
 
-def test_bad_placement_fails_before_anything_starts(run, tmp_path):
-    r = run("train_sync.py", *TINY, "--trainer-devices", "cpu,gpu0", "--out-dir", str(tmp_path / "x"), timeout=60)
+def test_bad_placement_fails_before_anything_starts(tmp_path):
+    r = run_in_process("train_sync.py", *TINY, "--trainer-devices", "cpu,gpu0", "--out-dir", str(tmp_path / "x"))
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == ("error: device 'gpu0' in --explorer-devices/--trainer-devices is "
                                                  "neither cpu nor cuda[:N]")
@@ -109,11 +105,11 @@ def test_bad_placement_fails_before_anything_starts(run, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_colocated_on_one_gpu(run, tmp_path):
+def test_colocated_on_one_gpu(tmp_path):
     """Explorer and trainer share cuda:0: the weight sync goes over gloo through the CPU, training on the GPU."""
     out = tmp_path / "run"
-    r = run("train_sync.py", *TINY, "--steps", "2", "--explorer-devices", "cuda:0", "--trainer-devices", "cuda:0",
-            "--verify-sync", "--out-dir", str(out), timeout=240)
+    r = run_script("train_sync.py", *TINY, "--steps", "2", "--explorer-devices", "cuda:0", "--trainer-devices",
+                   "cuda:0", "--verify-sync", "--out-dir", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert_trained(out, steps=2)
     events = [json.loads(line) for name in os.listdir(out / "timeline") for line in open(out / "timeline" / name)]

@@ -25,7 +25,7 @@ from common.explorer.engine import SamplingConfig
 from common.explorer.rollouts import run_episodes
 from common.explorer.scoring import rollout_metrics
 from common.explorer.workflow import Context
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 from tests.test_agents import Scripted, scored, tiny_with
 
 HOLD_S = 5  # how long a hung call of these environments holds before it gives up by itself
@@ -219,12 +219,11 @@ def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path)
     taskset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     held_out.write_text(json.dumps(rows[0]) + "\n")
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--taskset", str(taskset), "--eval-taskset", str(held_out),
-                      "--eval-size", "1", "--env-setting", f"http.url={server}",
-                      "--algo", "grpo_turn", "--env-reward", "last", "--steps", "2", "--tasks-per-step", "8",
-                      "--max-turns", "3", "--episode-token-budget", "400", "--truncated-turns", "continue",
-                      "--out-dir", str(out),
-                      timeout=800)
+    proc = run_in_process("train_sync.py", *TINY, "--taskset", str(taskset), "--eval-taskset", str(held_out),
+                          "--eval-size", "1", "--env-setting", f"http.url={server}",
+                          "--algo", "grpo_turn", "--env-reward", "last", "--steps", "2", "--tasks-per-step", "8",
+                          "--max-turns", "3", "--episode-token-budget", "400", "--truncated-turns", "continue",
+                          "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert sum(r.get("rollout/end/error", 0) for r in rows) > 0
@@ -282,7 +281,7 @@ LAST_TURN = [  # the scripted turns (the last one repeats), the verifier's score
     (["Answer: 42", f"<think>{CALL}</think>Answer: 41"], 0.0, 0),
     (["Answer: 42", f"<think>a</think>Answer: 41<think>{CALL}"], 0.0, 0),  # a call in re-opened reasoning
     ([f"<think>a<think>{CALL}</think>b</think>Answer: 42"], 1.0, 0),  # nested reasoning
-    ([f"<think>a</think>Answer: 42<think>x</think>"], 1.0, 0),
+    (["<think>a</think>Answer: 42<think>x</think>"], 1.0, 0),
 ]
 
 
@@ -347,8 +346,8 @@ def nan_loss(mb) -> tuple:
 @pytest.mark.timeout(600)
 def test_a_non_finite_loss_stops_the_run_before_the_update(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "2", "--loss-fn", "tests.test_env_boundary:nan_loss",
-                      "--out-dir", str(out), timeout=500)
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "2", "--loss-fn", "tests.test_env_boundary:nan_loss",
+                          "--out-dir", str(out))
     assert proc.returncode != 0
     assert "NonFinite: step 1: 1 non-finite value(s) in the loss: the update was not applied" in proc.stderr, \
         proc.stderr[-2000:]

@@ -13,7 +13,7 @@ from common.model import build_tiny_tokenizer
 from common.explorer.rollouts import run_episodes
 from common.explorer.scoring import rollout_metrics
 from common.explorer.workflow import Context
-from tests.conftest import TINY, run_script
+from tests.conftest import TINY, run_in_process
 
 
 class Slow(ToolEnv):
@@ -202,8 +202,8 @@ def test_task_processors_and_partial_rollout_conflict(tmp_path):
     assert tasks == [] and counts["tasks/max_prompt_chars_dropped"] == 2  # --prompt-template applies first: "Q: abc" is 6 chars
     tasks, _ = apply_task_processors([{"prompt": "a", "difficulty": 2}], "difficulty_tag", A)
     assert tasks[0]["tags"] == ["difficulty:2"]
-    proc = run_script("train_sync.py", *TINY, "--taskset", "arith+guess_number", "--rollout-token-budget", "4",
-                      "--out-dir", str(tmp_path / "run"), timeout=60)
+    proc = run_in_process("train_sync.py", *TINY, "--taskset", "arith+guess_number", "--rollout-token-budget", "4",
+                          "--out-dir", str(tmp_path / "run"))
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
         "error: --rollout-token-budget (partial rollouts) works with single-turn tasks only, and --taskset "
         "arith+guess_number has multi-turn (env) tasks")

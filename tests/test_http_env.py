@@ -3,7 +3,6 @@ same seed gives the same episodes in process and over HTTP (observations and ids
 (schemas and calls), an environment's error comes back as the episode's error, a server that is not there is a
 bounded, counted failure, and a training run with --env-server trains."""
 
-import os
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from common.explorer.engine import HFEngine, SamplingConfig
 from common.explorer.rollouts import run_episodes
 from common.explorer.workflow import Context
 from common.model import build_tiny_model, build_tiny_tokenizer
-from tests.conftest import ROOT, TINY, assert_trained, run_script
+from tests.conftest import ROOT, TINY, assert_trained, run_in_process
 from tests.test_agents import Scripted
 
 
@@ -80,9 +79,9 @@ def test_a_tool_environment_over_http_and_its_failures(server):
 @pytest.mark.timeout(600)
 def test_an_agent_run_against_the_http_environment_trains(server, tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--taskset", "guess_number", "--env-server", server, "--steps", "2",
-                      "--max-turns", "3", "--episode-token-budget", "400", "--truncated-turns", "continue",
-                      "--format-reward", "1", "--out-dir", str(out), timeout=400)
+    proc = run_in_process("train_sync.py", *TINY, "--taskset", "guess_number", "--env-server", server, "--steps", "2",
+                          "--max-turns", "3", "--episode-token-budget", "400", "--truncated-turns", "continue",
+                          "--format-reward", "1", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert all(r["rollout/turns_mean"] > 1 and not r.get("rollout/end/error") for r in rows)

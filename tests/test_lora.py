@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.model import load_model
-from conftest import TINY
+from conftest import TINY, run_in_process
 from test_scale_trainer import make_trainer, uneven_experiences
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,10 +42,10 @@ def _sync_hashes(out_dir):
     return pick("trainer0"), pick("explorer0")
 
 
-def test_lora_run_explorer_holds_merged_weights_after_every_sync(run, tmp_path):
+def test_lora_run_explorer_holds_merged_weights_after_every_sync(tmp_path):
     out = tmp_path / "run"
-    r = run("train_sync.py", *TINY, *LORA, "--steps", "3", "--checkpoint-every", "2", "--verify-sync",
-            "--out-dir", str(out), timeout=240)
+    r = run_in_process("train_sync.py", *TINY, *LORA, "--steps", "3", "--checkpoint-every", "2", "--verify-sync",
+                       "--out-dir", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     sent, got = _sync_hashes(out)
     assert sorted(sent) == [0, 1, 2, 3] and sent == got
@@ -55,7 +55,8 @@ def test_lora_run_explorer_holds_merged_weights_after_every_sync(run, tmp_path):
     assert max((final[k] - init[k]).abs().max().item() for k in final) > 1e-4
     # final/ is the model and tokenizer only; step checkpoints keep the adapter to resume from
     assert os.path.exists(out / "checkpoints" / "step_2" / "adapter" / "adapter_model.safetensors")
-    r = run("train_sync.py", *TINY, *LORA, "--steps", "4", "--verify-sync", "--resume", "--out-dir", str(out),
-            timeout=240)  # resumes the adapter from checkpoints/step_2 (step 3 is off the --checkpoint-every grid)
+    # resumes the adapter from checkpoints/step_2 (step 3 is off the --checkpoint-every grid)
+    r = run_in_process("train_sync.py", *TINY, *LORA, "--steps", "4", "--verify-sync", "--resume", "--out-dir",
+                       str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert [json.loads(l)["step"] for l in open(out / "metrics.jsonl")][-1] == 4

@@ -8,7 +8,7 @@ from common.cli import parse_args
 from common.knobs import ConfigError
 from common.memory import (CUDA_CONTEXT_BYTES, GIB, SLACK, ModelShape, explorer_bytes, forward_bytes, model_config,
                            plan_memory, trainer_estimate)
-from conftest import TINY, run_script
+from conftest import TINY, run_in_process
 from train_sync import Args
 
 
@@ -36,7 +36,7 @@ def test_a_model_that_cannot_fit_stops_in_one_line_before_any_model_loads(tmp_pa
     machine's CPU memory holds them. The folder has no weights, so the line must come before anything tries to load
     them."""
     folder = _config_folder(tmp_path, "big", **QWEN_72B)
-    proc = run_script("train_sync.py", *TINY, "--model", folder, "--out-dir", str(tmp_path / "run"), timeout=180)
+    proc = run_in_process("train_sync.py", *TINY, "--model", folder, "--out-dir", str(tmp_path / "run"))
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -13,7 +13,7 @@ import pytest
 from common.runtime.metrics import read_metrics, read_timeline
 from common.trainer.checkpoints import step_checkpoints
 from common.explorer.engine_vllm import vllm_available
-from conftest import (ROOT, TINY, assert_trained, engines, files_left, kill_all, left_of, process_tree, run_script,
+from conftest import (ROOT, TINY, assert_trained, engines, files_left, kill_all, left_of, process_tree,
                       shm_files, wait_running, worker_pid)
 
 pytestmark = pytest.mark.timeout(300)

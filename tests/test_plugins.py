@@ -3,7 +3,7 @@
 
 import json
 
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 
 # ---------------------------------------------------------------- the user's code
@@ -29,10 +29,10 @@ def test_loss_reward_and_processor_from_outside_the_packages_train(tmp_path):
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say something ({i})."}) + "\n" for i in range(12)))
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "2", "--out-dir", str(out), "--taskset", str(data),
-                      "--loss-fn", "tests/test_plugins.py:reinforce_loss",    # a file path ...
-                      "--reward-fn", "tests.test_plugins:ascii_share",        # ... or a module
-                      "--processors", "tests.test_plugins:count_samples")
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "2", "--out-dir", str(out), "--taskset", str(data),
+                          "--loss-fn", "tests/test_plugins.py:reinforce_loss",    # a file path ...
+                          "--reward-fn", "tests.test_plugins:ascii_share",        # ... or a module
+                          "--processors", "tests.test_plugins:count_samples")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     for r in rows:
@@ -42,8 +42,8 @@ def test_loss_reward_and_processor_from_outside_the_packages_train(tmp_path):
 
 
 def test_a_bad_reference_is_a_one_line_error(tmp_path):
-    proc = run_script("train_sync.py", *TINY, "--out-dir", str(tmp_path / "r"),
-                      "--loss-fn", "tests.test_plugins:no_such_fn")
+    proc = run_in_process("train_sync.py", *TINY, "--out-dir", str(tmp_path / "r"),
+                          "--loss-fn", "tests.test_plugins:no_such_fn")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == ("error: --loss-fn tests.test_plugins:no_such_fn: "
                                                     "tests.test_plugins has no function 'no_such_fn'")

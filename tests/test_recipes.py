@@ -10,7 +10,7 @@ import torch
 
 from common.cli import parse_args
 from common.experience import collate
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 from tests.test_algos import _args, _experiences
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,8 +24,8 @@ def coin(response: str, task: dict) -> float:
 @pytest.mark.parametrize("algo,metric", [("gspo", "gspo/seq_ratio_mean"), ("cispo", "clip_frac")])
 def test_gspo_and_cispo_train_from_their_configs(tmp_path, algo, metric):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--config", f"configs/{algo}.yaml", "--steps", "2",
-                      "--out-dir", str(out))
+    proc = run_in_process("train_sync.py", *TINY, "--config", f"configs/{algo}.yaml", "--steps", "2",
+                          "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     # --ppo-epochs 2: the second pass sees ratios away from 1, which the configs' clip ranges bound
@@ -48,8 +48,8 @@ def _teacher(tmp_path, extra_token: bool = False) -> str:
 
 def test_distill_trains_through_the_teachers_kl(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--algo", "distill", "--teacher", _teacher(tmp_path), "--steps", "2",
-                      "--out-dir", str(out))
+    proc = run_in_process("train_sync.py", *TINY, "--algo", "distill", "--teacher", _teacher(tmp_path), "--steps", "2",
+                          "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)  # advantages come from the teacher only (--distill-reward-coef 0)
     assert all(r["distill/reverse_kl"] > 0 for r in rows)  # two random models disagree
@@ -116,8 +116,8 @@ def test_dapo_refills_zero_signal_groups(tmp_path, script):
     """configs/dapo.yaml: every row counts its zero-signal groups and extra rounds (streaming: groups admitted in
     their place, in rounds of --tasks-per-step), trains only groups with a signal, and punishes long responses."""
     out = tmp_path / "run"
-    proc = run_script(script, *TINY, "--config", "configs/dapo.yaml", "--overlong-buffer", "4", "--steps", "3",
-                      "--reward-fn", "tests.test_recipes:coin", "--out-dir", str(out))
+    proc = run_in_process(script, *TINY, "--config", "configs/dapo.yaml", "--overlong-buffer", "4", "--steps", "3",
+                          "--reward-fn", "tests.test_recipes:coin", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=3)
     assert all(0 <= r["rollout/zero_signal_frac"] < 1 and r["rollout/refill_rounds"] <= 3 for r in rows)
@@ -172,8 +172,8 @@ def test_bypass_is_the_behaviour_policy_as_proximal():
 
 def test_a_correction_preset_trains_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_offpolicy.py", *TINY, "--off-policy-correction", "icepop", "--steps", "2",
-                      "--out-dir", str(out))
+    proc = run_in_process("train_offpolicy.py", *TINY, "--off-policy-correction", "icepop", "--steps", "2",
+                          "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert all(0 < r["correction/weight_mean"] <= 2 for r in rows)

@@ -14,7 +14,7 @@ from common.explorer.rollouts import Rollouts
 from common.explorer.workflow import Context
 from common.trainer.filters import trained_version
 from common.trainer.replay import ReplayBuffer
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 
 def test_response_split_over_three_steps_reassembles_exactly():
@@ -136,8 +136,8 @@ BUDGET = ["--rollout-token-budget", "4", "--max-new-tokens", "12"]
 
 def test_sync_partial_rollouts_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, *BUDGET, "--steps", "3", "--out-dir", str(out), "--curriculum",
-                      "--difficulty", "3")
+    proc = run_in_process("train_sync.py", *TINY, *BUDGET, "--steps", "3", "--out-dir", str(out), "--curriculum",
+                          "--difficulty", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(str(out))
     assert_trained(out, steps=3, skipped=[r["step"] for r in rows if "reward/mean" not in r])
@@ -153,8 +153,8 @@ def test_sync_partial_rollouts_end_to_end(tmp_path):
 
 def test_async_partial_rollouts_with_replay_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_async.py", *TINY, *BUDGET, "--steps", "3", "--out-dir", str(out), "--max-reuse", "2",
-                      "--partial-loss", "all", "--max-staleness", "3")
+    proc = run_in_process("train_async.py", *TINY, *BUDGET, "--steps", "3", "--out-dir", str(out), "--max-reuse", "2",
+                          "--partial-loss", "all", "--max-staleness", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=3)
     assert all(r["rollout/partial_finished"] > 0 and r["rollout/partial_continued"] > 0 for r in rows)

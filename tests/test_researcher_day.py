@@ -9,7 +9,7 @@ import pytest
 
 from common.runtime.metrics import read_metrics, read_timeline, reward_curve_points
 from common.runtime.trace import chrome_trace
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process, run_script
 from tests.test_train_sync import _one_line_error
 
 
@@ -141,7 +141,7 @@ def test_samples_wandb_table_plot_trace_and_no_eval(tmp_path):
 
 def test_reward_curve_puts_evaluations_at_their_step(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "2", "--eval-every", "1", "--out-dir", str(out))
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "2", "--eval-every", "1", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trained(out, steps=2)
     train, evals = reward_curve_points(str(out))

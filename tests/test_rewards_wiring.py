@@ -12,7 +12,7 @@ from common.config import CommonArgs
 from rewards import Reward
 from rewards.shaping import shape_batch
 from rewards.testing import build_tiny_rm
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 
 def _png_b64() -> str:
@@ -124,9 +124,9 @@ def test_train_sync_on_a_taskset_mixing_every_reward_kind(tmp_path):
     data = _write_jsonl(tmp_path / "mixed.jsonl", mixed_tasks())
     rm = build_tiny_rm(str(tmp_path / "tiny-rm"))
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--steps", "3", "--out-dir", str(out),
-                      "--taskset", data, "--eval-taskset", data, "--tasks-per-step", "6", "--rm-model", rm,
-                      "--length-penalty", "1", "--format-reward", "0.1", timeout=220)
+    proc = run_in_process("train_sync.py", *TINY, "--model", "tiny-vlm", "--steps", "3", "--out-dir", str(out),
+                          "--taskset", data, "--eval-taskset", data, "--tasks-per-step", "6", "--rm-model", rm,
+                          "--length-penalty", "1", "--format-reward", "0.1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=3, model="tiny-vlm")  # a VLM policy: the image tasks are seen
     for r in rows:
@@ -141,8 +141,8 @@ def test_train_sync_on_a_taskset_mixing_every_reward_kind(tmp_path):
 
 def test_rm_tasks_without_a_reward_model_are_a_one_line_error(tmp_path):
     data = _write_jsonl(tmp_path / "rm.jsonl", [t for t in mixed_tasks() if t["reward"] in ("rm", "math")])
-    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--out-dir", str(tmp_path / "r"), "--taskset", data,
-                      "--eval-taskset", data)
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "1", "--out-dir", str(tmp_path / "r"), "--taskset", data,
+                          "--eval-taskset", data)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and "--rm-model" in lines[-1], proc.stderr[-2000:]

@@ -13,7 +13,7 @@ import torch
 from common.runtime.metrics import read_metrics, read_timeline
 from common.weight_sync import weights_hash
 from common.weight_sync.checkpoint import latest_sync_version, load_sync_checkpoint, write_sync_checkpoint
-from tests.conftest import ROOT, TINY, assert_trained, left_of, process_tree, run_script, worker_pid
+from tests.conftest import ROOT, TINY, assert_trained, left_of, process_tree, run_in_process, worker_pid
 
 
 def _syncs(events, process, phases=("sync",)):
@@ -22,7 +22,7 @@ def _syncs(events, process, phases=("sync",)):
 
 def test_offpolicy_trains_every_batch_one_version_behind(tmp_path):
     out = tmp_path / "run"
-    proc = run_script("train_offpolicy.py", *TINY, "--steps", "4", "--out-dir", str(out), "--verify-sync")
+    proc = run_in_process("train_offpolicy.py", *TINY, "--steps", "4", "--out-dir", str(out), "--verify-sync")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=4)
     assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]  # the first batch has nothing older to be
@@ -57,7 +57,7 @@ def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert list((out / "wandb").glob("offline-run-*"))
     else:
-        proc = run_script("train_async.py", *flags)
+        proc = run_in_process("train_async.py", *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if method == "broadcast":
         assert "tandem's decode loop over a static KV cache" in proc.stdout

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 vf = pytest.importorskip("verifiers")
 pytest.importorskip("openenv.core")
@@ -22,9 +22,9 @@ TINY_ENV = "tests.verifiers_tiny_env"
 def test_a_standard_env_trains(taskset, tmp_path):
     # Both tiny environments play two turns and pay the ASCII share of the policy's turns at the end. The random
     # tiny model seldom stops within --max-new-tokens: its cut turns go on, so both turns are played.
-    proc = run_script("train_sync.py", *TINY, "--taskset", taskset, "--steps", "2",
-                      "--truncated-turns", "continue", "--episode-token-budget", "200",
-                      "--out-dir", str(tmp_path / "run"), timeout=240)
+    proc = run_in_process("train_sync.py", *TINY, "--taskset", taskset, "--steps", "2",
+                          "--truncated-turns", "continue", "--episode-token-budget", "200",
+                          "--out-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(tmp_path / "run", steps=2)
     assert all(r["rollout/turns_mean"] == 2 and r["rollout/end/done"] == r["rollout/episodes"] for r in rows), rows

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.runtime.metrics import read_metrics, read_timeline
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 
 def test_default_tiny_command_outputs(tmp_path):
@@ -15,9 +15,9 @@ def test_default_tiny_command_outputs(tmp_path):
     taskset, so that it trains: metrics rows, timeline.png, a loadable final/ folder. The default engine
     (--engine auto, vLLM where it imports) runs in tests/test_vllm_runs.py."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", "--model", "tiny", "--steps", "3", "--engine", "hf", "--taskset", "parity",
-                      "--num-threads", "1",  # two tests run at once on 2 cores: two threads each would preempt
-                      "--out-dir", str(out), timeout=300)
+    proc = run_in_process("train_sync.py", "--model", "tiny", "--steps", "3", "--engine", "hf", "--taskset", "parity",
+                          "--num-threads", "1",  # two tests run at once on 2 cores: two threads each would preempt
+                          "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[0] == "[tandem] sync: rollout engine hf (--engine hf)"
     assert json.loads((out / "config.json").read_text())["engine"] == "hf"
@@ -40,9 +40,9 @@ def test_default_tiny_command_outputs(tmp_path):
 def test_sync_schedule_hashes_and_no_overlap(tmp_path):
     """Also --algo dr_grpo end to end (grpo trains in the default command above, opmd in the resume test below)."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync",
-                      "--algo", "dr_grpo",
-                      "--eval-every", "10")  # evaluations before step 1 and after the last (TINY has none)
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync",
+                          "--algo", "dr_grpo",
+                          "--eval-every", "10")  # evaluations before step 1 and after the last (TINY has none)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=3)
     assert all(r["filter/zero_signal_frac"] < 1 for r in rows)  # the smoke task gives groups a signal
@@ -73,7 +73,7 @@ def test_resume_continues_step_count_optimizer_and_lr_schedule(tmp_path):
     out = tmp_path / "run"
     flags = [*TINY, "--steps", "4", "--lr-scheduler", "linear", "--warmup-steps", "2", "--checkpoint-every", "2",
              "--algo", "opmd", "--out-dir", str(out)]
-    first = run_script("train_sync.py", *flags)
+    first = run_in_process("train_sync.py", *flags)
     assert first.returncode == 0, first.stderr[-3000:]
     straight = [r["lr"] for r in read_metrics(str(out))]
     assert straight == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])  # --lr 1e-3: warm-up 0, 1/2, then 1 -> 0 over 2..4
@@ -84,7 +84,7 @@ def test_resume_continues_step_count_optimizer_and_lr_schedule(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
     rows = (out / "metrics.jsonl").read_text().splitlines()[:2]
     (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    second = run_script("train_sync.py", *flags, "--resume")
+    second = run_in_process("train_sync.py", *flags, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = assert_trained(out, steps=4, skipped=(1,))  # step 1 runs at lr 0 (warm-up): no update to lose
     assert [r["lr"] for r in resumed] == pytest.approx(straight)
@@ -105,14 +105,14 @@ def _one_line_error(proc, *fragments):
 
 
 def test_missing_model_path_is_one_line_error(tmp_path):
-    proc = run_script("train_sync.py", "--model", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "r"))
+    proc = run_in_process("train_sync.py", "--model", str(tmp_path / "nope"), "--out-dir", str(tmp_path / "r"))
     _one_line_error(proc, "--model", "nope")
 
 
 def test_unknown_config_key_is_one_line_error(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("steps: 2\nlearning_rate: 0.1\n")
-    proc = run_script("train_sync.py", "--config", str(cfg), "--model", "tiny", "--out-dir", str(tmp_path / "r"))
+    proc = run_in_process("train_sync.py", "--config", str(cfg), "--model", "tiny", "--out-dir", str(tmp_path / "r"))
     _one_line_error(proc, "learning_rate", str(cfg))
 
 
@@ -129,10 +129,11 @@ def test_config_file_supplies_defaults_and_cli_wins(tmp_path):
 def test_bad_dataset_row_is_one_line_error(tmp_path):
     data = tmp_path / "tasks.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"}\n')
-    proc = run_script("train_sync.py", "--model", "tiny", "--taskset", str(data), "--out-dir", str(tmp_path / "r"))
+    proc = run_in_process("train_sync.py", "--model", "tiny", "--taskset", str(data), "--out-dir", str(tmp_path / "r"))
     _one_line_error(proc, f"{data}:2", "'answer'")
 
 
 def test_impossible_combination_is_one_line_error(tmp_path):
-    proc = run_script("train_sync.py", "--model", "tiny", "--samples-per-task", "1", "--out-dir", str(tmp_path / "r"))
+    proc = run_in_process("train_sync.py", "--model", "tiny", "--samples-per-task", "1", "--out-dir",
+                          str(tmp_path / "r"))
     _one_line_error(proc, "--samples-per-task")

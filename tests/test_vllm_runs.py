@@ -11,7 +11,7 @@ import pytest
 
 from common.explorer.engine_vllm import vllm_available
 from common.runtime.metrics import read_metrics, read_timeline
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process, run_script
 from tests.test_workflows_runs import MIXED, check_episodes
 
 ok, why = vllm_available()
@@ -36,8 +36,8 @@ def test_vllm_engine_trains_mixed_turns_and_holds_the_trainers_weights(tmp_path,
     # train_async.py streams groups as they end: with as many in flight as a batch holds, each batch is the groups
     # started for it, guess_number's several-turn episodes included (else the one-turn ones overtake them).
     streaming = ["--inflight-groups", "4"] if script == "train_async.py" else []
-    proc = run_script(script, *TINY, *MIXED, "--engine", engine, "--vllm-kv-cache-gb", "0.25", "--steps", "2",
-                      "--sync-method", method, "--verify-sync", "--out-dir", str(out), *streaming, timeout=500)
+    proc = run_in_process(script, *TINY, *MIXED, "--engine", engine, "--vllm-kv-cache-gb", "0.25", "--steps", "2",
+                          "--sync-method", method, "--verify-sync", "--out-dir", str(out), *streaming)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if engine == "auto":
         assert proc.stdout.splitlines()[0] == f"[tandem] sync: rollout engine vllm (--engine auto: vLLM {why} imports)"
@@ -74,7 +74,7 @@ def test_engine_vllm_without_vllm_is_a_one_line_error(tmp_path):
 
 
 def test_engine_must_be_auto_hf_or_vllm(tmp_path):
-    proc = run_script("train_sync.py", *TINY, "--engine", "sglang", "--out-dir", str(tmp_path / "run"), timeout=60)
+    proc = run_in_process("train_sync.py", *TINY, "--engine", "sglang", "--out-dir", str(tmp_path / "run"))
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == \
         "error: --engine 'sglang': not one of auto, hf, vllm"
 

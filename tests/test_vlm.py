@@ -11,11 +11,10 @@ from common.experience import Experience, RolloutBatch, collate
 from common.explorer.engine import HFEngine, SamplingConfig
 from common.model import load_model, load_tokenizer
 from common.trainer.forward import sequence_logprobs
-from common.runtime.metrics import read_metrics
 from common.tasks import build_tasksets
 from common.vlm import image_prompt, load_processor
 from rewards.vision import load_images
-from conftest import TINY, assert_trained, run_script
+from conftest import TINY, assert_trained, run_in_process
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +115,8 @@ def test_every_schedule_trains_the_vlm(tmp_path, script):
     taskset, extra = parity_on_images(tmp_path / "t.jsonl"), []
     if script == "train_sync.py":
         taskset, extra = f"shapes+{taskset}", ["--eval-every", "1"]
-    proc = run_script(script, *TINY, "--model", "tiny-vlm", "--taskset", taskset, "--steps", "2",
-                      "--out-dir", str(out), "--verify-sync", *extra)
+    proc = run_in_process(script, *TINY, "--model", "tiny-vlm", "--taskset", taskset, "--steps", "2",
+                          "--out-dir", str(out), "--verify-sync", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2, model="tiny-vlm")
     assert all(r["rollout/image_tokens_mean"] > 0 and r["reward/failed"] == 0 for r in rows)
@@ -154,9 +153,9 @@ def test_freeze_vision_keeps_the_tower(tmp_path):
     """--freeze vision: the language model learns, the tower stays as built and is left out of the weight sync
     (--verify-sync: the explorer's synced weights hash as the trainer's)."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset",
-                      parity_on_images(tmp_path / "t.jsonl"), "--steps", "1", "--out-dir", str(out), "--freeze",
-                      "vision", "--verify-sync")
+    proc = run_in_process("train_sync.py", *TINY, "--model", "tiny-vlm", "--taskset",
+                          parity_on_images(tmp_path / "t.jsonl"), "--steps", "1", "--out-dir", str(out), "--freeze",
+                          "vision", "--verify-sync")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trained(out, steps=1, model="tiny-vlm")  # the language model learned
     final, initial = load_model(str(out / "final")), load_model("tiny-vlm")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from common.runtime.metrics import read_metrics
-from tests.conftest import TINY, assert_trained, run_script
+from tests.conftest import TINY, assert_trained, run_in_process
 
 # A reward signal the random tiny model gets (no entropy bonus: it would make every step "train" on no signal):
 # parity scores every response by a share of its characters, and --format-reward scores each guess_number turn
@@ -33,7 +33,7 @@ def check_episodes(out, steps=2):
 @pytest.mark.parametrize("script", ["train_sync.py", "train_offpolicy.py"])
 def test_mixed_single_and_multi_turn_trains_with_hf(tmp_path, script):
     out = tmp_path / "run"
-    proc = run_script(script, *TINY, *MIXED, "--steps", "2", "--out-dir", str(out), timeout=400)
+    proc = run_in_process(script, *TINY, *MIXED, "--steps", "2", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_episodes(out)
 
@@ -47,13 +47,13 @@ def test_jsonl_rows_pick_their_env(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, *SIGNAL, "--taskset", str(path), "--max-turns", "3", "--steps", "2",
-                      "--out-dir", str(out), timeout=400)
+    proc = run_in_process("train_sync.py", *TINY, *SIGNAL, "--taskset", str(path), "--max-turns", "3", "--steps", "2",
+                          "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_episodes(out)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"env": "chess"}) + "\n")
-    proc = run_script("train_sync.py", *TINY, "--taskset", str(bad), "--out-dir", str(tmp_path / "r2"), timeout=60)
+    proc = run_in_process("train_sync.py", *TINY, "--taskset", str(bad), "--out-dir", str(tmp_path / "r2"))
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: {bad}:1: unknown env 'chess' (one of ")
 
@@ -63,8 +63,8 @@ def test_mixed_taskset_streams_with_ppo_data_parallel(tmp_path):
     """PPO (GAE over the sampled tokens only) in the asynchronous schedule, two data-parallel trainers and the
     streaming explorer with episodes; the critic is in each step checkpoint, not in final/."""
     out = tmp_path / "run"
-    proc = run_script("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
-                      "--checkpoint-every", "1", "--steps", "2", "--out-dir", str(out), timeout=500)
+    proc = run_in_process("train_async.py", *TINY, *MIXED, "--algo", "ppo", "--trainer-devices", "cpu,cpu",
+                          "--checkpoint-every", "1", "--steps", "2", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_episodes(out)
     assert all("value_loss" in r and "value/explained_var" in r for r in read_metrics(str(out)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import secrets
 import threading
 import time
@@ -360,14 +361,15 @@ class Endpoint:
         return response
 
 
-_ENDPOINT: Endpoint | None = None
+_ENDPOINT: tuple[int, Endpoint] | None = None  # (the process it serves, the endpoint)
 _LOCK = threading.Lock()
 
 
 def endpoint() -> Endpoint:
-    """This process's endpoint (one explorer per process), started on first use."""
+    """This process's endpoint (one explorer per process), started on first use. A process forked from one that
+    had started it starts its own: the serving thread stayed in the parent."""
     global _ENDPOINT
     with _LOCK:
-        if _ENDPOINT is None:
-            _ENDPOINT = Endpoint()
-        return _ENDPOINT
+        if _ENDPOINT is None or _ENDPOINT[0] != os.getpid():
+            _ENDPOINT = os.getpid(), Endpoint()
+        return _ENDPOINT[1]

@@ -33,9 +33,10 @@ FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.tr
 _forkserver_env: dict[str, str] | None = None  # this process's environment when the forkserver started
 FORKSERVER_PYTHONS = {(3, 11)}
 """The Python versions the forked server was checked on: `start_forkserver` sets multiprocessing's forkserver client
-state (the address, alive fd and pid `ForkServer.ensure_running` sets after spawning a server) and `_forked_rank`
-resets two pieces of CPython's private state (multiprocessing's resource tracker, atexit's handlers) that another
-version may hold differently. Elsewhere every rank is a fresh interpreter, as on a GPU."""
+state (the address, alive fd and pid `ForkServer.ensure_running` sets after spawning a server; `stop_forkserver`
+clears it with `ForkServer._stop`) and `_forked_rank` resets two pieces of CPython's private state
+(multiprocessing's resource tracker, atexit's handlers) that another version may hold differently. Elsewhere every
+rank is a fresh interpreter, as on a GPU."""
 
 
 def start_forkserver(devices: list[str]) -> bool:
@@ -94,15 +95,19 @@ def start_forkserver(devices: list[str]) -> bool:
 def stop_forkserver() -> None:
     """End the forkserver at once, if this process started one: left to itself it waits for every process that
     holds its alive pipe (a worker's own children may), holding the run's stdout open. Its workers are processes of
-    their own and have ended or been stopped by then."""
+    their own and have ended or been stopped by then. A later launch in this process forks a new one."""
+    global _forkserver_env
     from multiprocessing import forkserver
 
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if _forkserver_env is not None and pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    server = forkserver._forkserver
+    if _forkserver_env is None or server._forkserver_pid is None:
+        return
+    try:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()  # multiprocessing's own: closes the alive pipe, reaps the server, removes its socket
+    _forkserver_env = None
 
 
 def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> None:
