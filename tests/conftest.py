@@ -33,8 +33,8 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
 
 
 def run_in_process(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python script *args` as run_script runs it (cwd the repository, `env` added to the environment, stdout and
-    stderr read back, the exit code), but by this process: the entry script's `main()` as common/run.py's
+    """`python script *args` as run_script runs it (cwd the repository, `env` added to the environment, a None value
+    unsetting the variable, stdout and stderr read back, the exit code), but by this process: the entry script's `main()` as common/run.py's
     `run_entry` runs it, its workers forked from a forkserver forked from this process, which has torch and
     transformers imported already (a fresh interpreter's imports are ~4 CPU-s of a tiny run's ~6). The output is
     taken at the descriptors, which the forkserver and so the workers inherit. For tests of what the run computes;
@@ -58,7 +58,11 @@ def run_in_process(script: str, *args: str, env: dict | None = None) -> subproce
         sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
                                   for fd in (1, 2))
         try:
-            os.environ.update(env or {})
+            for name, value in (env or {}).items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             os.chdir(ROOT)
             sys.argv = [os.path.join(ROOT, script), *args]
             try:
@@ -290,13 +294,15 @@ def assert_trained(out_dir, steps: int | None = None, weights_changed: bool = Tr
     return rows
 
 
-# The files whose tests take longest (each starts vLLM or several training runs), longest first, by the per-test
-# durations of a full `make test` (pytest --durations): the files not listed take a few seconds each.
-SLOW_FILES = ["test_readme.py", "test_multinode.py", "test_vllm_runs.py", "test_faults.py", "test_agents.py",
-              "test_train_sync.py", "test_recipes.py", "test_workflows_runs.py", "test_schedules.py", "test_vlm.py",
-              "test_data_parallel.py", "test_launcher.py", "test_researcher_day.py", "test_engine_vllm.py",
-              "test_algos.py", "test_fsdp.py", "test_weight_sync_methods.py", "test_replay.py", "test_agent_endpoint.py",
-              "test_lora.py", "test_standard_envs.py", "test_http_env.py"]
+# The files whose tests take longest (vLLM, torchrun, processes killed and restarted), longest first, by the sum of
+# their tests' durations in a full `make test` (pytest --durations): the files not listed take a few seconds each.
+SLOW_FILES = ["test_multinode.py", "test_vllm_runs.py", "test_readme.py", "test_faults.py", "test_engine_vllm.py",
+              "test_launcher.py", "test_schedules.py", "test_standard_envs.py", "test_reward_hacking.py",
+              "test_env_boundary.py", "test_agent_endpoint.py", "test_vlm.py", "test_recipes.py", "test_researcher_day.py",
+              "test_fsdp.py", "test_agents.py", "test_workflows_runs.py", "test_weight_sync_methods.py",
+              "test_train_sync.py", "test_data_parallel.py", "test_rewards_rm.py", "test_sandbox.py", "test_engine_hf.py",
+              "test_rewards_wiring.py", "test_algos.py", "test_bad_inputs.py", "test_fake_device.py", "test_cores.py",
+              "test_http_env.py", "test_lora.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -15,7 +15,7 @@ import pytest
 
 from common.trainer.checkpoints import step_checkpoints, verify
 from common.runtime.metrics import read_metrics, rewind_metrics, wandb_offline_steps
-from tests.conftest import ROOT, TINY, assert_trained, left_of, process_tree, run_script, worker_pid
+from tests.conftest import ROOT, TINY, assert_trained, left_of, process_tree, run_in_process, worker_pid
 
 
 def _steps(out) -> list[int]:
@@ -69,7 +69,7 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
     last_checkpoint = max(s for s, _ in step_checkpoints(str(out)))
     assert last_checkpoint < before[-1], "the kill must leave metrics rows after the newest checkpoint"
 
-    resumed = run_script("train_sync.py", "--out-dir", str(out), "--resume", timeout=600, env=env)
+    resumed = run_in_process("train_sync.py", "--out-dir", str(out), "--resume", env={"WANDB_API_KEY": None})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -92,7 +92,8 @@ def test_kill9_trainer_then_resume_with_no_flags_gives_every_step_once(tmp_path)
     weights = out / "checkpoints" / "step_4" / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
-    again = run_script("train_sync.py", "--out-dir", str(out), "--resume", "--steps", "6", timeout=600, env=env)
+    again = run_in_process("train_sync.py", "--out-dir", str(out), "--resume", "--steps", "6",
+                           env={"WANDB_API_KEY": None})
     assert again.returncode == 0, again.stderr[-3000:]
     warnings = [line for line in again.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and str(weights) in warnings[0] and "truncated" in warnings[0], again.stderr[-2000:]
@@ -120,8 +121,8 @@ def test_full_disk_is_one_line_error_and_nothing_is_lost(tmp_path):
     _mount_tmpfs(disk, "4m")
     try:
         out = disk / "run"
-        proc = run_script("train_sync.py", *TINY, "--steps", "6", "--checkpoint-every", "1", "--keep-checkpoints", "0",
-                          "--out-dir", str(out), timeout=600)
+        proc = run_in_process("train_sync.py", *TINY, "--steps", "6", "--checkpoint-every", "1", "--keep-checkpoints",
+                              "0", "--out-dir", str(out))
         assert proc.returncode != 0
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
@@ -132,14 +133,13 @@ def test_full_disk_is_one_line_error_and_nothing_is_lost(tmp_path):
         assert not _leftovers(out)
 
         timeline = (out / "timeline" / "trainer0.jsonl").read_text()
-        again = run_script("train_sync.py", "--out-dir", str(out), "--resume", timeout=600)
+        again = run_in_process("train_sync.py", "--out-dir", str(out), "--resume")
         assert again.returncode != 0 and "Traceback" not in again.stderr
         assert again.stderr.strip().splitlines()[-1].startswith("error: no space for the next checkpoint")
         assert (out / "timeline" / "trainer0.jsonl").read_text() == timeline  # no worker started
 
         subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
-        resumed = run_script("train_sync.py", "--out-dir", str(out), "--resume", "--keep-checkpoints", "2",
-                             timeout=600)
+        resumed = run_in_process("train_sync.py", "--out-dir", str(out), "--resume", "--keep-checkpoints", "2")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert _steps(out) == [1, 2, 3, 4, 5, 6]
         assert _checkpoints(out) == ["step_5", "step_6"]
@@ -212,8 +212,8 @@ def slow_parity(response: str, task: dict) -> float:
 
 def test_trainer_says_which_explorer_it_waits_for(tmp_path):
     """End to end: with --stall-log-s 0.2 the trainer's wait for the explorer's first batch is logged, naming it."""
-    proc = run_script("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.2", "--out-dir", str(tmp_path / "run"),
-                      "--reward-fn", "tests.test_faults:slow_parity", timeout=600)
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "1", "--stall-log-s", "0.2", "--out-dir",
+                          str(tmp_path / "run"), "--reward-fn", "tests.test_faults:slow_parity")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_trained(tmp_path / "run", steps=1)  # the slow reward still scores: a real policy-gradient step
     stalls = [line for line in proc.stderr.splitlines() if "no experience for" in line]
