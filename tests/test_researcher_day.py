@@ -102,10 +102,9 @@ def test_samples_wandb_table_plot_trace_and_no_eval(tmp_path):
     """--eval-every 0 (TINY) runs no evaluation at all; completions land in samples.jsonl and a W&B table (offline
     --track with a run name and tags); reward.png, timeline.trace.json are written."""
     out = tmp_path / "run"
-    proc = run_script("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--log-samples-every", "2",
-                      "--log-samples", "2", "--track", "--run-name", "day-one", "--wandb-tags", "tiny", "test",
-                      "--plots", env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_SILENT": "true"},
-                      timeout=240)
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "3", "--out-dir", str(out), "--log-samples-every", "2",
+                          "--log-samples", "2", "--track", "--run-name", "day-one", "--wandb-tags", "tiny", "test",
+                          "--plots", env={"WANDB_MODE": "offline", "WANDB_API_KEY": "", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(str(out))
     assert any(r["loss"] != 0 for r in rows) and any(r["grad_norm"] > 0 for r in rows)  # it trained
