@@ -59,6 +59,41 @@ def test_failing_worker_stops_run_with_traceback_and_no_leftovers(tmp_path):
     shutil.rmtree(kept)
 
 
+def made_before_the_fork(ctx, *paths):
+    """A forked worker: the launcher's temporary folders are there while it runs; it makes one of its own, which
+    its exit removes."""
+    import atexit
+    import tempfile
+
+    assert all(os.path.isdir(p) for p in paths)
+    own = tempfile.TemporaryDirectory(dir=paths[0])
+    atexit.register(lambda: open(own.name + ".exited", "w").close())
+
+
+def test_forked_workers_run_only_their_own_exit_handlers_and_finalizers():
+    """Two temporary folders the launcher made before its forkserver forked, one removed by its finalizer, one by an
+    exit handler (as wandb makes and registers its media folder when imported), outlive the forked workers' exits;
+    what a worker registers itself runs at its exit, as in a fresh interpreter."""
+    import atexit
+    import tempfile
+
+    from common.runtime.launcher import run_function, stop_forkserver
+
+    stop_forkserver()  # a server forked before the folders existed would not have their handlers
+    by_finalizer, by_handler = tempfile.TemporaryDirectory(), tempfile.TemporaryDirectory()
+    atexit.register(by_handler.cleanup)
+    try:
+        run_function("tests.test_launcher:made_before_the_fork", 1, 1, by_finalizer.name, by_handler.name)
+        assert os.path.isdir(by_finalizer.name) and os.path.isdir(by_handler.name), \
+            "a worker's exit removed the launcher's temporary folder"
+        left = os.listdir(by_finalizer.name)
+        assert len(left) == 2 and all(name.endswith(".exited") for name in left), left  # their own folders gone
+    finally:
+        stop_forkserver()
+        atexit.unregister(by_handler.cleanup)
+        by_finalizer.cleanup(), by_handler.cleanup()
+
+
 def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):
     """torchrun with 3 ranks for a 1 trainer + 1 explorer configuration: each rank says so in one line, before any
     model loads (no timeline file is written)."""

@@ -34,8 +34,9 @@ _forkserver_env: dict[str, str] | None = None  # this process's environment when
 FORKSERVER_PYTHONS = {(3, 11)}
 """The Python versions the forked server was checked on: `start_forkserver` sets multiprocessing's forkserver client
 state (the address, alive fd and pid `ForkServer.ensure_running` sets after spawning a server; `stop_forkserver`
-clears it with `ForkServer._stop`) and `_forked_rank` resets two pieces of CPython's private state
-(multiprocessing's resource tracker, atexit's handlers) that another version may hold differently. Elsewhere every
+clears it with `ForkServer._stop`) and `_forked_rank` resets three pieces of CPython's private state
+(multiprocessing's resource tracker, weakref's finalizers, atexit's handlers) that another version may hold
+differently. Elsewhere every
 rank is a fresh interpreter, as on a GPU."""
 
 
@@ -119,6 +120,7 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
     import io
     import multiprocessing
     import runpy
+    import weakref
     from multiprocessing import resource_tracker
 
     os.setsid()  # as torch elastic starts binary workers: a session of their own (Ctrl-C reaches the launcher only)
@@ -136,6 +138,14 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
         os.close(tracker._fd)
         tracker._fd = tracker._pid = None
     multiprocessing.set_start_method(None, force=True)  # the platform's default, not the launcher's forkserver
+    # The exit handlers and finalizers registered before the fork (wandb's media folder, made and registered for
+    # removal when it is imported) are the launcher's: run at this worker's exit they would delete what the launcher
+    # and the other workers still use. The worker runs those it registers itself at its exit (below), as a fresh
+    # interpreter would; multiprocessing's own exit function runs as for any of its children.
+    atexit._clear()
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.detach()
+    weakref.finalize._registered_with_atexit = False  # the worker's first finalizer registers weakref's again
     for name in unset:
         os.environ.pop(name, None)
     os.environ.update(env)
