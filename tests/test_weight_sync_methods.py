@@ -110,7 +110,10 @@ class Watched:
 def race(ctx, out_dir):
     """The trainer writes versions back to back while the explorer takes whatever is published (as between decode
     steps, a few milliseconds apart): every version taken must be whole (each tensor filled with its version
-    number), never half-written; and takes that found a version being written were refused (counted)."""
+    number), never half-written; and takes that found a version being written were refused (counted). The trainer
+    writes from the explorer's first take until the explorer has taken 10 versions and met a write (or 30 s)."""
+    from datetime import timedelta
+
     from common.runtime.metrics import Timeline
     from common.weight_sync import make_weight_sync
 
@@ -118,20 +121,26 @@ def race(ctx, out_dir):
     args.verify_sync = False  # the load itself checks
     engine = _Buffers()
     weights = make_weight_sync(args, ctx, Timeline(out_dir, ctx.name), engine if ctx.role == "explorer" else None)
-    last = 40
     if ctx.role == "trainer":
         named = [(n, torch.empty_like(t)) for n, t in engine.buffers]
-        for version in range(last + 1):
+        version, deadline = 0, time.time() + 60
+        while (version < 2 or not ctx.store.check(["race-done"])) and time.time() < deadline:
             for _, t in named:
                 t.fill_(version)
             weights.push(named, version, version)
+            if version == 0:  # the explorer takes it, then the race starts
+                ctx.store.wait(["race-ready"], timedelta(seconds=60))
+            version += 1
         return
     weights.writing = Watched(weights.writing)  # the explorer reads the flag only inside a take, to refuse it
     taken = [weights.pull(0)]
-    while taken[-1] < last:
+    ctx.store.set("race-ready", "1")
+    deadline = time.time() + 30
+    while (len(taken) < 10 or not weights.writing.seen_set) and time.time() < deadline:
         if weights.poll(0):
             taken.append(weights.version)
             time.sleep(0.005)  # a decode step: the trainer publishes meanwhile, and may be writing when it ends
+    ctx.store.set("race-done", "1")
     with open(os.path.join(out_dir, "race.json"), "w") as f:
         json.dump({"taken": taken, "torn": engine.torn, "refused": weights.writing.seen_set}, f)
 
