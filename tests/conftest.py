@@ -33,13 +33,13 @@ def run_script(script: str, *args: str, timeout: float = 240, env: dict | None =
 
 
 def run_in_process(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python script *args` as run_script runs it (cwd the repository, `env` added to the environment, a None value
-    unsetting the variable, stdout and stderr read back, the exit code), but by this process: the entry script's `main()` as common/run.py's
-    `run_entry` runs it, its workers forked from a forkserver forked from this process, which has torch and
-    transformers imported already (a fresh interpreter's imports are ~4 CPU-s of a tiny run's ~6). The output is
-    taken at the descriptors, which the forkserver and so the workers inherit. For tests of what the run computes;
-    tests of a process's own behaviour (signals, kill -9, its exit, its imports) use run_script. Bounded by the
-    test's timeout (pytest.ini)."""
+    """`python script *args` as run_script runs it (cwd the repository, `env` added to the environment, a None
+    value unsetting the variable, stdout and stderr read back, the exit code), but by this process: the entry
+    script's `main()` as common/run.py's `run_entry` runs it, its workers forked from a forkserver forked from this
+    process, which has torch and transformers imported already (a fresh interpreter's imports are ~4 CPU-s of a tiny
+    run's ~6). The output is taken at the descriptors, which the forkserver and so the workers inherit. For tests of
+    what the run computes; tests of a process's own behaviour (signals, kill -9, its exit, what it reads when it
+    starts) use run_script. Bounded by the test's timeout (pytest.ini)."""
     import importlib
     import io
     import signal
@@ -53,8 +53,10 @@ def run_in_process(script: str, *args: str, env: dict | None = None) -> subproce
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     fds = os.dup(1), os.dup(2)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
         sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True)
                                   for fd in (1, 2))
         try:
@@ -71,8 +73,9 @@ def run_in_process(script: str, *args: str, env: dict | None = None) -> subproce
                 traceback.print_exc()
                 code = 1
         finally:
-            os.dup2(fds[0], 1), os.dup2(fds[1], 2)
-            os.close(fds[0]), os.close(fds[1])
+            for fd, saved_fd in ((1, fds[0]), (2, fds[1])):
+                os.dup2(saved_fd, fd)
+                os.close(saved_fd)
             os.environ.clear()
             os.environ.update(saved[0])
             os.chdir(saved[1])
@@ -80,7 +83,8 @@ def run_in_process(script: str, *args: str, env: dict | None = None) -> subproce
             torch.set_num_threads(saved[5])
             for number, handler in handlers.items():  # torch elastic's agent installed its own
                 signal.signal(number, handler)
-        out.seek(0), err.seek(0)
+        out.seek(0)
+        err.seek(0)
         return subprocess.CompletedProcess([script, *args], code, out.read().decode(errors="replace"),
                                            err.read().decode(errors="replace"))
 

@@ -36,8 +36,7 @@ FORKSERVER_PYTHONS = {(3, 11)}
 state (the address, alive fd and pid `ForkServer.ensure_running` sets after spawning a server; `stop_forkserver`
 clears it with `ForkServer._stop`) and `_forked_rank` resets three pieces of CPython's private state
 (multiprocessing's resource tracker, weakref's finalizers, atexit's handlers) that another version may hold
-differently. Elsewhere every
-rank is a fresh interpreter, as on a GPU."""
+differently. Elsewhere every rank is a fresh interpreter, as on a GPU."""
 
 
 def start_forkserver(devices: list[str]) -> bool:
