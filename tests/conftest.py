@@ -46,9 +46,7 @@ def run_in_process(script: str, *args: str, env: dict | None = None) -> subproce
     import tempfile
 
     from common.run import exit_code
-    from common.runtime.launcher import stop_forkserver
 
-    stop_forkserver()  # one left by run_function: its workers would write to that test's descriptors
     saved = dict(os.environ), os.getcwd(), sys.argv, sys.stdout, sys.stderr, torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     fds = os.dup(1), os.dup(2)

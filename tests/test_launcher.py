@@ -79,7 +79,6 @@ def test_forked_workers_run_only_their_own_exit_handlers_and_finalizers():
 
     from common.runtime.launcher import run_function, stop_forkserver
 
-    stop_forkserver()  # a server forked before the folders existed would not have their handlers
     by_finalizer, by_handler = tempfile.TemporaryDirectory(), tempfile.TemporaryDirectory()
     atexit.register(by_handler.cleanup)
     try:

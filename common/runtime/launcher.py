@@ -54,9 +54,9 @@ def start_forkserver(devices: list[str]) -> bool:
 
     if any(d != "cpu" for d in devices) or torch.cuda.is_available() or sys.version_info[:2] not in FORKSERVER_PYTHONS:
         return False
+    stop_forkserver()  # one an earlier launch in this process left (tests launch in theirs) holds that launch's
+    # descriptors and state: this launch forks its own
     server = forkserver._forkserver
-    if server._forkserver_pid is not None and not os.waitpid(server._forkserver_pid, os.WNOHANG)[0]:
-        return True  # started by an earlier launch in this process (tests call main() in theirs), still serving
     for name in FORKSERVER_PRELOAD:
         importlib.import_module(name)
     resource_tracker.ensure_running()  # the server and its workers inherit this process's tracker, as a spawned
