@@ -96,16 +96,23 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
     evaluates = ctx.index == 0  # one explorer measures held-out accuracy for the run
     undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
     sent = 0  # batches put in the queue
+
+    def evaluated(wait: bool = False):  # the evaluation in flight, once scored, goes to the trainer
+        metrics = stream.take_evaluation(wait)
+        if metrics is not None:
+            control.send("eval", metrics, ctx.index)
+
     while not stop.is_set():
         if evaluates and any(explorer.eval_due(s) for s in range(undecided, explorer.version + 2)):
-            control.send("eval", explorer.evaluate(sent), ctx.index)
+            stream.start_evaluation(sent)  # its requests join the groups' running batch
         undecided = explorer.version + 2
         stream.start_groups()  # up to --inflight-groups generating
         stream.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
-        if args.mid_generation_updates or not explorer.in_flight.workflows:  # between two engine steps, or idle:
-            explorer.poll(sent)  # the admission window may wait for the next weights
+        evaluated()
         batch = stream.take_batch()  # --tasks-per-step groups, once that many are scored
-        if batch is None:
+        if batch is None:  # weights between two engine steps, or when idle (a batch being scored goes out first)
+            if args.mid_generation_updates or not (explorer.in_flight.workflows or stream.scoring):
+                explorer.poll(sent)  # the admission window may wait for them
             if stream.past_the_end():  # the trainer may have dropped a batch whole since: it then needs one more
                 stream.redo = int(ctx.store.add(REDO_KEY, 0))
             continue
@@ -114,9 +121,10 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             cores.narrow(explorer.engine)
         with timeline.phase("wait", put=f"{ctx.index}-{sent}"):  # blocks only while the queue is full
             put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, explorer,
-                               args)
+                               args, evaluated)
         explorer.poll(sent)
     stream.stop()  # groups still in flight are given up (a resumed run starts them again)
+    evaluated(wait=True)  # an evaluation in flight ends with the weights it started with
     explorer.take_final(sent)  # every send still owed, up to the trainer's final weights
     cores.widen(explorer.engine)  # the trainer has finished: the final evaluation takes its cores too
     if evaluates:
@@ -124,18 +132,18 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
     explorer.close()
 
 
-def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, explorer: Explorer, args: Args):
-    """Put with backpressure; give the batch up once the trainer has finished (it will never be trained).
-
-    While the queue is full the trainer may be waiting for this explorer to join a weight broadcast (it is one
-    collective for all explorers), so a pending one is taken here; the batch keeps the versions it was made with.
-    """
+def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, explorer: Explorer, args: Args, evaluated):
+    """Put with backpressure; give the batch up once the trainer has finished (it will never be trained). While the
+    queue is full the trainer may be waiting for this explorer to join a weight broadcast (one collective for all
+    explorers), so a pending one is taken here, once an evaluation in flight (which holds the weights) has ended;
+    the batch keeps the versions it was made with."""
     for _ in range(int(args.timeout_s / 0.5)):
         if stop.is_set():
             return
         try:
             return queue.put(item, timeout=0.5)
         except TimeoutError:
+            evaluated(wait=True)
             explorer.poll(item.step)
     raise TimeoutError(f"explorer: experience queue stayed full for {args.timeout_s:.0f}s (trainer stalled?)")
 
@@ -161,6 +169,8 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
                 if ctx.rank == 0:
                     ctx.store.add(REDO_KEY, 1)  # one batch more than the explorers planned (common/explorer/streaming.py)
                 continue
+            if run.step + 1 == args.steps:  # the last step: explorers have nothing left to make, their cores are ours
+                cores.widen()
             run.log(batch, run.train(batch, run.step + 1))
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up
                 weights.push(run.trainer.named_weights(), run.trainer.version, run.step, wait=False)

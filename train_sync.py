@@ -23,6 +23,7 @@ from common.cli import parse_args
 from common.config import CommonArgs
 from common.knobs import ConfigError
 from common.runtime.channel import Mailbox
+from common.runtime import cores
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
@@ -67,6 +68,8 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         while run.step < args.steps:
             step = run.step + 1
             batch = run.get(queue)
+            if step == args.steps:  # train_offpolicy.py's explorer now waits for the final weights: its cores are ours
+                cores.widen()  # (train_sync.py's workers take turns on every core: nothing to widen)
             run.log(batch, run.train(batch, step))
             weights.push(run.trainer.named_weights(), run.trainer.version, step)
         run.finish()  # waits for the final evaluation on the control channel

@@ -191,7 +191,7 @@ def main():
         from common.weight_sync.checkpoint import write_sync_checkpoint
 
         start = time.perf_counter()
-        engine = VLLMEngine(path, tokenizer=tokenizer, dtype="float32", kv_cache_gb=1.0,
+        engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, kv_cache_gb=1.0,
                             **({"block_size": args.block_size} if args.block_size else {}))
         startup = time.perf_counter() - start
         results["vllm"] = timed_generate(engine, prompts, sampling, args.repeats,

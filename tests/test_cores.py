@@ -17,20 +17,21 @@ ASYNC = [("trainer0", "trainer", "cpu"), ("explorer0", "explorer", "cpu")]
 
 def test_concurrent_cpu_workers_split_the_cores():
     shares = plan_cores(ASYNC, together=True, available=[0, 1])
-    assert shares == {"trainer0": CoreShare((0,), 1, True),
+    assert shares == {"trainer0": CoreShare((0,), 1, True, wide=CoreShare((0, 1), 2, True)),
                       "explorer0": CoreShare((1,), 1, True, wide=CoreShare((0, 1), 2, True))}
-    assert describe(shares) == ("trainer0 cores 0, 1 thread; explorer0 cores 1, 1 thread (cores 0,1, 2 threads while "
-                                "the trainers wait)")
+    assert describe(shares) == ("trainer0 cores 0, 1 thread (cores 0,1, 2 threads for the last step); explorer0 "
+                                "cores 1, 1 thread (cores 0,1, 2 threads while the trainers wait)")
     eight = plan_cores([*ASYNC, ("explorer1", "explorer", "cpu")], together=True, available=list(range(8)))
     assert [s.cores for s in eight.values()] == [(0, 1, 2), (3, 4, 5), (6, 7)]
     assert [s.threads for s in eight.values()] == [3, 3, 2]
-    # while the trainer waits its cores go to the explorers, divided as the split divides
-    assert eight["trainer0"].wide is None
+    # while the trainer waits its cores go to the explorers, divided as the split divides; for its last step the
+    # explorers' go to it
+    assert eight["trainer0"].wide == CoreShare(tuple(range(8)), 8, True)
     assert [eight[e].wide for e in ("explorer0", "explorer1")] == [CoreShare((0, 1, 3, 4, 5), 5, True),
                                                                    CoreShare((2, 6, 7), 3, True)]
-    assert describe(eight) == ("trainer0 cores 0-2, 3 threads; explorer0 cores 3-5, 3 threads (cores 0,1,3,4,5, "
-                               "5 threads while the trainers wait); explorer1 cores 6,7, 2 threads (cores 2,6,7, "
-                               "3 threads while the trainers wait)")
+    assert describe(eight) == ("trainer0 cores 0-2, 3 threads (cores 0-7, 8 threads for the last step); explorer0 "
+                               "cores 3-5, 3 threads (cores 0,1,3,4,5, 5 threads while the trainers wait); explorer1 "
+                               "cores 6,7, 2 threads (cores 2,6,7, 3 threads while the trainers wait)")
 
 
 def test_workers_that_take_turns_or_compute_on_a_gpu_keep_every_core():
@@ -52,7 +53,8 @@ def test_overrides_and_more_workers_than_cores():
     assert all(s == CoreShare((0, 1, 2, 3), 2, False) for s in unbound.values())
     crowded = plan_cores([*ASYNC, ("explorer1", "explorer", "cpu")], together=True, available=[0, 1])
     assert [s.cores for s in crowded.values()] == [(0,), (1,), (0,)]
-    assert all(s.wide is None for s in crowded.values())  # no core is the trainer's alone: none to lend
+    assert crowded["explorer0"].wide is crowded["explorer1"].wide is None  # no core is the trainer's alone
+    assert crowded["trainer0"].wide == CoreShare((0, 1), 2, True)  # explorer0's is: its last step takes it
     assert describe(crowded).endswith("(more CPU workers than cores: some share one)")
 
 
@@ -83,7 +85,8 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     """A real train_async.py run: while it trains, its trainer and explorer processes are bound to the cores the
     plan gives them (disjoint), and the run's first lines print that plan. Before its first batch the explorer
     computes alone: every thread of it then runs on the trainer's cores too, as many threads as cores (the plan's
-    `wide`), until it hands that batch over."""
+    `wide`), until it hands that batch over. The trainer's last step (the explorer has nothing left to make) takes
+    the explorer's cores too."""
     available = sorted(os.sched_getaffinity(0))
     expected = plan_cores(ASYNC, together=True, available=available)
     assert not set(expected["trainer0"].cores) & set(expected["explorer0"].cores)
@@ -114,6 +117,7 @@ def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
     assert f"[tandem] cores: {describe(expected)}" in out
     assert {expected["trainer0"].cores} in seen["trainer0"]
     assert all(expected["explorer0"].cores not in s for s in seen["trainer0"]), seen
+    assert seen["trainer0"][-1] == {expected["trainer0"].wide.cores}, seen  # from its last step on
     # The rank binds itself to its own cores as it starts and widens at once, before it records anything (the poll
     # often finds the process after both); it narrows to its own as it hands its first batch over, and widens for
     # the final evaluation

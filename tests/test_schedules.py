@@ -1,6 +1,7 @@
 """Schedules (b), (c), (d) with the tiny model, checked from the recorded timeline; staleness; checkpoint sync
 atomicity; a killed explorer stops the run; torchrun launches and W&B offline tracking."""
 
+import json
 import os
 import signal
 import subprocess
@@ -43,11 +44,12 @@ def test_offpolicy_trains_every_batch_one_version_behind(tmp_path):
 def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method):
     """The checkpoint run also logs to W&B offline with --track when no API key is set (the same run under
     `torchrun --nproc-per-node 2`: the README's command, tests/test_readme.py). The broadcast run's HF engine streams
-    through the slots of its static KV cache (the CUDA default), weights landing between its steps."""
+    through the slots of its static KV cache (the CUDA default), weights landing between its steps, and its
+    held-out evaluations share that running batch with the groups (common/explorer/evaluation.py)."""
     out = tmp_path / "run"
     flags = [*TINY, "--steps", "6", "--out-dir", str(out), "--verify-sync", "--num-explorers", str(explorers),
-             "--sync-method", method, "--max-staleness", "1", *(["--hf-cache", "static"] if method == "broadcast"
-                                                                  else [])]
+             "--sync-method", method, "--max-staleness", "1",
+             *(["--hf-cache", "static", "--eval-every", "3"] if method == "broadcast" else [])]
     track = ["--track"] if method == "checkpoint" else []
     proc = run_in_process("train_async.py", *flags, *track, env={"WANDB_API_KEY": None})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -69,6 +71,9 @@ def test_async_respects_staleness_and_syncs_weights(tmp_path, explorers, method)
         assert received[-1]["version"] == 6  # everyone ends on the final weights
     got = [e for e in events if e["phase"] == "wait" and "get" in e]
     assert len(got) >= 6
+    if method == "broadcast":  # before step 1, before step 4 (or when the explorer next holds newer weights), final
+        versions = [e["eval/version"] for e in json.loads((out / "summary.json").read_text())["evals"]]
+        assert versions[0] == 0 and versions[-1] == 6 and versions == sorted(versions) and len(versions) >= 2
 
 
 def test_async_drops_stale_samples_then_a_killed_explorer_stops_the_run(tmp_path):

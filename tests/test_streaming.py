@@ -1,6 +1,7 @@
 """The streaming explorer of train_async.py: a slow group does not hold back the groups behind it, a resumed
 explorer uses every task position once (groups in flight at the checkpoint are started again, trained ones never),
-and groups that outlive --max-staleness are dropped and counted."""
+groups that outlive --max-staleness are dropped and counted, and a held-out evaluation runs beside the groups on
+the weights it started with."""
 
 import copy
 import json
@@ -149,6 +150,36 @@ def test_no_group_starts_past_the_runs_last_batch_until_the_trainer_drops_one(ex
     resumed.version = 5
     resumed.stream.start_groups()
     assert sorted(p for p, _ in resumed.stream.position_of.values()) == [3]
+
+
+@pytest.mark.timeout(300)
+def test_an_evaluation_runs_beside_the_groups_on_the_weights_it_started_with(explorer):
+    """train_async.py's held-out evaluation joins the stream: while its episode waits in its environment the groups
+    go on making batches, and weights that arrive meanwhile are taken only once it is over (it measures the version
+    it started with)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.weight_sync.checkpoint import CheckpointSync, write_sync_checkpoint
+
+    e = explorer()
+    sleepy = env_class("sleepy")
+    sleepy.slow_id = e.eval_tasks[0]["id"]  # the held-out episode waits in its environment until released
+    ctx = SimpleNamespace(store=torch.distributed.HashStore(), name="explorer0", index=0)
+    e.connect(CheckpointSync(ctx, e.args, e.timeline, e.engine))
+    named = [(n, p.detach().clone()) for n, p in e.engine.model.named_parameters()]
+    write_sync_checkpoint(e.weights.sync_dir, named, 0)
+    e.pull(step=0)
+    e.stream.start_evaluation(0)
+    assert len(stream(e, 3)) == 3  # made while the evaluation's episode waits
+    assert e.stream.take_evaluation() is None and sleepy.started == 1
+    write_sync_checkpoint(e.weights.sync_dir, [(n, t + 0.01) for n, t in named], 1)
+    assert not e.poll(3) and e.version == 0  # not while the evaluation runs
+    sleepy.release.set()
+    metrics = e.stream.take_evaluation(wait=True)
+    assert metrics["eval/version"] == 0 and metrics["eval/turns_mean"] == 1.0
+    assert e.poll(3) and e.version == 1  # and once it is over
 
 
 def test_ledger_of_trained_positions():

@@ -24,7 +24,8 @@ from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
-from common.explorer.rollouts import Rollouts, run_episodes
+from common.explorer.evaluation import Evaluation
+from common.explorer.rollouts import Rollouts
 from common.explorer.scoring import ScoreFuture, rollout_metrics, turn_credit
 from common.explorer.streaming import Stream
 from common.explorer.workflow import Context
@@ -112,7 +113,10 @@ class Explorer:
         return self.version
 
     def poll(self, step: int) -> bool:
-        """Take new weights if some are waiting, without waiting; whether any were taken."""
+        """Take new weights if some are waiting, without waiting; whether any were taken. None are taken while the
+        stream's held-out evaluation runs: it measures the weights it started with."""
+        if self.stream.evaluation is not None:
+            return False
         took = self.weights.poll(step)
         self.version = self.weights.version
         return took
@@ -246,16 +250,8 @@ class Explorer:
         return self.evaluate(step) if self.args.eval_every else {}
 
     def evaluate(self, step: int) -> dict:
-        """Greedy accuracy on the held-out tasks (a score of 1 counts as correct)."""
-        with self.timeline.phase("eval", step=step, version=self.version):
-            greedy = SamplingConfig(temperature=0, max_new_tokens=self.args.max_new_tokens, n=1)
-            tasks, _ = apply_task_processors(self.eval_tasks, self.args.task_processors, self.args)
-            groups, _ = run_episodes(self.engine, self.workflow_ctx, tasks, greedy, self.version)
-            flat = [(g, r) for g in groups for r in g.responses]
-            scores = ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward,
-                                 bool(self.args.reward_fn)).result(self.args.timeout_s)
-        return {"eval/accuracy": sum(r.score >= 1.0 for r in scores) / len(scores), "eval/version": self.version,
-                "eval/turns_mean": rollout_metrics(flat).get("rollout/turns_mean", 0.0)}
+        """Greedy accuracy on the held-out tasks (common/explorer/evaluation.py), generated to the end now."""
+        return Evaluation(self, step).run()
 
     def close(self):
         self.in_flight.close()

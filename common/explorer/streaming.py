@@ -4,7 +4,8 @@ within --max-staleness versions of the explorer's weights (AReaL's admission rul
 
 `Stream` holds the streaming state of one explorer (`Explorer.stream`) and generates with that explorer's engine,
 workflows in flight, reward pool and weights version; the rounds of train_sync.py and train_offpolicy.py are
-`Explorer.rollout`.
+`Explorer.rollout`. A held-out evaluation runs inside the stream (`start_evaluation`): its greedy requests join the
+groups' running batch instead of stopping them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 
 from common.experience import Experience, zero_signal_groups
+from common.explorer.evaluation import Evaluation
 from common.explorer.scoring import ScoreFuture
 from common.tasks.processors import apply_task_processors
 
@@ -38,6 +40,22 @@ class Stream:
         # whole (`redo`, from the trainer) move it on.
         self.end = self.args.steps * self.args.tasks_per_step
         self.dropped, self.redo = 0, 0  # tasks a processor dropped, in all
+        self.evaluation: Evaluation | None = None  # the held-out evaluation in flight
+
+    def start_evaluation(self, step: int) -> None:
+        """Start the held-out evaluation before trainer step `step`; it advances with every `step` from now on,
+        and the explorer takes no new weights until `take_evaluation` has returned its result."""
+        self.evaluation = Evaluation(self.explorer, step)
+
+    def take_evaluation(self, wait: bool = False) -> dict | None:
+        """The evaluation's metrics once it is generated and scored (then it is over); None before, or without one.
+        `wait`: step until it is generated (the groups in flight step along), then wait for its scores."""
+        while wait and self.evaluation is not None and self.evaluation.future is None:
+            self.step()
+        if self.evaluation is None or not (wait or self.evaluation.done()):
+            return None
+        result, self.evaluation = self.evaluation.result(), None
+        return result
 
     def start_groups(self) -> None:
         """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
@@ -91,7 +109,9 @@ class Stream:
         ex = self.explorer
         busy = ex.engine.busy_s
         t0 = time.time()
-        ex.in_flight.step(ex.engine, ex.sampling, ex.version)
+        ex.in_flight.step(ex.engine, ex.sampling, ex.version, wait_s=0.0 if self.evaluation else 1.0)
+        if self.evaluation is not None:  # its own requests, in the same running batch
+            self.evaluation.step(wait_s=0.0 if ex.in_flight.workflows else 0.05)
         if ex.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
             self.busy_span = (self.busy_span[0], time.time()) if self.busy_span and t0 - self.busy_span[1] < 0.05 \
                 else self._flush_busy_span() or (t0, time.time())
@@ -100,7 +120,7 @@ class Stream:
             flat = [(group, r) for r in group.responses]
             self.scoring.append((group, ScoreFuture(ex.rewards, flat, ex.tokenizer, self.args.env_reward,
                                                     bool(self.args.reward_fn))))
-        if not ex.in_flight.workflows and not any(f.done() for _, f in self.scoring):
+        if not ex.in_flight.workflows and not self.evaluation and not any(f.done() for _, f in self.scoring):
             time.sleep(0.005)  # nothing to generate, no score to collect (verifiers busy, or waiting for weights or
             # the run's end): do not spin
         for group, future in [gf for gf in self.scoring if gf[1].done()]:

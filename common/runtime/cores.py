@@ -17,7 +17,9 @@ run's first lines and applied by every rank as it starts (common/runtime/launche
   trainers' cores among them), and gives them back when it hands over its first batch: `widen()` / `narrow()`,
   called by the explorer loops of train_async.py and train_offpolicy.py. They re-bind every thread of the process
   and of what it started (vLLM's engine core and worker, reward workers) and set the torch threads, the vLLM
-  worker's included (its OpenMP threads: `RolloutEngine.use_cores`).
+  worker's included (its OpenMP threads: `RolloutEngine.use_cores`). The other way round, the trainers' last step
+  takes the explorers' cores too: every batch is handed over then, and the explorers wait for the final weights
+  (the trainer loops of train_async.py and train_sync.py, which train_offpolicy.py runs).
 
 `--num-threads N` sets every worker's thread count; `--no-bind-cores` leaves the affinity to the OS.
 """
@@ -65,22 +67,33 @@ def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: l
 
 
 def widened(shares: dict[str, CoreShare], explorers: list[str], num_threads: int) -> dict[str, CoreShare]:
-    """The rule for the stretches where trainers wait for a batch: the bound trainers' cores (that no explorer
-    holds) go to the bound explorers, divided as the split divides (the first take the remainder)."""
-    explorers = [name for name in explorers if shares[name].bound]
-    taken = {c for name in explorers for c in shares[name].cores}
-    spare = sorted({c for name, s in shares.items() if s.bound and name not in explorers for c in s.cores} - taken)
-    if not explorers or not spare:
-        return shares
-    size, extra = divmod(len(spare), len(explorers))
-    start = 0
-    for i, name in enumerate(explorers):
+    """The rule for the stretches where one side has nothing to compute: while the trainers wait for a batch the
+    bound trainers' cores go to the bound explorers; during the trainers' last step (every batch handed over, the
+    explorers wait for the final weights) the bound explorers' cores go to the bound trainers. Each side's cores
+    are divided among the other side as the split divides (the first take the remainder)."""
+    bound = [name for name, s in shares.items() if s.bound]
+    explorers = [name for name in explorers if name in bound]
+    trainers = [name for name in bound if name not in explorers]
+    return {**shares, **lent(shares, explorers, trainers, num_threads),
+            **lent(shares, trainers, explorers, num_threads)}
+
+
+def lent(shares: dict[str, CoreShare], takers: list[str], givers: list[str], num_threads: int) -> dict[str, CoreShare]:
+    """The takers' shares with, as their `wide` share, the givers' cores that no taker holds."""
+    held = {c for name in takers for c in shares[name].cores}
+    spare = sorted({c for name in givers for c in shares[name].cores} - held)
+    out, start = {}, 0
+    size, extra = divmod(len(spare), max(len(takers), 1))
+    for i, name in enumerate(takers):
         n = size + (i < extra)
         if n:
             cores = tuple(sorted(shares[name].cores + tuple(spare[start:start + n])))
-            shares[name] = dataclasses.replace(shares[name], wide=CoreShare(cores, num_threads or len(cores), True))
+            out[name] = dataclasses.replace(shares[name], wide=CoreShare(cores, num_threads or len(cores), True))
         start += n
-    return shares
+    return out
+
+
+WHEN_WIDE = {"explorer": "while the trainers wait", "trainer": "for the last step"}
 
 
 def describe(shares: dict[str, CoreShare]) -> str:
@@ -90,7 +103,8 @@ def describe(shares: dict[str, CoreShare]) -> str:
     def threads(n: int) -> str:
         return f"{n} thread{'s' if n > 1 else ''}"
     parts = [f"{name} cores {cores(s.cores)}{'' if s.bound else ' (unbound)'}, {threads(s.threads)}"
-             + (f" (cores {cores(s.wide.cores)}, {threads(s.wide.threads)} while the trainers wait)" if s.wide else "")
+             + (f" (cores {cores(s.wide.cores)}, {threads(s.wide.threads)} {WHEN_WIDE[name.rstrip('0123456789')]})"
+                if s.wide else "")
              for name, s in shares.items()]
     shared = len({s.cores for s in shares.values() if s.bound}) < sum(s.bound for s in shares.values())
     return "; ".join(parts) + (" (more CPU workers than cores: some share one)" if shared else "")
@@ -111,14 +125,14 @@ def apply(share: CoreShare) -> None:
 
 
 def widen(engine=None) -> bool:
-    """Take the wide share (the trainers' cores too) while the trainers have nothing to compute; whether there is
-    one. Every thread of this process and of its children moves; `engine` (a RolloutEngine, if it is built) sets its
-    own compute threads (vLLM: the worker's OpenMP threads)."""
+    """Take the wide share (the other side's cores too) while the other side has nothing to compute; whether there
+    is one. Every thread of this process and of its children moves; `engine` (a RolloutEngine, if it is built) sets
+    its own compute threads (vLLM: the worker's OpenMP threads)."""
     return _take(_applied.wide if _applied else None, engine)
 
 
 def narrow(engine=None) -> bool:
-    """Give the trainers' cores back (the trainers are about to compute): this process's own share again."""
+    """Give the other side's cores back (it is about to compute): this process's own share again."""
     return _take(_applied if _applied and _applied.wide else None, engine)
 
 
