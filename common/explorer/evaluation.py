@@ -18,6 +18,8 @@ from common.tasks.processors import apply_task_processors
 
 
 class Evaluation:
+    """One held-out evaluation of the weights `explorer` holds now, the one before trainer step `step`."""
+
     def __init__(self, explorer, step: int):
         args = explorer.args
         self.explorer, self.step_number, self.version = explorer, step, explorer.version
@@ -32,7 +34,10 @@ class Evaluation:
 
     def run(self) -> dict:
         """Generate to the end now, score, and return the metrics."""
-        self.rollouts.generate(self.explorer.engine, self.sampling, self.version)
+        try:
+            self.rollouts.generate(self.explorer.engine, self.sampling, self.version)
+        finally:
+            self.rollouts.close()  # the environment pool's threads, after an error too
         self._score()
         return self.result()
 
