@@ -90,7 +90,8 @@ def test_forked_workers_run_only_their_own_exit_handlers_and_finalizers():
     finally:
         stop_forkserver()
         atexit.unregister(by_handler.cleanup)
-        by_finalizer.cleanup(), by_handler.cleanup()
+        by_finalizer.cleanup()
+        by_handler.cleanup()
 
 
 def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):

@@ -109,11 +109,11 @@ class Stream:
         ex = self.explorer
         busy = ex.engine.busy_s
         t0 = time.time()
-        evaluation = self.evaluation.rollouts if self.evaluation is not None else None
+        evaluating = self.evaluation.rollouts if self.evaluation is not None else None  # its workflows in flight
         # With an evaluation in flight neither side waits long for its environments while the other decodes.
         ex.in_flight.step(ex.engine, ex.sampling, ex.version,
-                          wait_s=1.0 if evaluation is None else 0.0 if evaluation.in_engine else 0.05)
-        if evaluation is not None:  # its own requests, in the same running batch
+                          wait_s=1.0 if evaluating is None else 0.0 if evaluating.in_engine else 0.05)
+        if evaluating is not None:  # its own requests, in the same running batch
             self.evaluation.step(wait_s=0.0 if ex.in_flight.in_engine else 0.005)
         if ex.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
             self.busy_span = (self.busy_span[0], time.time()) if self.busy_span and t0 - self.busy_span[1] < 0.05 \
@@ -123,7 +123,7 @@ class Stream:
             flat = [(group, r) for r in group.responses]
             self.scoring.append((group, ScoreFuture(ex.rewards, flat, ex.tokenizer, self.args.env_reward,
                                                     bool(self.args.reward_fn))))
-        generating = ex.in_flight.workflows or evaluation is not None and evaluation.workflows
+        generating = ex.in_flight.workflows or evaluating is not None and evaluating.workflows
         if not generating and not any(f.done() for _, f in self.scoring):
             time.sleep(0.005)  # nothing to generate, no score to collect (verifiers busy, or waiting for weights or
             # the run's end): do not spin
