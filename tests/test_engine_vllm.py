@@ -339,9 +339,6 @@ def test_in_process_engine_refused_inside_a_world(monkeypatch, folder):
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
-
 
 @pytest.mark.timeout(300)
 def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(engine, monkeypatch):
@@ -361,3 +358,33 @@ def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(engine, monkeypat
           f"inline {inline_tokens / inline_s:.0f} tokens/s (after {inline_s:.2f}s of {inline_total:.1f}s)")
     assert pool_s < pool_slow_s and inline_s >= inline_slow_s  # which ended first: the fast episodes or the slow step
     assert pool_total >= 9.0  # the slow episode itself still took its 3 x 3 s
+
+
+def test_the_engine_core_and_worker_sleep_while_they_wait(engine):
+    """After a message the engine core and its worker wait for the next without spinning on a core (vLLM's queue
+    readers spin for 1 s: common/explorer/vllm_worker.py `bound_spin`), so neither takes compute from the other's
+    threads, or from a trainer's, while it waits."""
+    import os
+    import time
+
+    from common.runtime.cores import descendants
+
+    def cpu_s(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def comm(pid):
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read()
+
+    vllm = [pid for pid in descendants(os.getpid()) if comm(pid).startswith(("VLLM::EngineCor", "VLLM::Worker"))]
+    assert len(vllm) == 2, [(pid, comm(pid)) for pid in descendants(os.getpid())]
+    engine.llm.collective_rpc("tandem_pop_logz", args=([],))  # one message each way: both just read one
+    before = [cpu_s(pid) for pid in vllm]
+    time.sleep(1.0)
+    spent = sum(cpu_s(pid) - b for pid, b in zip(vllm, before))
+    assert spent < 0.3, f"the engine core and its worker used {spent:.2f} CPU-s in 1 s of waiting"
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))

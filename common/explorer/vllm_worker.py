@@ -26,11 +26,19 @@ not import it again (~4 CPU seconds per engine start), and a forked multiprocess
 vLLM's explicit shutdown instead of a spawned interpreter's finalization (full cyclic-GC scans of the ~670k objects
 importing vLLM leaves, which outlasted vLLM's 5 s grace on a loaded 2-core machine and made every `close` wait it).
 The engine core itself is still spawned: tandem's own process runs gloo threads and must not be forked.
+
+Waiting (CPU). The readers of vLLM's shared-memory queues between the engine core and its worker spin
+(os.sched_yield) for a second after every message before they block on the writer's notification, so the engine
+core spins through each whole forward pass of its worker. On the CPU it spins on a core one of the worker's OpenMP
+threads computes on; that thread loses slices and its team waits for it at every barrier. `TandemExecutor` bounds
+the spin to `SPIN_S` (the engine core's quick replies between two steps), then the reader sleeps until notified:
+vLLM on 2 cores 203 -> 294 tokens/s, on 1 core unchanged (bench/engines.py --arith --max-new-tokens 48).
 """
 
 from __future__ import annotations
 
 import glob
+import inspect
 import math
 import os
 import time
@@ -204,14 +212,31 @@ def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
     return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
 
 
+SPIN_S = 0.01  # how long a reader of the engine core <-> worker queues spins before it sleeps (module docstring)
+
+
+def bound_spin(seconds: float = SPIN_S) -> None:
+    """Make vLLM's shared-memory queue readers created from now on in this process (and the processes it forks)
+    spin at most `seconds` after a message (vLLM: 1 s), then wait for the writer's notification."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    defaults = SpinCondition.__init__.__defaults__
+    if list(inspect.signature(SpinCondition.__init__).parameters)[-1:] != ["busy_loop_s"] or len(defaults) != 1:
+        raise RuntimeError("vLLM's SpinCondition no longer ends with busy_loop_s: update bound_spin "
+                           "(common/explorer/vllm_worker.py)")
+    SpinCondition.__init__.__defaults__ = (seconds,)
+
+
 class TandemExecutor(MultiprocExecutor):
-    """vLLM's multiprocess executor whose worker is forked from the engine core (see the module docstring)."""
+    """vLLM's multiprocess executor whose worker is forked from the engine core and whose queues spin briefly (see
+    the module docstring)."""
 
     def _init_executor(self) -> None:
         # The engine core inherited tandem's VLLM_WORKER_MULTIPROC_METHOD=spawn (common/explorer/engine_vllm.py),
         # meant for the engine core only; this process has no gloo/NCCL threads, and vLLM forces spawn again where
         # CUDA is initialised.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        bound_spin()  # before the queues (and the worker, which inherits it) are made
         super()._init_executor()
 
 
