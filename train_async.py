@@ -103,6 +103,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             control.send("eval", metrics, ctx.index)
 
     while not stop.is_set():
+        cores.follow(ctx.store, explorer.engine)  # on the trainers' cores too while they wait for a batch
         if evaluates and any(explorer.eval_due(s) for s in range(undecided, explorer.version + 2)):
             stream.start_evaluation(sent)  # its requests join the groups' running batch
         undecided = explorer.version + 2
@@ -117,8 +118,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
                 stream.redo = int(ctx.store.add(REDO_KEY, 0))
             continue
         sent += 1
-        if sent == 1:  # the trainer starts computing: its cores go back to it (common/runtime/cores.py)
-            cores.narrow(explorer.engine)
+        cores.handing_over(ctx.store, explorer.engine)  # the trainer's cores back first: it computes at once
         with timeline.phase("wait", put=f"{ctx.index}-{sent}"):  # blocks only while the queue is full
             put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, explorer,
                                args, evaluated)
@@ -162,7 +162,8 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         ctx.store.set("trained_tasks", json.dumps(ledgers))  # before the first weights, which explorers wait for
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
         while run.step < args.steps:
-            batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
+            with cores.lending(ctx.store, run.taken):  # its cores are the explorers' while it waits (runtime/cores.py)
+                batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
             key = str(batch.explorer)
             ledgers[key] = mark_trained(ledgers.get(key), batch.positions)  # trained or dropped: used once
             if not batch.experiences:

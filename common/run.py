@@ -126,7 +126,8 @@ def launch(args, schedule: str, worker, title: str) -> None:
     def rank_main():
         if int(os.environ["WORLD_SIZE"]) == len(plan):  # else join_world says so in one line
             shares = node_cores(args, schedule, plan)  # before this rank starts any thread or process
-            apply_cores(shares[plan[int(os.environ["RANK"])].name])
+            name = plan[int(os.environ["RANK"])].name
+            apply_cores(shares[name], shares, name)
             if int(os.environ["LOCAL_RANK"]) == 0:
                 print(f"[tandem] cores: {describe_cores(shares)}", flush=True)
         ctx = join_world(plan, args.timeout_s, args.peer_timeout_s)

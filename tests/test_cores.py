@@ -69,6 +69,55 @@ def test_apply_binds_the_process_and_its_children():
     assert out.stdout.split() == [f"[{cores[-1]}]", "1", f"[{cores[-1]}]"], out.stderr
 
 
+
+LENDING = """
+import os, torch
+from torch.distributed import HashStore
+from common.runtime import cores
+shares = cores.plan_cores(WORKERS, together=True, available=AVAILABLE)
+trainers = [name for name in shares if name.startswith("trainer")]
+store = HashStore()
+def state():
+    return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+cores.apply(shares["trainer0"], shares, "trainer0")  # as a trainer: says so while it waits
+with cores.lending(store, 1):
+    print(store.add(cores.waiting_key("trainer0"), 0))
+print(store.add(cores.waiting_key("trainer0"), 0))
+cores.apply(shares["explorer0"], shares, "explorer0")  # as the explorer, one batch handed over
+store.add(cores.PUT_KEY, 1)
+for waiting in [[0] * len(trainers), [2] + [0] * (len(trainers) - 1), [2] * len(trainers), [1] * len(trainers),
+                [2] * len(trainers)]:
+    for name, value in zip(trainers, waiting):
+        store.set(cores.waiting_key(name), str(value))
+    cores.follow(store, every_s=0)
+    print(state())
+cores.handing_over(store)
+print((state(), store.add(cores.PUT_KEY, 0)))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs 2 cores")
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_the_explorer_computes_on_the_trainers_cores_while_every_trainer_waits(trainers):
+    """Trainers say in the run's store how many batches they had taken when they began to wait (`lending`); the
+    explorer takes their cores (its wide share) while every trainer of the node waits having taken every batch
+    handed over, and gives them back before it hands the next over (`follow`, `handing_over`)."""
+    available = sorted(os.sched_getaffinity(0))[:2]
+    workers = [*(("trainer%d" % i, "trainer", "cpu") for i in range(trainers)), ("explorer0", "explorer", "cpu")]
+    shares = plan_cores(workers, together=True, available=available)
+    own, wide = shares["explorer0"], shares["explorer0"].wide
+    code = LENDING.replace("WORKERS", repr(workers)).replace("AVAILABLE", repr(available))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["2", "0"]  # 1 + the batches it had taken, while it waits; 0 after
+    # none waits; one of them (all of them when it is the only one); all; all, but the batch handed over not taken
+    # yet; all again
+    expect = [own, wide if trainers == 1 else own, wide, own, wide]
+    assert lines[2:7] == [str((list(s.cores), s.threads)) for s in expect], out.stdout
+    assert lines[7] == str(((list(own.cores), own.threads), 2)), out.stdout  # narrowed, then counted
+
+
 def thread_cores(pid: int) -> set[tuple[int, ...]]:
     """The cores each thread of `pid` may run on (Cpus_allowed_list in /proc), as a set."""
     seen = set()

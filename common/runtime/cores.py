@@ -11,15 +11,17 @@ run's first lines and applied by every rank as it starts (common/runtime/launche
   not bound. Data-parallel trainers step at the same time, so they still split the cores among themselves.
 - Workers on a GPU compute there: they keep every core and take none from the split.
 - More CPU workers than cores: each gets one core, shared round-robin (said in the plan's line).
-- While the trainers have nothing to compute (before the first batch reaches them: the explorer's start-up, the
-  evaluation before step 1 and the first batch; after their last step: the final evaluation) an explorer that
-  splits a node's cores with them takes the trainers' cores too (`CoreShare.wide`: the node's explorers divide the
-  trainers' cores among them), and gives them back when it hands over its first batch: `widen()` / `narrow()`,
-  called by the explorer loops of train_async.py and train_offpolicy.py. They re-bind every thread of the process
-  and of what it started (vLLM's engine core and worker, reward workers) and set the torch threads, the vLLM
-  worker's included (its OpenMP threads: `RolloutEngine.use_cores`). The other way round, the trainers' last step
-  takes the explorers' cores too: every batch is handed over then, and the explorers wait for the final weights
-  (the trainer loops of train_async.py and train_sync.py, which train_offpolicy.py runs).
+- While every trainer of a node waits for a batch (the explorer's start-up, the evaluation before step 1 and the
+  first batch; each wait of train_async.py's trainer after that) an explorer that splits the node's cores with them
+  computes on the trainers' cores too (`CoreShare.wide`: the node's explorers divide the trainers' cores among
+  them). In train_async.py the trainers say in the run's store how many batches they have taken when they begin to
+  wait (`lending`), the explorers count the batches they hand over (`handing_over`, which first gives the cores
+  back: the trainer computes as soon as it has the batch) and look between two engine steps (`follow`).
+  train_offpolicy.py's explorer widens for its first batch only (`widen()` / `narrow()`). Both re-bind every
+  thread of the process and of what it started (vLLM's engine core and worker, reward workers) and set the torch
+  threads, the vLLM worker's included (its OpenMP threads: `RolloutEngine.use_cores`). The other way round, the
+  trainers' last step takes the explorers' cores too: every batch is handed over then, and the explorers wait for
+  the final weights (the trainer loops of train_async.py and train_sync.py, which train_offpolicy.py runs).
 
 `--num-threads N` sets every worker's thread count; `--no-bind-cores` leaves the affinity to the OS.
 """
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -111,17 +115,32 @@ def describe(shares: dict[str, CoreShare]) -> str:
 
 
 _applied: CoreShare | None = None  # this process's share (`apply`)
+_taken: CoreShare | None = None  # the share it computes on now: its own or its wide one
+_name = ""  # this worker's name (the launcher's trainer<i> / explorer<i>)
+_lenders: list[str] = []  # the trainers whose cores this node's explorers take while they wait
+_looked = 0.0  # when `follow` last read the store
+PUT_KEY = "cores/put"  # in the run's store: batches the explorers have handed over (`handing_over`)
 
 
-def apply(share: CoreShare) -> None:
-    """Bind this process (before it starts threads or children) and set its torch thread count."""
+def waiting_key(trainer: str) -> str:
+    """In the run's store: 1 + the batches `trainer` had taken when it began to wait for the next, 0 while it
+    computes (`lending`)."""
+    return f"cores/waiting/{trainer}"
+
+
+def apply(share: CoreShare, shares: dict[str, CoreShare] | None = None, name: str = "") -> None:
+    """Bind this process (before it starts threads or children) and set its torch thread count. `shares`: the whole
+    node's (which trainers lend their cores to its explorers while they wait), `name`: this worker's."""
     import torch
 
-    global _applied
+    global _applied, _taken, _name, _lenders
     if share.bound:
         os.sched_setaffinity(0, share.cores)
     torch.set_num_threads(share.threads)
-    _applied = share
+    _applied = _taken = share
+    shares = shares or {}
+    lenders = [n for n, s in shares.items() if n.startswith("trainer") and s.bound]
+    _name, _lenders = name, lenders if any(n.startswith("explorer") and s.wide for n, s in shares.items()) else []
 
 
 def widen(engine=None) -> bool:
@@ -136,16 +155,56 @@ def narrow(engine=None) -> bool:
     return _take(_applied if _applied and _applied.wide else None, engine)
 
 
+@contextmanager
+def lending(store, taken: int):
+    """A trainer waiting for its batch number `taken` + 1 (inside this block): while every batch handed over so far
+    has been taken, its cores are the node's explorers' (`follow`)."""
+    lends = _name in _lenders
+    if lends:
+        store.add(waiting_key(_name), taken + 1)
+    try:
+        yield
+    finally:
+        if lends:
+            store.add(waiting_key(_name), -(taken + 1))
+
+
+def handing_over(store, engine=None) -> None:
+    """An explorer about to put a batch in the queue: its own cores again first (the trainer computes as soon as it
+    has the batch, and a worker thread of ours left on its cores would stall both), and the batch counted, so that
+    `follow` tells a trainer that waits for more from one that is about to take this one."""
+    narrow(engine)
+    if _lenders:
+        store.add(PUT_KEY, 1)
+
+
+def follow(store, engine=None, every_s: float = 0.02) -> None:
+    """An explorer between two engine steps: on the trainers' cores too while every trainer of its node waits and
+    has taken every batch handed over (`lending`, `handing_over`), on its own otherwise. Reads the store at most
+    every `every_s` seconds."""
+    global _looked
+    if not _lenders or _applied.wide is None or time.monotonic() - _looked < every_s:
+        return
+    _looked = time.monotonic()
+    handed = int(store.add(PUT_KEY, 0))
+    idle = all(int(store.add(waiting_key(t), 0)) == handed + 1 for t in _lenders)
+    _take(_applied.wide if idle else _applied, engine)
+
+
 def _take(share: CoreShare | None, engine) -> bool:
     import torch
 
+    global _taken
     if share is None:
         return False
+    if share == _taken:
+        return True
     for pid in [os.getpid(), *descendants(os.getpid())]:
         bind_threads(pid, share.cores)
     torch.set_num_threads(share.threads)  # new OpenMP threads inherit the main thread's cores
     if engine is not None:
         engine.use_cores(share.cores, share.threads)
+    _taken = share
     return True
 
 

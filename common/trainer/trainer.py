@@ -255,6 +255,7 @@ class TrainerRun:
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
         self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
+        self.taken = 0  # batches taken from the queue (`get`)
         state = ckpt.resume(self.trainer, args.out_dir) if args.resume else {}
         self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0),
                         "evals": state.get("evals", []),  # every evaluation's metrics, in the order they came
@@ -294,6 +295,7 @@ class TrainerRun:
         batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s, on_stall=lambda waited: self.log_stall(
             start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
         self.last_batch[batch.explorer] = (time.time(), batch.step)
+        self.taken += 1
         self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
         # ALGO LOGIC: staleness (common/trainer/filters.py): what is too old is dropped and counted here, before the
         # replay buffer sees it; a batch with nothing left costs no step (the loop takes the next one).
