@@ -162,7 +162,7 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         ctx.store.set("trained_tasks", json.dumps(ledgers))  # before the first weights, which explorers wait for
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
         while run.step < args.steps:
-            with cores.lending(ctx.store, run.taken):  # its cores are the explorers' while it waits (runtime/cores.py)
+            with cores.lending(ctx.store, run.taken):  # while it waits, its cores are the explorers'
                 batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
             key = str(batch.explorer)
             ledgers[key] = mark_trained(ledgers.get(key), batch.positions)  # trained or dropped: used once
