@@ -1,12 +1,13 @@
 """Which CPU cores each worker of a node computes on: one plan from the placement and the schedule, printed in the
-run's first lines and applied by every rank as it starts (common/runtime/launcher.py `join_world`).
+run's first lines and applied by every rank as it starts (common/run.py `launch`).
 
 - Workers that compute on the CPU at the same time get disjoint cores: the process is bound to them
   (`os.sched_setaffinity`, which what it starts inherits: vLLM's engine core and worker, reward workers) and runs as
   many torch / OpenMP threads as it has cores. vLLM's CPU worker binds its OpenMP threads to the same cores
   (common/explorer/engine_vllm.py). Left to the OS, two processes that each assume every core (or spin on any core
-  while they wait: vLLM's engine core polls its worker for a second after every step) preempt each other's threads
-  mid-matmul, and the overlap the asynchronous schedules exist for turns into contention.
+  while they wait, as vLLM's engine core and worker do for a second after every message unless
+  common/explorer/vllm_worker.py bounds it) preempt each other's threads mid-matmul, and the overlap the
+  asynchronous schedules exist for turns into contention.
 - Workers that take turns (train_sync.py: the explorer idles while the trainers step) each use every core: they are
   not bound. Data-parallel trainers step at the same time, so they still split the cores among themselves.
 - Workers on a GPU compute there: they keep every core and take none from the split.
