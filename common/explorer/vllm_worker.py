@@ -32,7 +32,7 @@ Waiting (CPU). The readers of vLLM's shared-memory queues between the engine cor
 core spins through each whole forward pass of its worker. On the CPU it spins on a core one of the worker's OpenMP
 threads computes on; that thread loses slices and its team waits for it at every barrier. `TandemExecutor` bounds
 the spin to `SPIN_S` (the engine core's quick replies between two steps), then the reader sleeps until notified:
-vLLM on 2 cores 203 -> 294 tokens/s, on 1 core unchanged (bench/engines.py --arith --max-new-tokens 48).
+vLLM on 2 cores ~200 -> ~290 tokens/s, on 1 core about the same (bench/engines.py --arith --max-new-tokens 48).
 """
 
 from __future__ import annotations
