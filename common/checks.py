@@ -19,6 +19,11 @@ from common.tasks.named import taskset_has_envs
 from common.tasks.processors import TASK_PROCESSORS
 from common.trainer.losses import ALGOS, config_kwargs
 
+# --episode-token-budget of agent runs (--agent, --agent-cmd) left unset: the frameworks' system prompts are long (on
+# the default model's tokenizer, with one tool: smolagents' ToolCallingAgent 993 tokens, its CodeAgent 2,347), and
+# each call of an episode sends the whole history again.
+AGENT_TOKEN_BUDGET = 4096
+
 
 def validate(args) -> None:
     """Impossible combinations, each a one-line error naming the field (and the fix); coupled fields with one
@@ -49,7 +54,8 @@ def validate(args) -> None:
 
 def resolve_coupled(args) -> None:
     """Fields whose value follows from others when not given: the minibatch is the rollout batch, a micro-batch
-    is 8 sequences or the whole minibatch if that is smaller."""
+    is 8 sequences or the whole minibatch if that is smaller, an episode's token budget 1024 (AGENT_TOKEN_BUDGET
+    for an agent)."""
     if args.minibatch_size is None:
         args.minibatch_size = args.rollout_batch_size
     if args.micro_batch_size is None:
@@ -58,6 +64,8 @@ def resolve_coupled(args) -> None:
         args.clip_eps_low = args.clip_eps
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    if args.episode_token_budget is None:
+        args.episode_token_budget = AGENT_TOKEN_BUDGET if args.agent or args.agent_cmd else 1024
 
 
 def _validate_datasets(args) -> None:

@@ -124,9 +124,11 @@ class CommonArgs:
     # --- workflows and environments (common/explorer, common/envs) ---------------------------------------------
     max_turns: int = 8
     """Multi-turn episodes: most assistant turns per episode (--max-new-tokens bounds each turn)."""
-    episode_token_budget: int = 1024
+    episode_token_budget: int | None = None
     """Multi-turn episodes: most tokens of a whole episode (first prompt + every turn and observation); an
-    episode whose next turn would not fit ends with reason 'budget' (finish reason 'length')."""
+    episode whose next turn would not fit ends with reason 'budget' (finish reason 'length'). Agents: most tokens of
+    one call's prompt and of all sampled tokens of an episode. Unset: 1024, or 4096 with --agent / --agent-cmd
+    (agent frameworks' system prompts are long: smolagents' CodeAgent's is 2,347 tokens with one tool)."""
     env_reward: Literal["sum", "last"] = "sum"
     """An episode's environment reward: sum (of its step rewards) or last (the final step's); a verifier named by
     the task's 'reward' field adds its score of the last assistant turn."""
@@ -179,6 +181,13 @@ class CommonArgs:
     """Wall-clock limit of one agent episode: past it the episode ends with reason 'timeout' (failed, scores 0)."""
     agent_max_calls: int = 16
     """Most calls to the endpoint per agent episode; one more is refused (400) and the episode marked cut."""
+    max_failed_frac: float = 1.0
+    """Stop the run when at least this share of a step's samples failed (an agent's error, timeout, bad return or
+    no call; an environment's error; a verifier's crash: reward_info['failed']) in --max-failed-steps steps in a
+    row, with one line naming the most common error; 1: when every sample failed; above 1: never. A step where
+    every sample failed prints a warning either way."""
+    max_failed_steps: int = 3
+    """Steps in a row for --max-failed-frac."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the model's (as TRL's chat_template_path), for every prompt."""
     task_processors: str = ""
@@ -437,6 +446,7 @@ class CommonArgs:
         "max_turns": Range(ge=1), "tool_timeout_s": Range(gt=0), "max_tool_calls_per_turn": Range(ge=1),
         "sandbox_procs": Range(ge=1), "env_step_timeout_s": Range(gt=0),
         "agent_timeout_s": Range(gt=0), "agent_max_calls": Range(ge=1),
+        "max_failed_frac": Range(gt=0), "max_failed_steps": Range(ge=1),
         "reward_workers": Range(ge=1), "reward_timeout_s": Range(gt=0),
         "reward_memory_mb": Range(ge=256, why="a worker needs ~150 MB for its imports"),
         "lr": Range(gt=0), "ppo_epochs": Range(ge=1), "minibatch_size": Range(ge=1), "micro_batch_size": Range(ge=1),

@@ -167,7 +167,7 @@ def check_memory(args, tasks: list[dict]) -> None:
     single = [t for t in tasks if "env" not in t][:PROMPTS_MEASURED]
     tokenizer = load_tokenizer(args.model, args.chat_template) if single else None
     sequence = max([len(chat_prompt_ids(tokenizer, t)) for t in single] or [0]) + args.max_new_tokens
-    if taskset_has_envs(args.taskset) or any("env" in t for t in tasks):
-        sequence = max(sequence, args.episode_token_budget)
+    if taskset_has_envs(args.taskset) or any("env" in t for t in tasks) or args.agent or args.agent_cmd:
+        sequence = max(sequence, args.episode_token_budget)  # an episode's sample may be this long
     for line in plan_memory(args, sequence, getattr(args, "given_fields", frozenset())):
         print(line, flush=True)

@@ -9,6 +9,7 @@ each run their tool loop as one sample and train end to end; `--agent-cmd` runs 
 and a crashing, hung or mute program ends its own episode (the hung one killed with what it started)."""
 
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -19,6 +20,8 @@ import openai
 import pytest
 
 from common.cli import parse_args
+from common.explorer import agent as agent_module
+from common.explorer.endpoint import MAX_N
 from common.explorer.engine import HFEngine, SamplingConfig
 from common.explorer.rollouts import run_episodes
 from common.explorer.workflow import Context
@@ -74,14 +77,16 @@ async def bad_requests(task, base_url, api_key):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     hi = [{"role": "user", "content": "hi"}]
     create = client.chat.completions.create
-    log.append(("n", *await _status(create(model="m", messages=hi, n=2))))
-    log.append(("temperature", *await _status(create(model="m", messages=hi, temperature=0.3))))
+    log.append(("n", *await _status(create(model="m", messages=hi, n=MAX_N + 1))))
+    log.append(("temperature", *await _status(create(model="m", messages=hi, temperature="hot"))))
     log.append(("unknown", *await _status(create(model="m", messages=hi, extra_body={"foo": 1}))))
     log.append(("content", *await _status(create(model="m", messages=[{"role": "user", "content": 5}]))))
     log.append(("max_tokens", *await _status(create(model="m", messages=hi, max_tokens="x"))))
     log.append(("stream_options", *await _status(create(model="m", messages=hi,
                                                         extra_body={"stream_options": {"include_usage": True}}))))
     log.append(("long", *await _status(create(model="m", messages=[{"role": "user", "content": "x " * 600}]))))
+    # megabytes are refused by their length, before they are tokenized
+    log.append(("huge", *await _status(create(model="m", messages=[{"role": "user", "content": "x" * (5 << 20)}]))))
     stranger = openai.AsyncOpenAI(base_url=base_url, api_key="tandem-guessed", max_retries=0)
     log.append(("key", *await _status(stranger.chat.completions.create(model="m", messages=hi))))
     raw = {"json": b'{"model": "m", "messages": [', "list": b"[1, 2]",
@@ -91,12 +96,18 @@ async def bad_requests(task, base_url, api_key):
            "tool_choice": json.dumps({"model": "m", "messages": hi, "tool_choice": "required"}).encode(),
            "messages[1].tool_calls[0].function.arguments": json.dumps({"model": "m", "messages": hi + [
                {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                     "function": {"name": "f", "arguments": "{oops"}}]}]}).encode()}
+                                                     "function": {"name": "f", "arguments": "{oops"}}]}]}).encode(),
+           "deep": b'{"model": "m", "messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+           "nested": json.dumps({"model": "m", "messages": hi, "tools": [{"type": "function", "function": {
+               "name": "f", "parameters": functools.reduce(lambda d, _: {"a": d}, range(100), {})}}]}).encode(),
+           "body": b" " * (17 << 20)}
     async with aiohttp.ClientSession() as http:
         for name, data in raw.items():
             async with http.post(f"{base_url}/chat/completions", data=data,
                                  headers={"Authorization": f"Bearer {api_key}"}) as r:
                 log.append((name, r.status, await r.json()))
+        async with http.post(f"{base_url}/embeddings", json={}, headers={"Authorization": f"Bearer {api_key}"}) as r:
+            log.append(("route", r.status, await r.json()))
     models = await client.models.list()
     reply = await create(model="m", messages=hi, max_tokens=3)
     log.append(("good", reply.choices[0].finish_reason, reply.usage.completion_tokens, [m.id for m in models.data]))
@@ -112,12 +123,15 @@ def test_bad_requests_get_openai_shaped_errors_naming_the_field_and_the_episode_
     got = {entry[0]: entry[1:] for entry in log}
     for name, param in [("n", "n"), ("temperature", "temperature"), ("unknown", "foo"),
                         ("content", "messages[0].content"), ("max_tokens", "max_tokens"),
-                        ("stream_options", "stream_options"),
-                        ("long", "messages")]:
+                        ("stream_options", "stream_options"), ("long", "messages"), ("huge", "messages")]:
         status, body = got[name]
         assert status == 400 and body["param"] == param, (name, status, body)
         assert body["message"] and "Traceback" not in body["message"]
     assert "512" in got["long"][1]["message"] and got["long"][1]["code"] == "context_length_exceeded"
+    assert "characters" in got["huge"][1]["message"] and got["huge"][1]["code"] == "context_length_exceeded"
+    for name, status in [("deep", 400), ("nested", 400), ("body", 413), ("route", 404)]:
+        assert got[name][0] == status and got[name][1]["error"]["message"], (name, got[name])
+    assert "POST /v1/responses" in got["route"][1]["error"]["message"]  # the 404 names the served routes
     assert got["key"][0] == 401 and got["key"][1]["code"] == "invalid_api_key"
     assert got["json"][0] == 400 and "JSON" in got["json"][1]["error"]["message"]
     assert got["list"][0] == 400 and "JSON object" in got["list"][1]["error"]["message"]
@@ -410,8 +424,12 @@ PROGRAMS = {  # python -c CODE PIDFILE: (CODE, how its episode ends)
              "'import time; time.sleep(600)']); print(os.getpid(), child.pid, file=open(sys.argv[1], 'w'), "
              "flush=True); time.sleep(600)", "timeout"),
     "mute": ("print('working...'); print(42)", "bad_return"),
-    "rewarding": ("import json, sys; assert json.load(sys.stdin)['id'] == 'p'; print(json.dumps({'reward': 0.5}))",
-                  "done"),
+    "rewarding": ("import json, os, sys, urllib.request; assert json.load(sys.stdin)['id'] == 'p'; "
+                  "call = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', json.dumps("
+                  "{'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}]}).encode(), {'Authorization': "
+                  "'Bearer ' + os.environ['OPENAI_API_KEY'], 'Content-Type': 'application/json'}); "
+                  "urllib.request.urlopen(call, timeout=60).read(); print(json.dumps({'reward': 0.5}))", "done"),
+    "silent": ("import json; print(json.dumps({'reward': 1.0}))", "no_call"),  # a cache's replay: no call made
 }
 
 
@@ -431,7 +449,7 @@ def test_agent_cmd_reads_the_result_line_and_a_crashing_hung_or_mute_program_end
         assert reward.score == 0.5 and not reward.info.get("failed")
         return
     assert reward.score == 0.0 and reward.info["failed_reason"] == reason
-    assert {"crashing": "status 3: agent bug", "mute": "got '42'"}.get(program, "agent-timeout-s") in episode.error
+    assert {"crashing": "status 3: agent bug", "mute": "got '42'", "silent": "made no call"}.get(program, "agent-timeout-s") in episode.error
     if program == "hung":  # the program and the process it started are killed with the episode
         assert all(_gone(int(pid)) for pid in pids.read_text().split())
 

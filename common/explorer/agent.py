@@ -43,18 +43,23 @@ import shlex
 import sys
 import threading
 import time
+import traceback
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from common.explorer.chat import TemplateMismatch, strip_reasoning
-from common.explorer.endpoint import BadRequest, ChatRequest, Completion, endpoint
+from common.explorer.endpoint import BadRequest, ChatRequest, Completion, RunSampling, endpoint
 from common.explorer.multi_turn import tool_call_end
 from common.explorer.workflow import Group, Sample, Workflow
 from common.runtime.plugins import load_object
 from common.runtime.procs import kill_group
 from rewards import Reward
 
-FAILED = ("error", "timeout", "bad_return")
+FAILED = ("error", "timeout", "bad_return", "no_call")
+NO_CALL = ("the agent made no call to the endpoint: nothing of this policy to train (a client-side cache that "
+           "replays answers? dspy: dspy.LM(..., cache=False))")
+TRACEBACK_KEPT = 8  # lines of a failed agent's traceback printed with the first error of its kind
 HUNG_GRACE_S = 1.0  # an agent whose thread still runs this long past its time limit is abandoned there
 OUTPUT_KEPT = 1 << 16  # bytes of an --agent-cmd program's stdout kept (the end: its result is the last line)
 ERROR_KEPT = 2000      # ... and of its stderr, for the episode's error
@@ -82,10 +87,13 @@ class AgentEpisode:
     calls: int = 0
     tokens: int = 0                  # sampled tokens of all its calls
     cut: str = ""                    # max_calls | budget: a call was refused for a limit
-    end_reason: str | None = None    # done | error | timeout | bad_return
+    end_reason: str | None = None    # done | error | timeout | bad_return | no_call
     result: object = None            # what fn returned (a number or an answer)
     error: str = ""
+    error_kind: str = ""             # the end reason, or for an error the exception's type
     samples: list = field(default_factory=list)
+    overrides: Counter = field(default_factory=Counter)  # calls served the run's way, per request field
+    refused: Counter = field(default_factory=Counter)    # calls refused, per error code
 
     @property
     def failed(self) -> bool:
@@ -107,6 +115,7 @@ class AgentSample(Sample):
     tools: list[dict] | None = None
     reply: dict | None = None                             # the assistant message returned for the last call
     sampled_stop: int | None = None                       # the stop token that ended the last call, if any
+    cut_short: bool = False                               # a call's reply was cut at its token limit
     busy: bool = False                                    # a call of this sample is being answered
     turn_rewards: list = field(default_factory=list)      # no environment: no step rewards
 
@@ -157,7 +166,10 @@ class AgentSample(Sample):
         if e.samples[0] is not self:
             return {}
         return {"rollout/episodes": 1, "rollout/agent_calls": e.calls, "rollout/agent_samples": len(e.samples),
-                f"rollout/end/{e.end_reason}": 1, **({f"rollout/agent_cut/{e.cut}": 1} if e.cut else {})}
+                f"rollout/end/{e.end_reason}": 1, **({f"rollout/agent_cut/{e.cut}": 1} if e.cut else {}),
+                **({f"rollout/agent_failed/{e.error_kind}": 1} if e.failed else {}),
+                **{f"rollout/agent_override/{k}": v for k, v in e.overrides.items()},
+                **{f"rollout/agent_refused/{k}": v for k, v in e.refused.items()}}
 
 
 def _valid_result(result) -> bool:
@@ -233,7 +245,7 @@ class Agent(Workflow):
         self.fn = load_object(ctx.agent, "--agent") if ctx.agent else \
             functools.partial(run_command, shlex.split(ctx.agent_cmd))
         self.server = endpoint()
-        self.server.sampling = (ctx.temperature, ctx.top_p)
+        self.server.sampling = RunSampling(ctx.temperature, ctx.top_p, ctx.max_new_tokens)
         self.group = Group(task, group_id, [])
         self.lock = threading.Lock()
         self._arrived: list = []   # (sample, prompt ids, cap, future, request) not yet handed to the runner
@@ -243,11 +255,12 @@ class Agent(Workflow):
 
     def _launch(self, task: dict) -> AgentEpisode:
         e = AgentEpisode(deadline=time.monotonic() + self.ctx.agent_timeout_s)
-        e.key = self.server.open(lambda request: self._call(e, request))
+        e.key = self.server.open(lambda request: self._call(e, request), lambda error: self._refused(e, error))
         threading.Thread(target=self._run, args=(e, dict(task)), name="agent", daemon=True).start()
         return e
 
     def _run(self, e: AgentEpisode, task: dict) -> None:
+        kind, tail = None, []
         try:
             result = asyncio.run(asyncio.wait_for(self.fn(task, self.server.base_url, e.key),
                                                   self.ctx.agent_timeout_s))
@@ -257,15 +270,20 @@ class Agent(Workflow):
         except BadOutput as exc:
             result, end, error = None, "bad_return", str(exc)
         except BaseException as exc:  # noqa: BLE001  (the agent's bug ends its episode, counted; not the run)
-            result, end, error = None, "error", f"{type(exc).__name__}: {exc}"
-        self._end(e, end, result, error)
+            result, end, error, kind = None, "error", f"{type(exc).__name__}: {exc}", type(exc).__name__
+            tail = "".join(traceback.format_exception(exc)).rstrip().splitlines()[-TRACEBACK_KEPT:]
+        self._end(e, end, result, error, kind, tail)
 
-    def _end(self, e: AgentEpisode, reason: str, result=None, error: str = "") -> None:
+    def _end(self, e: AgentEpisode, reason: str, result=None, error: str = "", kind: str | None = None,
+             tail: list[str] = ()) -> None:
         with self.lock:
             if e.end_reason is not None:
                 return
             self.server.close(e.key)
-            e.end_reason, e.result, e.error = reason, result, error
+            if reason == "done" and e.calls == 0:
+                reason, error = "no_call", NO_CALL if not e.refused else \
+                    f"every call the agent made was refused ({', '.join(f'{k} x{v}' for k, v in e.refused.items())})"
+            e.end_reason, e.result, e.error, e.error_kind = reason, result, error, kind or reason
             for call in [c for c in self._arrived if c[0].episode is e]:  # never handed out: nobody waits for it
                 self._arrived.remove(call)
                 call[0].busy = False
@@ -274,7 +292,19 @@ class Agent(Workflow):
             e.samples = [s for s in e.samples if s.response_ids or s.busy] or [AgentSample(e, self._no_prompt)]
             self.group.responses = [s for s in self.group.responses if s.episode is not e] + e.samples
             for s in e.samples:
-                s.finish_reason = "length" if e.cut else "stop"
+                s.finish_reason = "length" if e.cut or s.cut_short else "stop"
+        if e.failed:
+            say_once(f"failed:{e.error_kind}", f"[tandem] an agent episode failed ({reason}): {error[:ERROR_KEPT]}"
+                     + "".join(f"\n    {line}" for line in tail) + f"\n  (the first of its kind: each is counted as "
+                     f"rollout/agent_failed/{e.error_kind}, scores 0, and its error is in samples.jsonl)")
+
+    def _refused(self, e: AgentEpisode, error: BadRequest) -> None:
+        code = error.code or "invalid_request"
+        with self.lock:
+            e.refused[code] += 1
+        say_once(f"refused:{code}", f"[tandem] an agent call was refused ({error.status} {code}"
+                 f"{f', param {error.param}' if error.param else ''}): {error} (the first of its kind: each is "
+                 f"counted as rollout/agent_refused/{code}; the agent gets the error)")
 
     # ------------------------------------------------------------------ the endpoint side (a worker thread)
     def _continued(self, e: AgentEpisode, messages: list[dict], tools) -> AgentSample | None:
@@ -293,11 +323,22 @@ class Agent(Workflow):
                 return s
         return None
 
+    def _too_long(self, chars: int, field: str) -> None:
+        """Count first, cheaply: text of `chars` characters is at least chars / (the vocabulary's longest token)
+        tokens, so a prompt that cannot fit is refused before it is rendered and tokenized (which would take
+        seconds for megabytes, under the workflow's lock)."""
+        budget, longest = self.ctx.episode_token_budget, longest_token(self.ctx.tokenizer)
+        if chars > budget * longest:
+            raise BadRequest(f"This model's maximum context length is {budget} tokens (--episode-token-budget): "
+                             f"your {field} hold {chars} characters, at least {chars // longest} tokens", field,
+                             "context_length_exceeded")
+
     def _completion_prompt(self, e: AgentEpisode, request: ChatRequest) -> tuple[AgentSample | None, list[int],
                                                                                list[int]]:
         """A /v1/completions call: (the sample it continues or None, its prompt ids, the new observation ids)."""
         tokenizer = self.ctx.tokenizer
         if isinstance(request.prompt, str):
+            self._too_long(len(request.prompt), "prompt")
             prompt = tokenizer.encode(request.prompt, add_special_tokens=False)
         else:
             prompt, vocab = request.prompt, len(tokenizer)
@@ -307,7 +348,10 @@ class Agent(Workflow):
         sample = self._continued_ids(e, prompt)
         return sample, prompt, prompt[len(sample.prompt_ids) + len(sample.response_ids):] if sample else []
 
-    def _call(self, e: AgentEpisode, request: ChatRequest) -> Future:
+    def _call(self, e: AgentEpisode, request: ChatRequest) -> list[Future]:
+        """Admit one call: its prompt (a continued sample's ids so far plus the new messages', or a new sample's),
+        its cap, and one request to the engine per choice (choice 0 continues the sample, if any; the others are
+        new samples whose prompt is the same ids). The futures of its choices."""
         renderer, budget = self.ctx.renderer, self.ctx.episode_token_budget
         with self.lock:
             if e.end_reason is not None:
@@ -322,9 +366,11 @@ class Agent(Workflow):
                     sample, prompt, new = self._completion_prompt(e, request)
                 elif sample is not None:
                     observation = request.messages[len(sample.messages) + 1:]
+                    self._too_long(sum(len(m["content"]) for m in observation), "messages")
                     new = renderer.observation_ids(observation, sample.sampled_stop)
                     prompt = sample.prompt_ids + sample.response_ids + new
                 else:
+                    self._too_long(sum(len(m["content"]) for m in request.messages), "messages")
                     messages, tools = renderer.with_tools(request.messages, request.tools or [])
                     prompt = renderer.prompt_ids(messages, tools)
             except TemplateMismatch as exc:
@@ -335,22 +381,29 @@ class Agent(Workflow):
                 raise BadRequest(f"This model's maximum context length is {budget} tokens (--episode-token-budget): "
                                  f"your {field} resulted in {len(prompt)} tokens", field, "context_length_exceeded")
             cap = min(request.max_tokens or self.ctx.max_new_tokens, self.ctx.max_new_tokens, budget - len(prompt),
-                      budget - e.tokens)
+                      (budget - e.tokens) // request.n)
             if cap <= 0:
                 e.cut = "budget"
                 raise BadRequest(f"the episode sampled its --episode-token-budget {budget} tokens", None,
                                  "episode_token_budget")
             e.calls += 1
-            if sample is None:
-                sample = AgentSample(e, prompt)
-                e.samples.append(sample)
-                self.group.responses.append(sample)
-            else:
-                sample._append(new, [0.0] * len(new), 0, sample.versions[-1])  # masked: its version is moot
-            sample.messages, sample.tools, sample.busy = list(request.messages), request.tools, True
-            future: Future = Future()
-            self._arrived.append((sample, prompt, cap, future, request))
-            return future
+            e.overrides.update(request.overrides.keys())
+            futures = []
+            for choice in range(request.n):
+                if sample is None or choice > 0:
+                    sample = AgentSample(e, prompt)
+                    e.samples.append(sample)
+                    self.group.responses.append(sample)
+                else:
+                    sample._append(new, [0.0] * len(new), 0, sample.versions[-1])  # masked: its version is moot
+                sample.messages, sample.tools, sample.busy = list(request.messages), request.tools, True
+                futures.append(Future())
+                self._arrived.append((sample, prompt, cap, futures[-1], request))
+        for name, asked in request.overrides.items():
+            say_once(f"override:{name}", f"[tandem] agent requests set {name}={json.dumps(asked['requested'])}: "
+                     f"served with the run's {json.dumps(asked['applied'])} (the trainer's log-probs assume the run's "
+                     f"sampling); the reply says so in sampling_overrides, counted as rollout/agent_override/{name}")
+        return futures
 
     # ------------------------------------------------------------------ the runner side
     def requests(self) -> list:
@@ -396,18 +449,43 @@ class Agent(Workflow):
                 # calls one): the agent gets the text
         tool_calls = [{"id": "call_" + secrets.token_hex(8), "type": "function",
                        "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls or []]
+        finish = "tool_calls" if tool_calls else "stop" if stopped else "length"
+        tokens = [decode([i]) for i in ids] if request.logprobs else []
         with self.lock:
             sample._append(ids, logprobs, 1, version, generation.versions)
             sample.turn_ends.append(len(sample.response_ids))
             sample.episode.tokens += len(ids)
-            sample.reply = {"role": "assistant", "content": content or ""}
-            if tool_calls:
-                sample.reply["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
-                    c["function"]["arguments"])}} for c in tool_calls]
-            sample.sampled_stop = ids[-1] if stopped and stop_text is None and ids else None
             fed = sample.prompt_ids + sample.response_ids[:len(sample.response_ids) - len(ids)]
+            done = Completion(content if content or not tool_calls else None, tool_calls, finish, len(fed), len(ids),
+                              fed, list(ids), list(logprobs), tokens)
+            sample.reply = done.reply()
+            sample.sampled_stop = ids[-1] if stopped and stop_text is None and ids else None
+            sample.cut_short = sample.cut_short or not stopped
             sample.busy = False
-        finish = "tool_calls" if tool_calls else "stop" if stopped else "length"
-        future.set_result(Completion(content if content or not tool_calls else None, tool_calls, finish, len(fed),
-                                     len(ids), fed, list(ids)))
+        future.set_result(done)
         return len(ids)
+
+
+_SAID: set[str] = set()  # what this process (an explorer) has printed once
+_SAID_LOCK = threading.Lock()
+
+
+def say_once(kind: str, line: str) -> None:
+    """Print `line` on stderr the first time this process meets `kind` (later ones are only counted)."""
+    with _SAID_LOCK:
+        if kind in _SAID:
+            return
+        _SAID.add(kind)
+    print(line, file=sys.stderr, flush=True)
+
+
+_LONGEST: dict[int, tuple[object, int]] = {}  # id(tokenizer) -> (tokenizer, its longest token's characters)
+
+
+def longest_token(tokenizer) -> int:
+    """Characters of the vocabulary's longest token string: no token covers more characters of text (byte-level
+    BPE: a token's string has one character per byte; SentencePiece: one per character)."""
+    hit = _LONGEST.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = _LONGEST[id(tokenizer)] = (tokenizer, max(len(t) for t in tokenizer.get_vocab()))
+    return hit[1]

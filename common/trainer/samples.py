@@ -51,6 +51,8 @@ def sample_rows(experiences: list[Experience], tokenizer, step: int, n: int) -> 
             row.update({"turns": turn_texts(e, tokenizer), "loss_mask_spans": mask_spans(e.loss_mask),
                         "turn_rewards": list(e.turn_rewards), "env_turn_rewards": e.reward_info.get("turn_rewards"),
                         "end_reason": e.reward_info["end_reason"]})
+        if e.reward_info.get("error"):  # a failed sample says why
+            row["error"] = e.reward_info["error"]
         rows.append(row)
     return rows
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 import os
 import sys
 import time
@@ -263,6 +263,7 @@ class TrainerRun:
         self.start_time = time.time() - state.get("elapsed", 0.0)
         self.logged_step = self.trainer.step
         self.stale_counts: dict = {}  # the staleness processor's counts since the last metrics row
+        self.failed_steps = 0  # steps in a row with --max-failed-frac of their samples failed
         self.replay = None  # Kimi k1.5 replay: groups trained up to --max-reuse times (in memory: not resumed)
         if args.max_reuse > 1:
             self.replay = ReplayBuffer(args.max_reuse, args.replay_groups,
@@ -335,8 +336,29 @@ class TrainerRun:
             self.checkpoint()
         self.logged_step, self.stale_counts = step, {}
         in_step.clear()
+        self._check_failures(batch.experiences, step)
         if stop_requested.is_set():  # SIGTERM (preemption) or Ctrl-C during the step: checkpoint now, then stop
             raise KeyboardInterrupt
+
+    def _check_failures(self, experiences: list, step: int) -> None:
+        """A step where every sample failed prints a warning naming the most common error; --max-failed-steps
+        steps in a row with at least --max-failed-frac failed stop the run with one line (every trainer rank sees
+        the same batch, so all stop together), not after training on nothing for an hour."""
+        if not experiences:
+            return
+        failed = [e.reward_info for e in experiences if e.reward_info.get("failed")]
+        errors = Counter(" | ".join((info.get("error") or info.get("failed_reason") or "failed").splitlines())[:300]
+                         for info in failed)
+        worst = f"{errors.most_common(1)[0][0]!r} ({errors.most_common(1)[0][1]} of {len(failed)})" if failed else ""
+        if len(failed) == len(experiences) and self.is_main:
+            print(f"[tandem] step {step}: every sample failed; most common error: {worst}", file=sys.stderr,
+                  flush=True)
+        self.failed_steps = self.failed_steps + 1 if len(failed) >= self.args.max_failed_frac * len(experiences) \
+            else 0
+        if self.failed_steps >= self.args.max_failed_steps:
+            raise SystemExit(f"error: {len(failed)} of {len(experiences)} samples failed at step {step}, and "
+                             f"{self.args.max_failed_frac:.0%} or more in each of the last {self.failed_steps} steps "
+                             f"(--max-failed-frac, --max-failed-steps): the most common error is {worst}")
 
     def checkpoint(self, name: str | None = None):
         if not self.is_main and not self.trainer.dp.sharded:  # the replicas are identical: one writer
