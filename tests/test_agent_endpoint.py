@@ -149,6 +149,95 @@ def test_bad_requests_get_openai_shaped_errors_naming_the_field_and_the_episode_
     assert ended.value.code == 401 and json.load(ended.value)["error"]["code"] == "invalid_api_key"
 
 
+async def overriding(task, base_url, api_key):
+    """Asks for other sampling than the run's in every field the API has, with n=2 and logprobs; then a small
+    max_tokens, which is honoured."""
+    from examples.agents.openai_calculator import TOOLS
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    raw = await client.chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, temperature=1.0, top_p=0.9,
+        max_tokens=500, seed=7, n=2, logprobs=True, top_logprobs=3, tool_choice="required", presence_penalty=0.5,
+        response_format={"type": "json_object"}, parallel_tool_calls=False)
+    short = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "more"}],
+                                                 max_tokens=2)
+    task["log"] += [raw.headers["x-sampling-overrides"], raw.parse(), short]
+    return 1.0
+
+
+def test_sampling_a_request_asks_for_is_served_with_the_runs_and_the_reply_says_so(tiny, monkeypatch, capsys):
+    tok, model = tiny
+    monkeypatch.setattr(agent_module, "_SAID", set())  # this process's once-only lines, afresh
+    engine, log = Recording(model, tok), []
+    groups = episodes(engine, tok, "overriding", [{"id": "o", "prompt": "hi", "log": log}], temperature=0.5)
+    header, reply, short = log
+    asked = {"temperature": (1.0, 0.5), "top_p": (0.9, 1.0), "max_tokens": (500, 8), "seed": (7, None),
+             "top_logprobs": (3, 0), "tool_choice": ("required", "auto"), "presence_penalty": (0.5, 0),
+             "response_format": ({"type": "json_object"}, {"type": "text"}), "parallel_tool_calls": (False, True)}
+    assert set(header.split(",")) == set(asked)
+    assert {k: (v["requested"], v["applied"]) for k, v in reply.sampling_overrides.items()} == asked
+    a, b, c = groups[0].responses  # the two choices of the first call, then the short call: three samples
+    episode = a.episode
+    assert episode.end_reason == "done" and episode.calls == 2 and len(reply.choices) == 2
+    for choice, sample in zip(reply.choices, (a, b)):  # the log-probs returned are the behaviour log-probs
+        assert [t.logprob for t in choice.logprobs.content] == sample.logprobs and sample.prompt_ids == a.prompt_ids
+        assert choice.message.content == tok.decode(sample.response_ids, skip_special_tokens=True)
+        assert len(sample.response_ids) <= 8  # the run's --max-new-tokens
+    assert [len(p) for p, _ in engine.calls[:2]] == [len(a.prompt_ids)] * 2
+    counts = a.counts()
+    assert all(counts[f"rollout/agent_override/{k}"] == 1 for k in asked)
+    assert short.usage.completion_tokens <= 2 and not getattr(short, "sampling_overrides", None)
+    # a reply cut at its token limit is recorded as truncated: --mask-truncated and rollout/truncated_frac see it
+    assert c.finish_reason == ("length" if short.choices[0].finish_reason == "length" else "stop")
+    printed = capsys.readouterr().err
+    assert printed.count("served with the run's") == len(asked)  # one line per field, the first time
+    assert "temperature=1.0: served with the run's 0.5" in printed
+
+
+async def responding(task, base_url, api_key):
+    """The Responses API: a tool call, its output by previous_response_id, the whole conversation again as an input
+    list (as the Agents SDK sends it), then the same streamed."""
+    from examples.agents.openai_calculator import TOOLS, calculate
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    common = {"model": "m", "instructions": "Use the tool.", "tools": tools}
+    first = await client.responses.create(input=task["prompt"], temperature=1.0, **common)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    output = {"type": "function_call_output", "call_id": call.call_id,
+              "output": calculate(json.loads(call.arguments)["expression"])}
+    second = await client.responses.create(previous_response_id=first.id, input=[output], **common)
+    history = [{"role": "user", "content": task["prompt"]}, *[i.model_dump() for i in first.output], output,
+               *[i.model_dump() for i in second.output], {"role": "user", "content": "Sure?"}]
+    third = await client.responses.create(input=history, **common)
+    events = [e async for e in await client.responses.create(input=history + [
+        *[i.model_dump() for i in third.output], {"role": "user", "content": "Really?"}], stream=True, **common)]
+    task["log"] += [first, second, third, events]
+    return events[-1].response.output_text
+
+
+def test_the_responses_api_serves_tools_and_both_kinds_of_multi_turn_as_one_sample(tiny):
+    tok, _ = tiny
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "(2+3)*4"}}</tool_call>'
+    log = []
+    ctx = Context(tok, max_new_tokens=128, episode_token_budget=4096, agent=f"{HERE}:responding", temperature=0.5)
+    groups, _ = run_episodes(Scripted(tok, ["Let me see. " + call, "The answer is 20", "Yes", "Yes, 20"]), ctx,
+                             [{"id": "r", "prompt": "(2+3)*4?", "log": log}], SamplingConfig(max_new_tokens=128))
+    (sample,) = groups[0].responses
+    episode = sample.episode
+    assert episode.end_reason == "done" and episode.result == "Yes, 20", episode.error
+    first, second, third, events = log
+    assert [i.type for i in first.output] == ["message", "function_call"] and first.output[1].name == "calculate"
+    assert first.output_text == "Let me see." and first.sampling_overrides["temperature"]["applied"] == 0.5
+    assert second.output_text == "The answer is 20" and second.usage.input_tokens > first.usage.input_tokens
+    assert third.output_text == "Yes" and events[0].type == "response.created"
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == "Yes, 20"
+    assert sample.turns == 4 and episode.calls == 4  # previous_response_id and input lists both continued it
+    observations = tok.decode([t for t, m in zip(sample.response_ids, sample.mask) if not m])
+    assert "20" in observations and "Sure?" in observations and "Really?" in observations
+    assert "Use the tool." in tok.decode(sample.prompt_ids)
+
+
 async def rewriting(task, base_url, api_key):
     """Two calls that continue one conversation, then one whose context is rewritten (a summary)."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -402,6 +491,74 @@ def test_the_example_agent_trains(tmp_path, example, schedule):
     rows = assert_trained(out, steps=2)
     assert rows[0]["rollout/agent_calls"] >= rows[0]["rollout/episodes"] > 0
     assert all(r["rollout/end/done"] == r["rollout/episodes"] for r in rows), rows  # no episode failed
+
+
+def _ascii_share(text: str) -> float:
+    """A reward the random tiny model's replies differ in (so the group advantages carry a signal)."""
+    return sum(c.isascii() for c in text) / len(text) if text else 0.0
+
+
+async def asking_chat(task, base_url, api_key):
+    """An agent that sets its own sampling, as framework code does: temperature, max_tokens, tool_choice
+    "required", JSON output."""
+    from examples.agents.openai_calculator import TOOLS
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": task["prompt"]}], tools=TOOLS, temperature=1.0,
+        max_tokens=24, tool_choice="required", response_format={"type": "json_object"})
+    return _ascii_share(reply.choices[0].message.content or "")
+
+
+async def asking_responses(task, base_url, api_key):
+    """The same through client.responses.create."""
+    from examples.agents.openai_calculator import TOOLS
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.responses.create(model="gpt-4o", input=task["prompt"], temperature=1.0, max_output_tokens=24,
+                                          tools=[{"type": "function", **TOOLS[0]["function"]}], tool_choice="required",
+                                          text={"format": {"type": "json_object"}})
+    return _ascii_share(reply.output_text)
+
+
+@pytest.mark.parametrize("agent,schedule", [("asking_chat", "train_sync.py"), ("asking_responses", "train_async.py")])
+def test_agents_that_set_their_own_sampling_train_with_the_runs(tmp_path, agent, schedule):
+    out = tmp_path / "run"
+    result = run_in_process(schedule, *TINY, "--steps", "2", "--max-new-tokens", "16", "--temperature", "0.7",
+                            "--agent", f"{HERE}:{agent}", "--out-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = assert_trained(out, steps=2)
+    max_tokens = "max_tokens" if agent == "asking_chat" else "max_output_tokens"
+    fields = ["temperature", max_tokens, "tool_choice", "response_format" if agent == "asking_chat" else "text.format"]
+    for row in rows:  # every call was served, each of its fields the run's way, and counted
+        assert row["rollout/end/done"] == row["rollout/episodes"] == row["rollout/agent_calls"] > 0, row
+        assert all(row[f"rollout/agent_override/{f}"] == row["rollout/agent_calls"] for f in fields), row
+    assert "temperature=1.0: served with the run's 0.7" in result.stderr
+    assert f"{max_tokens}=24: served with the run's 16" in result.stderr
+
+
+async def failing(task, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    raise RuntimeError("agent bug: no parser for this reply")
+
+
+def test_a_run_where_every_episode_fails_says_why_and_stops(tmp_path):
+    out = tmp_path / "run"
+    result = run_in_process("train_sync.py", *TINY, "--steps", "5", "--max-failed-steps", "2", "--log-samples-every",
+                            "1", "--agent", f"{HERE}:failing", "--out-dir", str(out))
+    assert result.returncode != 0
+    err = result.stderr
+    # the first error of its kind, with the end of the agent's traceback
+    assert err.count("an agent episode failed (error): RuntimeError: agent bug") == 1, err[-3000:]
+    assert 'raise RuntimeError("agent bug: no parser for this reply")' in err
+    assert "step 1: every sample failed" in err and "step 2: every sample failed" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and "the last 2 steps" in last and "RuntimeError: agent bug" in last, last
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(rows) == 2 and all(r["rollout/agent_failed/RuntimeError"] == r["rollout/episodes"] for r in rows)
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert samples and all("RuntimeError: agent bug" in s["error"] for s in samples)
 
 
 def _gone(pid: int, timeout: float = 10) -> bool:
