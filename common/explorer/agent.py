@@ -20,9 +20,15 @@ and sampled; nothing sampled is decoded and re-encoded.
 Reward: `fn` returns a number (the episode's reward) or a string (its answer, scored by the task's verifier; a
 task without one scores 0). Every sample of the episode gets that reward, and group advantages are formed over
 all samples of the task's n episodes (an episode with k samples counts k times). Errors never pay: an agent that
-raises, runs past its time, or returns something else scores 0, marked failed (`end_reason` error, timeout,
-bad_return). Bounds per episode: `--agent-max-calls` calls and `--episode-token-budget` sampled tokens (a call
-beyond either is refused with a 400, and the episode's samples are marked cut: finish reason "length").
+raises, runs past its time, returns something else, or made no call at all (a client-side cache replayed its
+answers) scores 0, marked failed (`end_reason` error, timeout, bad_return, no_call). Each failure says why: the
+first of each kind (the end reason; for an error, the exception's type) is printed once with the end of the agent's
+traceback, every one is counted (rollout/agent_failed/<kind>) and its error goes to samples.jsonl; refused calls
+and sampling served the run's way are printed once and counted the same way. Bounds per episode:
+`--agent-max-calls` calls and `--episode-token-budget` sampled tokens (a call beyond either is refused with a 400,
+and the episode's samples are marked cut: finish reason "length"); a prompt over the budget is refused, one whose
+characters alone show it cannot fit before it is tokenized. A sample one of whose replies was cut at its token limit
+has finish reason "length" too (--mask-truncated, rollout/truncated_frac).
 
 `--agent-cmd "..."` runs a program instead of fn, one process per episode (its own session, killed with everything
 it started when the episode ends): OPENAI_BASE_URL and OPENAI_API_KEY are the episode's base URL and key (what the
@@ -161,7 +167,8 @@ class AgentSample(Sample):
 
     def counts(self) -> dict[str, float]:
         """Per episode (on its first sample): rollout/episodes, rollout/agent_calls, rollout/agent_samples,
-        rollout/end/<reason>, rollout/agent_cut/<limit>."""
+        rollout/end/<reason>, rollout/agent_cut/<limit>, rollout/agent_failed/<kind>, and its calls per field
+        served the run's way (rollout/agent_override/<field>) and per refusal (rollout/agent_refused/<code>)."""
         e = self.episode
         if e.samples[0] is not self:
             return {}

@@ -1,20 +1,30 @@
-"""The explorer's OpenAI-compatible endpoint: `/v1/chat/completions`, `/v1/completions` and `/v1/models` on
-127.0.0.1, answered by the explorer's own engine, so an agent written for the `openai` client trains unchanged
-(common/explorer/agent.py). `/v1/completions` takes one prompt, as text or as token ids (ids continue a sample
-exactly: common/explorer/agent.py states the rule); its reply is text (with `return_token_ids: true`, as in vLLM,
-also the ids fed and sampled, which the next prompt can extend); tools play no part.
+"""The explorer's OpenAI-compatible endpoint: `/v1/chat/completions`, `/v1/responses`, `/v1/completions` and
+`/v1/models` on 127.0.0.1, answered by the explorer's own engine, so an agent written for the `openai` client (or a
+framework on it) trains unchanged (common/explorer/agent.py). `/v1/responses` is the Responses API: `instructions`,
+`input` (a string or items: messages, function_call, function_call_output), function `tools`, and multi-turn by
+`previous_response_id` (the episode's own responses) or by sending the whole conversation again; its messages are
+checked and captured as chat messages. `/v1/completions` takes one prompt, as text or as token ids (ids continue a
+sample exactly: common/explorer/agent.py states the rule); its reply is text (with `return_token_ids: true`, as in
+vLLM, also the ids fed and sampled, which the next prompt can extend); tools play no part. Any other route gets an
+OpenAI-shaped 404 naming these.
 
-Everything that arrives here is untrusted and is checked once, in `parse_chat` / `parse_completion`: a malformed
-request gets an OpenAI-shaped error (`{"error": {"message", "type", "param", "code"}}`, status 400) naming the field,
-never a traceback, and nothing an agent sends can stop the explorer. Each episode gets its own API key (`open`), a fresh
-random token that ties every call to that episode; a call with any other key (unknown, or of an episode that has
-ended: `close`) is refused with 401. The port is picked by the system and bound to localhost only.
+Everything that arrives here is untrusted and is checked once, in `parse_chat` / `parse_responses` /
+`parse_completion`: a malformed request gets an OpenAI-shaped error (`{"error": {"message", "type", "param",
+"code"}}`, status 400; a body over 16 MB 413) naming the field, never a traceback, and nothing an agent sends can stop
+the explorer. Each episode gets its own API key (`open`), a fresh random token that ties every call to that episode;
+a call with any other key (unknown, or of an episode that has ended: `close`) is refused with 401. The port is picked
+by the system and bound to localhost only.
 
-Sampling stays the run's: the trainer assumes the behaviour policy is the run's `--temperature` / `--top-p`, so a
-request may name them only with those values (else 400 naming the field). `max_tokens` / `max_completion_tokens`
-cap the reply below the run's `--max-new-tokens`; `n` must be 1; `logprobs`, penalties and unknown fields are
-refused, naming the field. `stream: true` gets the same reply as server-sent chunks (`chat.completion.chunk`, then
-`data: [DONE]`), sent once the call is sampled: the engine answers whole calls, so nothing arrives token by token.
+Sampling is the run's, and a request that asks otherwise is served, not refused: the trainer assumes the behaviour
+policy is the run's `--temperature` / `--top-p`, unconstrained. `temperature`, `top_p`, `seed`, penalties,
+`logit_bias`, `top_logprobs`, `max_tokens` above `--max-new-tokens`, `tool_choice` "required" or a named function
+(served as "auto": constraining the first tokens would sample from a distribution the trainer does not compute),
+JSON `response_format` (unconstrained, for the same reason), `parallel_tool_calls` false and reasoning settings are
+served the run's way; the reply names each in `sampling_overrides` ({field: {"requested", "applied"}}) and the
+`X-Sampling-Overrides` header. A smaller `max_tokens`, `stop`, `n` (up to 16 choices, each a sample) and `logprobs`
+(each sampled token's behaviour log-prob) are honoured. `stream: true` gets the same reply as server-sent events
+(chat: `chat.completion.chunk` then `data: [DONE]`; responses: `response.created` ... `response.completed`), sent
+once the call is sampled: the engine answers whole calls, so nothing arrives token by token.
 """
 
 from __future__ import annotations
