@@ -170,7 +170,7 @@ async def overriding(task, base_url, api_key):
 
 def test_sampling_a_request_asks_for_is_served_with_the_runs_and_the_reply_says_so(tiny, monkeypatch, capsys):
     tok, model = tiny
-    monkeypatch.setattr(agent_module, "_SAID", set())  # this process's once-only lines, afresh
+    monkeypatch.setattr(agent_module, "_SAID", {})  # this process's once-only lines, afresh
     engine, log = Recording(model, tok), []
     groups = episodes(engine, tok, "overriding", [{"id": "o", "prompt": "hi", "log": log}], temperature=0.5)
     header, reply, short = log

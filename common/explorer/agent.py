@@ -473,16 +473,17 @@ class Agent(Workflow):
         return len(ids)
 
 
-_SAID: set[str] = set()  # what this process (an explorer) has printed once
+_SAID: dict[int, set[str]] = {}  # process id -> what it (an explorer) has printed once (a fork starts afresh)
 _SAID_LOCK = threading.Lock()
 
 
 def say_once(kind: str, line: str) -> None:
     """Print `line` on stderr the first time this process meets `kind` (later ones are only counted)."""
     with _SAID_LOCK:
-        if kind in _SAID:
+        said = _SAID.setdefault(os.getpid(), set())
+        if kind in said:
             return
-        _SAID.add(kind)
+        said.add(kind)
     print(line, file=sys.stderr, flush=True)
 
 
