@@ -68,6 +68,9 @@ GROUP_REPLY = ("Compare them with each other: better responses get higher scores
                "({n} numbers)")
 
 _TAG = re.compile(r"<(\s*/?\s*response)", re.IGNORECASE)
+# Chat-control tokens written as text (ChatML / Llama 3 `<|...|>`, DeepSeek `<｜...｜>`, Gemma, Llama 2): a server
+# that tokenizes the rendered chat would read them as real turn boundaries.
+_CONTROL = re.compile(r"<(?=[|｜][^<>\s]{1,64}[|｜]>)|<(?=/?s>)|<(?=(?:start|end)_of_turn>)|\[(?=/?INST\])")
 
 
 class JudgeError(Exception):
@@ -82,9 +85,10 @@ class Endpoint:
 
 
 def neutralise(text: str) -> str:
-    """The response with every `<response` / `</response` (any case, any spacing) made harmless: it cannot close
-    or imitate its delimiters."""
-    return _TAG.sub(lambda m: "\u2039" + m.group(1), text)
+    """The response with every `<response` / `</response` (any case, any spacing) made harmless, so it cannot
+    close or imitate its delimiters, and chat-control tokens written as text broken (a zero-width space after
+    their first character), so a server that tokenizes the rendered chat sees no turn boundary in it."""
+    return _CONTROL.sub(lambda m: m.group(0) + "\u200b", _TAG.sub(lambda m: "\u2039" + m.group(1), text))
 
 
 def task_prompt(task: dict) -> str:

@@ -34,7 +34,17 @@ def load(name: str, device: str):
     return load_tokenizer(name), load_model(name, device).eval()
 
 
+def defang(tokenizer, text: str) -> str:
+    """`text` with each of the tokenizer's special tokens written in it broken by a zero-width space: it reads
+    as text, never as a turn boundary or an end of sequence."""
+    for token in sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True):
+        if len(token) > 1:
+            text = text.replace(token, token[0] + "\u200b" + token[1:])
+    return text
+
+
 def chat_text(tokenizer, messages: list[dict]) -> str:
+    messages = [{**m, "content": defang(tokenizer, m["content"])} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return "\n\n".join(m["content"] for m in messages) + "\n\n"
