@@ -74,10 +74,11 @@ def continuation_logprobs(tokenizer, model, prefix: str, continuations: list[str
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=model.device)
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=model.device)
+    start = len(prefix_ids) - 1  # the logits that predict the continuations: only these few positions are kept
     with torch.inference_mode():
-        logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
-    token_lp = logprobs.gather(2, ids[:, 1:, None])[..., 0]
-    return [token_lp[k, len(prefix_ids) - 1: len(r) - 1].sum().item() for k, r in enumerate(rows)]
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width - start).logits[:, :-1]
+    token_lp = torch.log_softmax(logits.float(), dim=-1).gather(2, ids[:, start + 1:, None])[..., 0]
+    return [token_lp[k, :len(r) - 1 - start].sum().item() for k, r in enumerate(rows)]
 
 
 def constrained_scores(tokenizer, model, messages: list[dict], name: str, count: int, maximum: int) -> list[float]:

@@ -8,6 +8,8 @@ import socket
 
 import pytest
 
+from common.knobs import ConfigError
+from common.memory import GIB
 from rewards import RewardPool
 from rewards.judge import JudgeError, judge_messages, neutralise, parse
 from tests.judge_scripted import OBEYED, ScriptedJudge, keyword_grade, read_as_gullible_judge
@@ -229,3 +231,22 @@ def test_a_tiny_run_trains_through_the_judges_scores(tmp_path):
     assert all(0 <= r["reward/judge_cache_hit_rate"] <= 1 and r["reward/judge_calls_per_s"] > 0 for r in rows)
     assert len(judge.requests) == sum(r["reward/judge_calls"] for r in rows)
     assert json.load(open(out / "config.json"))["judge_url"] == judge.url
+
+
+def test_a_served_judge_is_counted_on_its_own_device(tmp_path):
+    """--judge-model without --judge-url: the memory planner counts the judge's fp32 weights and its forward on
+    --judge-device (one per explorer) and stops in one line when it does not fit; a judge behind a URL costs
+    nothing here."""
+    from common.memory import ModelShape, judge_bytes, model_config, plan_memory
+    from tests.test_memory import QWEN_1_5B, _args, _config_folder
+
+    folder = _config_folder(tmp_path, "qwen", **QWEN_1_5B)
+    args = _args(folder, "--judge-model", folder, "--judge-device", "cuda:2")
+    need = judge_bytes(args, "cuda")
+    assert need > ModelShape.from_config(model_config(folder)).params * 4
+    room = {"cuda:0": (200 * GIB, 200 * GIB), "cuda:1": (200 * GIB, 200 * GIB)}
+    assert plan_memory(args, 1024, frozenset(), {**room, "cuda:2": (need * 1.01, 80 * GIB)}) == []
+    with pytest.raises(ConfigError, match=f"--judge-model {folder} does not fit --judge-device cuda:2: .* needs"):
+        plan_memory(args, 1024, frozenset(), {**room, "cuda:2": (need * 0.99, 80 * GIB)})
+    args = _args(folder, "--judge-model", "gpt-judge", "--judge-url", "http://127.0.0.1:1/v1")
+    assert plan_memory(args, 1024, frozenset(), room) == []  # no cuda:2 in the table: nothing was counted there
