@@ -65,20 +65,23 @@ def schema_scores(response_format) -> tuple[str, int, int] | None:
 
 
 def continuation_logprobs(tokenizer, model, prefix: str, continuations: list[str]) -> list[float]:
-    """log p(continuation | prefix) of each continuation, in one padded forward."""
+    """log p(continuation | prefix) of each continuation: the prefix's forward once, then every continuation's
+    few tokens over its cached keys and values, as one padded batch."""
     import torch
 
     prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    rows = [prefix_ids + tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
+    rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=model.device)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=model.device)
-    start = len(prefix_ids) - 1  # the logits that predict the continuations: only these few positions are kept
+    mask = torch.tensor([[1] * (len(prefix_ids) + len(r)) + [0] * (width - len(r)) for r in rows], device=model.device)
     with torch.inference_mode():
-        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width - start).logits[:, :-1]
-    token_lp = torch.log_softmax(logits.float(), dim=-1).gather(2, ids[:, start + 1:, None])[..., 0]
-    return [token_lp[k, :len(r) - 1 - start].sum().item() for k, r in enumerate(rows)]
+        out = model(input_ids=torch.tensor([prefix_ids], device=model.device), use_cache=True)
+        first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        out.past_key_values.batch_repeat_interleave(len(rows))
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=out.past_key_values).logits
+    rest = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
+    return [(first[r[0]] + rest[k, :len(r) - 1].sum()).item() for k, r in enumerate(rows)]
 
 
 def constrained_scores(tokenizer, model, messages: list[dict], name: str, count: int, maximum: int) -> list[float]:

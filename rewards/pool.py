@@ -204,8 +204,7 @@ class RewardPool:
         self.judge_url, self.judge_api_key_env, self.judge_device = judge_url, judge_api_key_env, judge_device
         self.judge_timeout_s, self.judge_concurrency = judge_timeout_s, judge_concurrency
         self._judge = None  # rewards.judge.JudgeClient, made for the first judge task
-        self._judge_seen = {"t": time.time(), "items": 0, "calls": 0, "cache_hits": 0, "failed": 0, "timeouts": 0,
-                            "busy_s": 0.0}
+        self._judge_seen = dict.fromkeys(("items", "calls", "cache_hits", "failed", "timeouts", "busy_s"), 0)
         self._wake_lock = threading.Lock()  # judge-call threads wake the dispatcher too
         self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0, "memory": 0}
         self._jobs: queue.Queue = queue.Queue()
@@ -379,10 +378,9 @@ class RewardPool:
         {} until a judge task was seen."""
         if self._judge is None:
             return {}
-        now, stats, seen = time.time(), dict(self._judge.stats), self._judge_seen
-        stats["busy_s"] = self._judge.busy_s()
-        delta = {k: stats[k] - seen[k] for k in ("items", "calls", "cache_hits", "failed", "timeouts", "busy_s")}
-        self._judge_seen = {**{k: stats[k] for k in delta}, "t": now}
+        stats = {**self._judge.stats, "busy_s": self._judge.busy_s()}
+        delta = {k: stats[k] - seen for k, seen in self._judge_seen.items()}
+        self._judge_seen = {k: stats[k] for k in delta}
         return {"reward/judge_calls": delta["calls"], "reward/judge_failed": delta["failed"],
                 "reward/judge_timeouts": delta["timeouts"],
                 "reward/judge_calls_per_s": delta["calls"] / delta["busy_s"] if delta["busy_s"] > 0 else 0.0,
