@@ -208,7 +208,7 @@ def test_the_recipe_config_parses_and_its_taskset_loads():
     from train_async import Args
 
     args = parse_args(Args, ["--config", "configs/judge.yaml"])
-    assert args.judge_model == "default" and args.judge_device == "cpu" and not args.judge_url
+    assert args.judge_model == "default" and args.judge_device == "cpu" and not args.judge_url  # served here
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, 1, args.eval_size, 0)
     tasks = [train.next_batch(1)[0] for _ in range(3)]
     assert all(t["reward"] in ("judge", "judge_group") and t["rubric"] for t in tasks)
