@@ -36,6 +36,7 @@ def validate(args) -> None:
         path = getattr(args, name)
         if path and path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
             raise ConfigError(f"--{name.replace('_', '-')} {path}: no such folder")
+    _validate_judge(args)
     _validate_algo_extras(args)
     if args.micro_batch_size > args.minibatch_size:
         raise ConfigError(f"--micro-batch-size ({args.micro_batch_size}) > --minibatch-size ({args.minibatch_size}): "
@@ -50,6 +51,18 @@ def validate(args) -> None:
     _validate_memory(args)
     _validate_workflows(args)
     check_placement(args.explorer_device_list, args.trainer_device_list)
+
+
+def _validate_judge(args) -> None:
+    """--judge-url names a server and --judge-model its model; --judge-device places a judge tandem serves."""
+    if args.judge_url and not args.judge_model:
+        raise ConfigError("--judge-url needs --judge-model (the model name that server judges with)")
+    if args.judge_url and not re.match(r"^https?://[^/\s]+", args.judge_url):
+        raise ConfigError(f"--judge-url {args.judge_url!r} is not an http(s) URL")
+    if args.judge_device != "cpu" and (args.judge_url or not args.judge_model):
+        raise ConfigError("--judge-device places the judge tandem serves: it needs --judge-model and no --judge-url")
+    if args.judge_device == "cuda" or not is_device(args.judge_device):
+        raise ConfigError(f"--judge-device {args.judge_device!r} is neither cpu nor cuda:N")
 
 
 def resolve_coupled(args) -> None:

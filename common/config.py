@@ -212,9 +212,24 @@ class CommonArgs:
     rm_model: str | None = None
     """Learned reward model (an AutoModelForSequenceClassification folder or hub id) for tasks with reward 'rm'
     that name no rm_model of their own; it runs in its own process on CPU."""
+    # judge rewards (rewards/judge.py: tasks with reward 'judge' / 'judge_group' and a 'rubric')
     judge_model: str | None = None
-    """Causal LM folder or hub id used as the generative judge of k12/vision short answers that the rules reject
-    (tasks may name their own judge_model)."""
+    """The judge model. With --judge-url: the model name sent to that server. Without: a causal LM folder or hub id
+    ('default' too) that tandem serves itself on --judge-device for judge tasks (rewards/judge_server.py), and
+    that k12/vision tasks use as their yes/no judge of short answers the rules reject (tasks may name their own)."""
+    judge_url: str | None = None
+    """An OpenAI-compatible server's base URL (e.g. http://host:8000/v1) that judges 'judge' / 'judge_group' tasks
+    with --judge-model; its API key is read from the environment variable --judge-api-key-env."""
+    judge_api_key_env: str = "JUDGE_API_KEY"
+    """Name of the environment variable holding --judge-url's API key (the key itself is never in a config)."""
+    judge_device: str = "cpu"
+    """Device of the judge tandem serves (--judge-model without --judge-url): cpu or cuda:N, counted by the memory
+    planner there (one judge per explorer)."""
+    judge_timeout_s: float = 60.0
+    """Wall-clock limit of one judge call (a served judge's first calls also get its load time); past it the
+    responses it judges score 0, marked failed (reward/judge_timeouts)."""
+    judge_concurrency: int = 8
+    """Judge calls in flight at once per explorer (--judge-url; a served judge answers one at a time)."""
     # ALGO LOGIC: reward shaping per sample group (rewards/shaping.py)
     length_penalty: float = 0.0
     """Weight of the Kimi k1.5 length reward added per sample group (0 = off, 1 = as in the paper):
@@ -409,7 +424,8 @@ class CommonArgs:
     """Every task's prompt (chat messages: the last user message) becomes this with {prompt} replaced, e.g.
     '{prompt} Put the final answer in \\boxed{}.'; applied before --task-processors."""
     default_reward: RewardKind = "math"
-    """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm)."""
+    """Verifier of dataset rows that have no 'reward' column (math, code, k12, vision, rm, parity, judge,
+    judge_group)."""
 
     # --- memory: big models on one node (common/trainer/fsdp.py, common/trainer/forward.py, README "Big models") --------------
     trainer_shard: Literal["none", "fsdp"] = "none"
@@ -447,7 +463,8 @@ class CommonArgs:
         "sandbox_procs": Range(ge=1), "env_step_timeout_s": Range(gt=0),
         "agent_timeout_s": Range(gt=0), "agent_max_calls": Range(ge=1),
         "max_failed_frac": Range(gt=0), "max_failed_steps": Range(ge=1),
-        "reward_workers": Range(ge=1), "reward_timeout_s": Range(gt=0),
+        "reward_workers": Range(ge=1), "reward_timeout_s": Range(gt=0), "judge_timeout_s": Range(gt=0),
+        "judge_concurrency": Range(ge=1),
         "reward_memory_mb": Range(ge=256, why="a worker needs ~150 MB for its imports"),
         "lr": Range(gt=0), "ppo_epochs": Range(ge=1), "minibatch_size": Range(ge=1), "micro_batch_size": Range(ge=1),
         "clip_eps": Range(gt=0, why="0 clips every update away"),

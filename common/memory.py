@@ -254,6 +254,19 @@ def worker_devices(args) -> tuple[list[str], list[str]]:
     return devices[:len(args.trainer_device_list)], devices[len(args.trainer_device_list):]
 
 
+def judge_bytes(args, device_type: str) -> float:
+    """A judge model tandem serves (--judge-model without --judge-url, rewards/judge_server.py): its float32
+    weights, one forward of the 11 candidate replies over a judge prompt (rubric and task, ~512 tokens, and up to
+    --samples-per-task responses), and its process."""
+    config = model_config(args.judge_model)
+    if config is None:
+        return 0.0
+    judge = ModelShape.from_config(config)
+    tokens = 11 * (512 + args.samples_per_task * args.max_new_tokens)
+    process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
+    return judge.params * 4 + SLACK * forward_bytes(judge, 4, tokens) + process
+
+
 # ----------------------------------------------------------------------------- the decision
 def gib(x: float) -> str:
     return f"{x / GIB:.1f} GiB"
@@ -282,7 +295,8 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
     trainers, explorers = worker_devices(args)
     own = [args.teacher_device] if args.teacher and args.teacher_device else []
-    memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers + own)))
+    judges = [args.judge_device] * len(explorers) if args.judge_model and not args.judge_url else []  # one each
+    memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers + own + judges)))
     if args.engine == "hf" and not args.hf_cache_tokens:  # the static KV cache's positions, decided here
         args.hf_cache_tokens = StaticCacheSize.plan(1, sequence).tokens
     # what the explorers take of each device
@@ -304,6 +318,13 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
                               f"forward need {gib(need)} and {_where(key, memory[key][0], taken.get(key, 0.0))}")
         taken[key] = taken.get(key, 0.0) + need
         teacher = None  # not on the trainers' devices
+    for key in judges:  # a served judge: its weights and one forward on --judge-device, per explorer
+        need = judge_bytes(args, "cpu" if key == "cpu" else "cuda")
+        if need + taken.get(key, 0.0) > memory[key][0]:
+            raise ConfigError(f"--judge-model {args.judge_model} does not fit --judge-device {key}: each of the "
+                              f"{len(judges)} explorers' judges needs {gib(need)} and "
+                              f"{_where(key, memory[key][0], taken.get(key, 0.0))}")
+        taken[key] = taken.get(key, 0.0) + need
     # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers)
     cpu_trainers = sum(1 for d in trainers if d == "cpu")
     notes: list[str] = []

@@ -41,7 +41,8 @@ def check_machine(args) -> None:
 def check_devices(args) -> None:
     """Every cuda device of the placement exists here (common/checks.py check_placement: what is possible at all)."""
     named = [("--explorer-devices", d) for d in args.explorer_device_list] + \
-        [("--trainer-devices", d) for d in args.trainer_device_list] + [("--teacher-device", args.teacher_device)]
+        [("--trainer-devices", d) for d in args.trainer_device_list] + [("--teacher-device", args.teacher_device)] + \
+        [("--judge-device", args.judge_device)]
     for flag, d in named:
         if d.startswith("cuda"):
             if not torch.cuda.is_available():

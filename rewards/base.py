@@ -37,6 +37,8 @@ KINDS: dict[str, Kind] = {
     "vision": Kind("rewards.vision", ("image", "answer")),
     "rm": Kind("rewards.rm"),
     "parity": Kind("rewards.parity", ("parity",)),
+    "judge": Kind("rewards.judge", ("rubric",)),
+    "judge_group": Kind("rewards.judge", ("rubric",)),
 }
 
 

@@ -176,6 +176,12 @@ class RewardPool:
       (`rewards.rm.RMServer`), batched, started on first use.
     - `judge_model`: the K-12 / vision judge (`--judge-model`) for tasks that do not name their own; it runs
       inside the verifier workers (loaded once per worker, on CPU unless the task says `judge_device`).
+    - `judge_url`, `judge_model`, `judge_api_key_env`, `judge_device`, `judge_timeout_s`, `judge_concurrency`: the
+      judge of `reward: judge` / `judge_group` tasks (rewards/judge.py `JudgeClient`): the server at judge_url
+      (model judge_model, key from the environment variable judge_api_key_env), or else judge_model served by
+      tandem on judge_device (rewards/judge_server.py, started on first use). Calls run on threads, each under
+      judge_timeout_s, at most judge_concurrency at once (1 for the served judge: it answers one at a time).
+      `submit(..., groups)` says which items form a group: a judge_group task's group is judged in one call.
     - `stats`: scored / failed / timeouts / crashes / errors, cumulative.
 
     Scoring runs on a dispatcher thread, so `submit` returns at once and generation goes on meanwhile.
@@ -184,7 +190,9 @@ class RewardPool:
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, score_fn=score, rm_model: str | None = None,
                  rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0,
-                 judge_model: str | None = None, memory_mb: int = 4096):
+                 judge_model: str | None = None, memory_mb: int = 4096, judge_url: str | None = None,
+                 judge_api_key_env: str = "JUDGE_API_KEY", judge_device: str = "cpu", judge_timeout_s: float = 60.0,
+                 judge_concurrency: int = 8):
         import multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
@@ -193,6 +201,11 @@ class RewardPool:
         self.rm_model, self.rm_device, self.rm_batch_size, self.rm_timeout_s = (
             rm_model, rm_device, rm_batch_size, rm_timeout_s)
         self.judge_model, self.memory_mb = judge_model, memory_mb
+        self.judge_url, self.judge_api_key_env, self.judge_device = judge_url, judge_api_key_env, judge_device
+        self.judge_timeout_s, self.judge_concurrency = judge_timeout_s, judge_concurrency
+        self._judge = None  # rewards.judge.JudgeClient, made for the first judge task
+        self._judge_seen = dict.fromkeys(("items", "calls", "cache_hits", "failed", "timeouts", "busy_s"), 0)
+        self._wake_lock = threading.Lock()  # judge-call threads wake the dispatcher too
         self.stats = {"scored": 0, "failed": 0, "timeouts": 0, "crashes": 0, "errors": 0, "memory": 0}
         self._jobs: queue.Queue = queue.Queue()
         self._wake_r, self._wake_w = self.ctx.Pipe(duplex=False)
@@ -212,22 +225,24 @@ class RewardPool:
         self._thread.start()
 
     # ---------------------------------------------------------------- public API
-    def submit(self, responses: list[str], tasks: list[dict]) -> RewardFuture:
-        """Queue a batch for scoring and return at once. Unknown reward kinds fail here (a config error)."""
-        if len(responses) != len(tasks):
-            raise ValueError(f"{len(responses)} responses for {len(tasks)} tasks")
+    def submit(self, responses: list[str], tasks: list[dict], groups: list | None = None) -> RewardFuture:
+        """Queue a batch for scoring and return at once. Unknown reward kinds fail here (a config error).
+        `groups`: one key per item, equal for the items of one sample group (default: every item its own)."""
+        if len(responses) != len(tasks) or (groups is not None and len(groups) != len(tasks)):
+            raise ValueError(f"{len(responses)} responses for {len(tasks)} tasks"
+                             f"{'' if groups is None else f' and {len(groups)} group keys'}")
         for task in tasks if self.routes_kinds else ():
             check_kind(task)
         if self._closing.is_set():
             raise RuntimeError("RewardPool is closed")
         future = RewardFuture(len(responses))
         if responses:
-            self._jobs.put((future, list(responses), list(tasks)))
+            self._jobs.put((future, list(responses), list(tasks), list(groups or range(len(tasks)))))
             self._wake()
         return future
 
-    def score_batch(self, responses: list[str], tasks: list[dict]) -> list[Reward]:
-        return self.submit(responses, tasks).result()
+    def score_batch(self, responses: list[str], tasks: list[dict], groups: list | None = None) -> list[Reward]:
+        return self.submit(responses, tasks, groups).result()
 
     def close(self):
         """Stop the dispatcher, kill every child, fail pending futures. Idempotent."""
@@ -271,10 +286,11 @@ class RewardPool:
             remove_workdirs_of(tree.root_pid)
 
     def _wake(self):
-        try:
-            self._wake_w.send_bytes(b"")
-        except OSError:  # closed: the dispatcher is gone anyway
-            pass
+        with self._wake_lock:
+            try:
+                self._wake_w.send_bytes(b"")
+            except OSError:  # closed: the dispatcher is gone anyway
+                pass
 
     def _start_worker(self) -> _Worker:
         parent, child = self.ctx.Pipe()
@@ -341,6 +357,35 @@ class RewardPool:
         with self._lock:
             self._procs.discard(proc)
 
+    def _judge_client(self):
+        if self._judge is None:
+            from rewards.judge import Endpoint, JudgeClient
+
+            if self.judge_url:
+                endpoint = Endpoint(self.judge_url, self.judge_model or "", os.environ.get(self.judge_api_key_env, ""))
+                self._judge = JudgeClient(endpoint, self.judge_timeout_s, self.judge_concurrency, self._wake)
+            else:
+                from rewards.judge_server import JudgeServer
+
+                server = JudgeServer(self.ctx, self.judge_model, self.judge_device, on_start=self._track,
+                                     on_stop=self._untrack)
+                self._judge = JudgeClient(None, self.judge_timeout_s, 1, self._wake, server=server)
+        return self._judge
+
+    def judge_metrics(self) -> dict:
+        """The judge since the last call (reward/judge_*): calls made, calls per second of judging (wall time with
+        a call running), the share of items a cache hit or a call in flight answered, failed and timed-out calls.
+        {} until a judge task was seen."""
+        if self._judge is None:
+            return {}
+        stats = {**self._judge.stats, "busy_s": self._judge.busy_s()}
+        delta = {k: stats[k] - seen for k, seen in self._judge_seen.items()}
+        self._judge_seen = {k: stats[k] for k in delta}
+        return {"reward/judge_calls": delta["calls"], "reward/judge_failed": delta["failed"],
+                "reward/judge_timeouts": delta["timeouts"],
+                "reward/judge_calls_per_s": delta["calls"] / delta["busy_s"] if delta["busy_s"] > 0 else 0.0,
+                "reward/judge_cache_hit_rate": delta["cache_hits"] / delta["items"] if delta["items"] else 0.0}
+
     # ---------------------------------------------------------------- dispatcher thread
     def _finish(self, future: RewardFuture, i: int, reward: Reward):
         self.stats["scored"] += 1
@@ -364,21 +409,31 @@ class RewardPool:
             while not self._closing.is_set():
                 while True:  # new jobs: rm items go to their model's server, the rest to the verifier workers
                     try:
-                        future, responses, tasks = self._jobs.get_nowait()
+                        future, responses, tasks, groups = self._jobs.get_nowait()
                     except queue.Empty:
                         break
+                    judged: dict = {}  # (group key, one or group) -> (task, [(index, response)])
                     for i, (response, task) in enumerate(zip(responses, tasks)):
-                        if self.routes_kinds and task.get("reward") == "rm":
+                        if self.routes_kinds and task.get("reward") in ("judge", "judge_group"):
+                            if not (self.judge_url or self.judge_model):
+                                self._finish(future, i, failed(f"error: task {task.get('id')}: no judge given "
+                                                               "(--judge-url, or --judge-model to serve one)"))
+                                continue
+                            group = task["reward"] == "judge_group"
+                            judged.setdefault((groups[i] if group else i, group), (task, []))[1].append((i, response))
+                        elif self.routes_kinds and task.get("reward") == "rm":
                             model = task.get("rm_model") or self.rm_model
                             if not model:
                                 self._finish(future, i, failed(f"error: task {task.get('id')}: no rm_model given"))
                             else:
                                 self._rm_client(model).add(future, i, response, task, self._finish)
                         else:
-                            if self.judge_model and task.get("reward") in ("k12", "vision") and \
+                            if self.judge_model and not self.judge_url and task.get("reward") in ("k12", "vision") and \
                                     "judge_model" not in task:
                                 task = {**task, "judge_model": self.judge_model}
                             pending.append((future, i, response, task))
+                    for (_, group), (task, items) in judged.items():
+                        self._judge_client().add(future, items, task, group, self._finish)
                 self._step(pending)
         except BaseException as e:  # the dispatcher itself broke: fail every waiter loudly rather than hang them
             self._error = e
@@ -409,7 +464,11 @@ class RewardPool:
                         pending.appendleft(item)
                     except (TypeError, AttributeError, pickle.PicklingError) as e:
                         self._finish(item[0], item[1], failed(f"error: task cannot be sent to a verifier: {e}"))
+        if self._judge is not None:  # start queued judge calls now, before the wait
+            self._judge.poll(self._finish)
         waits = [w.deadline for w in self._workers if w.items] + [c.deadline for c in self._rm.values() if c.busy]
+        if self._judge is not None and self._judge.deadline() is not None:
+            waits.append(self._judge.deadline())
         waits += [w.started + 120 for w in self._workers if not w.ready]  # a worker that never starts
         if any(w.items and w.tree.kind == "tree-polled" for w in self._workers):
             waits.append(time.time() + POLL_S)
@@ -436,6 +495,8 @@ class RewardPool:
                 self._replace(w)
         for client in self._rm.values():
             client.poll(self._finish)
+        if self._judge is not None:
+            self._judge.poll(self._finish)
 
     def _receive(self, w: _Worker, pending: deque):
         try:
@@ -485,16 +546,18 @@ class RewardPool:
             self._stop(w)
         for client in self._rm.values():
             client.close()
+        if self._judge is not None:
+            self._judge.close()
         reason = RuntimeError("RewardPool closed" if self._error is None else f"reward dispatcher died: {self._error}")
         futures = {id(f): f for f, *_ in pending}
         futures.update({id(item[0]): item[0] for w in self._workers for item in w.items})
         while True:
             try:
-                future, _, _ = self._jobs.get_nowait()
+                future, *_ = self._jobs.get_nowait()
             except queue.Empty:
                 break
             futures[id(future)] = future
-        for client in self._rm.values():
+        for client in [*self._rm.values(), *([self._judge] if self._judge is not None else [])]:
             futures.update({id(f): f for f in client.futures()})
         for future in futures.values():
             if not future.done():

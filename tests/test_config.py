@@ -21,7 +21,7 @@ FREE_TEXT = {"config", "out_dir", "wandb_project", "model", "explorer_devices", 
              "loss_fn", "processors", "critic_model", "run_name", "wandb_entity", "wandb_tags", "dataset_config",
              "dataset_split", "eval_dataset_split", "prompt_column", "answer_column", "answer_regex",
              "prompt_template", "lora_target_modules", "env_server", "teacher", "teacher_device", "agent",
-             "agent_cmd"}
+             "agent_cmd", "judge_url", "judge_api_key_env", "judge_device"}
 
 
 def _text_fields(cls) -> set[str]:

@@ -55,12 +55,13 @@ class Evaluation:
         return self.future is not None and self.future.done()
 
     def result(self) -> dict:
-        """eval/accuracy, eval/version, eval/turns_mean; waits for the scores (up to --timeout-s)."""
+        """eval/accuracy, eval/reward_mean, eval/version, eval/turns_mean; waits for the scores (up to --timeout-s)."""
         args = self.explorer.args
         flat = [(g, r) for g in self.groups for r in g.responses]
         scores = self.future.result(args.timeout_s)
         self.explorer.timeline.record("eval", self.started, time.time(), step=self.step_number, version=self.version)
         return {"eval/accuracy": sum(r.score >= 1.0 for r in scores) / len(scores), "eval/version": self.version,
+                "eval/reward_mean": sum(r.score for r in scores) / len(scores),  # graded rewards (judge, rm)
                 "eval/turns_mean": rollout_metrics(flat).get("rollout/turns_mean", 0.0)}
 
     def _score(self) -> None:

@@ -94,7 +94,9 @@ class Explorer:
         self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                                   score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
                                   rm_model=args.rm_model, judge_model=args.judge_model,
-                                  memory_mb=args.reward_memory_mb)
+                                  memory_mb=args.reward_memory_mb, judge_url=args.judge_url,
+                                  judge_api_key_env=args.judge_api_key_env, judge_device=args.judge_device,
+                                  judge_timeout_s=args.judge_timeout_s, judge_concurrency=args.judge_concurrency)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0  # of the weights the engine holds: set by `pull` / `poll` / `take_final`
         self.weights = None  # the weight sync (`connect`)
@@ -221,6 +223,7 @@ class Explorer:
             "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
             **rollout_metrics(flat), **generated.get("tasks", {}),
             **peak_gpu_memory(self.device, f"explorer{self.index}"),
+            **self.rewards.judge_metrics(),  # reward/judge_*: calls, calls/s, cache hit rate, failures
         }
         modes = sorted({r.info["sandbox"] for r in scores if r.info.get("sandbox")})  # code rewards: isolation in force
         if modes:

@@ -20,7 +20,8 @@ class ScoreFuture:
         inputs = [s.verifier_input(g.task, tokenizer, whole_episodes) for g, s in flat]
         self.scored = [i for i, text in enumerate(inputs) if text is not None]
         self.future = pool.submit([inputs[i] for i in self.scored],
-                                  [flat[i][1].verifier_task(flat[i][0].task, whole_episodes) for i in self.scored])
+                                  [flat[i][1].verifier_task(flat[i][0].task, whole_episodes) for i in self.scored],
+                                  groups=[id(flat[i][0]) for i in self.scored])  # judge_group: a group's together
         self.submitted_at = self.future.submitted_at
 
     @property

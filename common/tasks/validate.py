@@ -30,6 +30,8 @@ def validate_task(task: dict, where: str, check_reward: bool = True) -> dict:
     missing = missing_fields(task, kind)
     if missing:
         raise SystemExit(f"error: {where}: missing field {missing[0]} (needed by reward {kind!r})")
+    if kind in ("judge", "judge_group") and not (isinstance(task["rubric"], str) and task["rubric"].strip()):
+        raise SystemExit(f"error: {where}: reward {kind!r} needs 'rubric' as non-empty text")
     return task
 
 
