@@ -70,6 +70,7 @@ class Args(CommonArgs):
 
     RANGES: ClassVar[dict[str, Range]] = {"num_explorers": Range(ge=1),  # with CommonArgs.RANGES
                                           "sync_interval": Range(ge=1)}
+    SCHEDULE: ClassVar[str] = "async"
 
     def validate(self):
         super().validate()
