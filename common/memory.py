@@ -487,7 +487,8 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
             "more --trainer-devices with --trainer-shard fsdp")
     more = "" if ckpt else "; or add --gradient-checkpointing"
     raise ConfigError(f"{flag} {size}: a trainer on {key} needs {gib(peak(size, ckpt))} for micro-batches of {size} "
-                      f"{unit} and {_where(key, free, explorers)}: {hint}{more}")
+                      f"{unit}{f' (the weight sync {gib(sync)} of it: {sync_what})' if sync else ''} and "
+                      f"{_where(key, free, explorers)}: {hint}{more}")
 
 
 def _largest_fit(fits, upper: int) -> int:
@@ -509,7 +510,8 @@ def _explorer_error(args, shape: ModelShape, key: str, need: float, free: float)
                 f"{gib(weights)} and {_where(key, free, 0)}" + ("" if args.dtype == "bfloat16" else
                                                                  ": use --dtype bfloat16 or a smaller model"))
     if args.engine == "vllm" and local_device(key) != "cpu":
-        return (f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: vLLM would take {gib(need)} of "
+        return (f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: vLLM (its share, with the "
+                f"explorer's own process and sync buffer) would take {gib(need)} of "
                 f"{key}, whose free memory is {gib(free)}: lower it")
     if args.engine == "vllm":
         return (f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb}: the explorers on cpu need {gib(need)} with the weights "

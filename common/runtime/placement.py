@@ -35,16 +35,17 @@ SEQUENCE_GUESS = 512  # prompt tokens assumed beside --max-new-tokens before the
 
 @dataclass
 class Node:
-    """What the placement is for: `gpus` per node (0: CPU only), each of `gpu_bytes`; `ranks` per node when torchrun
-    started them (0: `python train_X.py`, which starts one per GPU)."""
+    """What the placement is for: `gpus` per node (0: CPU only), each of `gpu_bytes`; `ranks` on this node and
+    `world_size` in all when torchrun started them (0: `python train_X.py`, which starts one per GPU)."""
     gpus: int
     gpu_bytes: float = 0.0
     nnodes: int = 1
     ranks: int = 0
+    world_size: int = 0
 
     @property
     def world(self) -> int:
-        return (self.ranks or self.gpus) * self.nnodes
+        return self.world_size or (self.ranks or self.gpus) * self.nnodes
 
 
 def this_node(args) -> Node:
@@ -55,13 +56,13 @@ def this_node(args) -> Node:
         return Node(args.gpus, (args.gpu_memory_gb or 80) * GIB, args.nnodes)
     import torch
 
-    ranks = nnodes = 0
+    ranks = world = 0
     if "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ:
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        nnodes = int(os.environ["WORLD_SIZE"]) // ranks
+        world = int(os.environ["WORLD_SIZE"])
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     memory = args.gpu_memory_gb * GIB or (device_memory(["cuda:0"])["cuda:0"][1] if gpus else 0.0)
-    return Node(gpus, memory, nnodes or 1, ranks)
+    return Node(gpus, memory, -(-world // ranks) if ranks else 1, ranks, world)
 
 
 def place(args) -> None:
