@@ -5,7 +5,7 @@ shapes on nodes this machine need not be (config-only folders: no weights, no hu
     python bench/plan.py --models Llama-3.1-8B --gpu-memory-gb 40 --script train_sync.py
 
 Each row is `python SCRIPT --plan --model FOLDER --gpus N --gpu-memory-gb G --nnodes M` with FLAGS below (the USAGE
-GPU quick start's batch), read from the same functions (common/runtime/placement.py plan_report): trainers and
+GPU quick start's batch), read from the same functions (common/placement.py plan_report): trainers and
 explorers (placement), the largest planned peak of a trainer GPU and of an explorer GPU, and the host memory per node
 the weight sync takes (each vLLM explorer's model copy in /dev/shm, a sharded trainer's in-flight snapshot).
 """
@@ -45,7 +45,7 @@ def plan_row(script: str, folder: str, gpus: int, nnodes: int, gpu_gib: float) -
     from common.cli import parse_args
     from common.knobs import ConfigError
     from common.memory import GIB
-    from common.runtime.placement import plan_report
+    from common.placement import plan_report
 
     where = f"{gpus}" if nnodes == 1 else f"{nnodes} x {gpus}"
     Args = importlib.import_module(script.removesuffix(".py")).Args

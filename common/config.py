@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 import common.checks
 from common.knobs import Range, check_numeric_ranges
-from common.runtime.placement import place
+from common.placement import place
 from common.trainer.correction import CORRECTIONS
 from common.trainer.losses import ALGOS
 from common.weight_sync import METHODS
@@ -96,7 +96,7 @@ class CommonArgs:
     """Positions (prompt + response) of each row of the static KV cache; 0 = planned before any model loads from the
     longest prompt + --max-new-tokens (or --episode-token-budget). Longer calls take the dynamic cache."""
 
-    # --- placement and its plan (common/runtime/placement.py): when no device flag is given ----------------------
+    # --- placement and its plan (common/placement.py): when no device flag is given ----------------------
     explorer_gpus: int = -1
     """GPUs (or torchrun CPU ranks) given to explorers alone when the run is placed by itself (no --explorer-devices
     / --trainer-devices), the trainers taking the rest: -1 = from the model's size and --rollout-train-ratio; 0 =
@@ -492,7 +492,7 @@ class CommonArgs:
 
     def validate(self) -> None:
         """The cross-field rules (common/checks.py), after the placement of a run that names no device
-        (common/runtime/placement.py); a schedule's Args adds its own after them."""
+        (common/placement.py); a schedule's Args adds its own after them."""
         check_numeric_ranges(self)
         place(self)
         common.checks.validate(self)

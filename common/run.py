@@ -21,7 +21,7 @@ from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
 from common.runtime.launcher import launch_local, start_forkserver, stop_forkserver
-from common.runtime.placement import print_plan
+from common.placement import print_plan
 from common.runtime.worker import ENGINE_READY, WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)

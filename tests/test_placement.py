@@ -1,4 +1,4 @@
-"""Placement by itself (common/runtime/placement.py) and what follows from where ranks run: the plan for nodes this
+"""Placement by itself (common/placement.py) and what follows from where ranks run: the plan for nodes this
 machine is not (--plan), a torchrun CPU world placed by the same rule, the world's backend from every rank's physical
 place (two nodes, one GPU visible per rank, FSDP2 CPU offload), the weight sync's memory in the plan, and a colocated
 vLLM engine started before its trainer loads."""
@@ -16,7 +16,7 @@ from common.cli import parse_args
 from common.knobs import ConfigError
 from common.memory import GIB
 from common.runtime.launcher import run_function
-from common.runtime.placement import plan_report
+from common.placement import plan_report
 from common.runtime.worker import Place, WorkerContext, choose_backend
 from conftest import ROOT, TINY, assert_trained, run_in_process
 
