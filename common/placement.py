@@ -234,7 +234,7 @@ def plan_report(args) -> dict:
     """The placement and the memory plan of `args` (placed, or as its flags name it) for its node: {"node",
     "placement", "notes" (what the memory plan chose), "devices": {device: [(worker, bytes, what)]}}, from the model's
     config and the tasks' prompts (no weights load). Raises the run's one-line ConfigError when it does not fit."""
-    from common.memory import GIB, plan_memory
+    from common.memory import plan_memory
     from common.model import resolve_model
     from common.preflight import rollout_sequence
     from common.tasks import build_tasksets
@@ -254,7 +254,7 @@ def plan_report(args) -> dict:
     notes = plan_memory(args, sequence, getattr(args, "given_fields", frozenset()), memory, devices,
                         node.gpus if args.gpus else None, node.ranks or (node.gpus if node.nnodes > 1 else 0))
     return {"node": node, "placement": getattr(args, "placement", "as the device flags name it"), "notes": notes,
-            "devices": devices, "sequence": sequence, "gib": GIB}
+            "devices": devices, "sequence": sequence}
 
 
 def print_plan(args, script: str) -> None:
