@@ -68,8 +68,8 @@ class Args(CommonArgs):
     compute from both sides, and tokens sampled before it train only with --partial-loss all (docs/BENCHMARKS.md
     "Schedules as a user runs them": 146 s on, 120 s off on 2 cores)."""
 
-    RANGES: ClassVar[dict[str, Range]] = {"num_explorers": Range(ge=1),  # with CommonArgs.RANGES
-                                          "sync_interval": Range(ge=1)}
+    RANGES: ClassVar[dict[str, Range]] = {"num_explorers": Range(ge=1), "sync_interval": Range(ge=1)}  # + CommonArgs'
+    SCHEDULE: ClassVar[str] = "async"
 
     def validate(self):
         super().validate()

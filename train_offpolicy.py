@@ -13,6 +13,7 @@ Launch (same flags and ranks as train_sync.py):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.cli import parse_args
 from common.config import CommonArgs
@@ -32,6 +33,8 @@ from train_sync import trainer_main  # the trainer side is the synchronous one: 
 @dataclass
 class Args(CommonArgs):
     """One-step off-policy schedule: every field is shared with the other schedules (see common/config.py)."""
+
+    SCHEDULE: ClassVar[str] = "offpolicy"
 
     def validate(self):
         super().validate()

@@ -25,6 +25,9 @@
      top kernels; the whole list in its log), once with gradient checkpointing;
    - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator).
    A new sync method registered in --sync-method gets its row without a change here.
+3. The plan: `train_async.py --plan` for this machine (a Qwen2.5-1.5B-shaped config, no weights), its verdict a row,
+   and bench/plan.py's `--plan` tables for the 1.5B / 7B / 8B shapes on 1/2/4/8 GPUs and 2 x 8 like this machine's
+   (80 GiB where it has none).
 
 The table is printed as markdown (for docs/BENCHMARKS.md) and written to --out. Needs torch (+ CUDA for the GPU
 rows) and the project's pure-Python requirements. Every check is a subprocess: a failure is reported, never raised.
@@ -414,6 +417,35 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
     return rows
 
 
+# ----------------------------------------------------------------------------- the plan
+def plan_section(work: str, logs: str, gpus: int) -> tuple[str, bool]:
+    """(markdown, ok): the plan row (`train_async.py --plan` on this machine) and the --plan tables (bench/plan.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import plan as plans
+    import torch
+
+    folder = plans.model_folder("Qwen2.5-1.5B", work)
+    argv = [sys.executable, "train_async.py", "--plan", "--model", folder, *plans.FLAGS]
+    start, verdict, detail = time.time(), "skipped", "needs CUDA (a CPU machine is placed as ever: no plan)"
+    if gpus:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_for(300),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+        log = os.path.join(logs, "plan.log")
+        with open(log, "w") as f:
+            f.write(" ".join(argv) + "\n\n" + proc.stdout + proc.stderr)
+        placed = next((ln for ln in proc.stdout.splitlines() if ln.startswith("placement:")), "")
+        verdict = "ok" if proc.returncode == 0 and placed else "FAILED"
+        detail = placed.removeprefix("placement: ") if verdict == "ok" else \
+            f"{last_error(proc.stdout + proc.stderr)} (log: {log})"
+    print(f"{verdict:8s} plan ({time.time() - start:.0f}s) {detail}", flush=True)
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpus else 80.0
+    tables = [plans.table("train_async.py", name, plans.model_folder(name, work), round(gib))
+              for name in plans.MODELS]
+    return "\n".join(["", "| check | verdict | s | detail |", "|---|---|---|---|",
+                      f"| plan (train_async.py --plan, Qwen2.5-1.5B shape) | {verdict} | {time.time() - start:.0f} | "
+                      f"{detail} |", "", "\n\n".join(tables), ""]), verdict != "FAILED"
+
+
 # ----------------------------------------------------------------------------- report
 def machine() -> tuple[str, int, tuple[bool, str]]:
     import torch
@@ -477,12 +509,15 @@ def main():
         except Exception as e:  # noqa: BLE001 -- reported in the table, the matrix's verdicts still print
             size = [("realistic size", "FAILED", f"gpu_check: {type(e).__name__}: {e}")]
     report = markdown(desc, checks, size, why)
+    plan_md, plan_ok = plan_section(work, logs, gpus)
+    report += plan_md
     print("\n" + report, flush=True)
     print(f"[gpu-check] {time.time() - start:.0f}s; logs in {logs}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(report)
-    if any(c.result["verdict"] == "FAILED" for c in checks) or (size and any(b == "FAILED" for _, b, _ in size)):
+    if any(c.result["verdict"] == "FAILED" for c in checks) or (size and any(b == "FAILED" for _, b, _ in size)) \
+            or not plan_ok:
         raise SystemExit(1)
 
 

@@ -97,7 +97,7 @@ def _handoff_rank(rank, port, out_dir, shapes, device, dtype, methods, repeats, 
     import torch
     import torch.distributed as dist
 
-    from common.runtime.worker import WorkerContext
+    from common.runtime.worker import WorkerContext, place_of
     from common.runtime.metrics import Timeline
     from common.weight_sync import METHODS
 
@@ -110,7 +110,7 @@ def _handoff_rank(rank, port, out_dir, shapes, device, dtype, methods, repeats, 
     role = "trainer" if rank == 0 else "explorer"
     ctx = WorkerContext(name=f"{role}0", role=role, index=0, rank=rank, world_size=2, device=device, backend="gloo",
                         trainer_ranks=[0], explorer_ranks=[1], names=["trainer0", "explorer0"],
-                        sync_group=dist.new_group([0, 1]), store=dist.PrefixStore("run", base))
+                        places=[place_of(device)] * 2, sync_group=dist.new_group([0, 1]), store=dist.PrefixStore("run", base))
     args = SimpleNamespace(timeout_s=timeout_s, verify_sync=False, sync_bucket_mb=256, out_dir=out_dir)
     gen = torch.Generator(device=device).manual_seed(rank)
     named = [(n, torch.randn(shape, generator=gen, device=device).to(dtype)) for n, shape in shapes]

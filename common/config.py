@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import common.checks
-from common.knobs import Range
+from common.knobs import Range, check_numeric_ranges
+from common.placement import place
 from common.trainer.correction import CORRECTIONS
 from common.trainer.losses import ALGOS
 from common.weight_sync import METHODS
@@ -64,7 +65,8 @@ class CommonArgs:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of policy and reference: float32 or bfloat16."""
     explorer_devices: str = "cpu"
-    """Comma-separated devices, one per explorer (e.g. cuda:0 or cpu)."""
+    """Comma-separated devices, one per explorer (e.g. cuda:0 or cpu). Unless this or --trainer-devices is given,
+    a GPU machine or a torchrun world is placed by itself (see --explorer-gpus)."""
     trainer_devices: str = "cpu"
     """Comma-separated devices of the data-parallel trainers (e.g. cuda:1,cuda:2 or cpu)."""
     num_threads: int = 0
@@ -93,6 +95,26 @@ class CommonArgs:
     hf_cache_tokens: int = 0
     """Positions (prompt + response) of each row of the static KV cache; 0 = planned before any model loads from the
     longest prompt + --max-new-tokens (or --episode-token-budget). Longer calls take the dynamic cache."""
+
+    # --- placement and its plan (common/placement.py): when no device flag is given ----------------------
+    explorer_gpus: int = -1
+    """GPUs (or torchrun CPU ranks) given to explorers alone when the run is placed by itself (no --explorer-devices
+    / --trainer-devices), the trainers taking the rest: -1 = from the model's size and --rollout-train-ratio; 0 =
+    train_sync.py's explorer shares trainer0's GPU. The run's "placement:" line says what was chosen and why."""
+    rollout_train_ratio: float = 0.77
+    """Rollout time : train time of one step, each side on one GPU, that a self-placed train_async.py balances
+    (explorers get about ratio / (1 + ratio) of the GPUs). Default: Qwen2.5-1.5B's shape in a run on one H100, rollout
+    1.15 s : train 1.5 s a step (docs/BENCHMARKS.md "HF rollouts on a GPU"); your run's time/rollout / time/train is
+    its own."""
+    plan: bool = False
+    """Print the placement and the memory plan per GPU, then exit (no model loads): for this machine, or with --gpus
+    for a node it is not."""
+    gpus: int = 0
+    """--plan: GPUs per node of the node to plan for (0: this machine's)."""
+    gpu_memory_gb: float = 0.0
+    """--plan: memory of each GPU in GiB (0: this machine's; 80 with --gpus)."""
+    nnodes: int = 1
+    """--plan: nodes of --gpus GPUs each (one torchrun per node, one rank per GPU)."""
 
     # --- tasks ---------------------------------------------------------------------------------------------
     taskset: str = "arith"
@@ -476,7 +498,11 @@ class CommonArgs:
         "correction_k3_max": Range(gt=0), "critic_lr": Range(gt=0), "gamma": Range(ge=0, le=1),
         "lam": Range(ge=0, le=1), "sync_bucket_mb": Range(ge=1), "max_reuse": Range(ge=1, why="1 = no replay"),
         "lora_alpha": Range(gt=0),
+        "explorer_gpus": Range(ge=-1, why="-1 = chosen"), "rollout_train_ratio": Range(gt=0), "nnodes": Range(ge=1),
     }
+    SCHEDULE: ClassVar[str] = "sync"
+    """How the entry script's rollout and training meet: sync (take turns), offpolicy (one explorer, at once),
+    async (explorers and trainers at once)."""
 
     # --- derived helpers ---------------------------------------------------------------------------------------
     @property
@@ -492,5 +518,8 @@ class CommonArgs:
         return self.tasks_per_step * self.samples_per_task
 
     def validate(self) -> None:
-        """The cross-field rules (common/checks.py); a schedule's Args adds its own after them."""
+        """The cross-field rules (common/checks.py), after the placement of a run that names no device
+        (common/placement.py); a schedule's Args adds its own after them."""
+        check_numeric_ranges(self)
+        place(self)
         common.checks.validate(self)

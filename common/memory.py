@@ -19,6 +19,11 @@ The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --
 - the process itself: CUDA context, or on the CPU the interpreter with torch and transformers loaded.
 An explorer: its weights (in --dtype) plus, with vLLM on a GPU, --vllm-gpu-memory-utilization x the GPU's memory in
 all; with vLLM on the CPU --vllm-kv-cache-gb; with HF generate the KV cache of every sample of a rollout batch.
+The weight sync, on top (`sync_bytes`; the method --sync-method auto will pick): trainer 0's broadcast bucket
+(`pack`: at least the largest tensor, the embedding), its in-flight snapshot (train_async.py: a full copy on its
+device, or in host memory when sharded), the colocated slot (a full copy on trainer 0's device), LoRA's merged
+matrices (built at every push), a sharded trainer's gathered bucket; an explorer's receive bucket, and a vLLM
+explorer's copy of the model in /dev/shm (host memory) and its own process's CUDA context next to vLLM's share.
 bench/memory.py --estimate-check compares these figures with measured CPU peaks.
 """
 
@@ -216,6 +221,57 @@ def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequ
     return SLACK * (weights + kv + logits) + process
 
 
+# ----------------------------------------------------------------------------- the weight sync
+def sync_method(args, trainers: list[str], explorers: list[str]) -> str:
+    """The method the run will use: --sync-method, or for auto what common/weight_sync picks (colocated when every
+    explorer is on trainer 0's device, else broadcast)."""
+    if args.sync_method != "auto":
+        return args.sync_method
+    return "colocated" if all(d == trainers[0] for d in explorers) else "broadcast"
+
+
+def adapted_params(shape: ModelShape, args) -> int:
+    """Parameters of the matrices LoRA adapts (--lora-target-modules): what `merged_named_weights` builds anew."""
+    dims = {"q_proj": shape.hidden * shape.q_dim, "k_proj": shape.hidden * shape.kv_dim,
+            "v_proj": shape.hidden * shape.kv_dim, "o_proj": shape.q_dim * shape.hidden,
+            "gate_proj": shape.hidden * shape.intermediate, "up_proj": shape.hidden * shape.intermediate,
+            "down_proj": shape.intermediate * shape.hidden}
+    names = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
+    return shape.layers * sum(dims.get(m, shape.hidden * shape.hidden) for m in names)
+
+
+def sync_bytes(shape: ModelShape, args, method: str, role: str, source: bool = False) -> tuple[float, float, str]:
+    """What the weight sync adds to one worker: (bytes on its device, bytes of host memory, what they are). `source`:
+    trainer 0, which sends."""
+    b = dtype_bytes(args.dtype)
+    model = shape.params * b
+    bucket = max(args.sync_bucket_mb << 20, shape.vocab * shape.hidden * b)  # pack(): at least one whole tensor
+    device, host, what = 0.0, 0.0, []
+    sharded = args.trainer_shard == "fsdp"
+    if role == "explorer":
+        if method == "broadcast":
+            device, what = bucket, ["receive bucket"]
+        if args.engine == "vllm":
+            host, what = model, what + ["/dev/shm model copy (host)"]
+        return device, host, " + ".join(what)
+    if sharded and method != "checkpoint":  # every trainer gathers whole tensors of the bucket it sends / joins
+        device, what = bucket, ["gathered bucket"]
+    if not source:
+        return device, host, " + ".join(what)
+    if method == "broadcast":
+        device, what = device + bucket, what + ["bucket"]
+        if getattr(args, "SCHEDULE", "") == "async":  # push(wait=False): a snapshot the broadcast thread sends
+            if sharded:
+                host, what = model, what + ["in-flight snapshot (host)"]
+            else:
+                device, what = device + model, what + ["in-flight snapshot"]
+    if method == "colocated":
+        device, what = device + model, what + ["colocated slot"]
+    if args.lora_rank:
+        device, what = device + adapted_params(shape, args) * b, what + ["LoRA merged matrices"]
+    return device, host, " + ".join(what)
+
+
 # ----------------------------------------------------------------------------- the devices
 def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
     """(free, total) bytes of every device: a GPU's free memory (queried in a short child process, so this one
@@ -244,13 +300,23 @@ def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def worker_devices(args) -> tuple[list[str], list[str]]:
-    """The device of every trainer and explorer, bare `cuda` resolved as the launcher does on one node (the rank's
-    own GPU, modulo the GPUs there)."""
-    from common.runtime.worker import plan_world, rank_device
+def worker_devices(args, gpus: int | None = None, local_world: int = 0) -> tuple[list[str], list[str]]:
+    """The device of every trainer and explorer as the plan keys them: bare `cuda` resolved as the launcher does (the
+    rank's own GPU: its local rank modulo the node's `gpus`, default this machine's), and on nodes after the first
+    the node appended (`cuda:3@node1`, a GPU of its own): ranks fill nodes in order, `local_world` each (torchrun's
+    LOCAL_WORLD_SIZE; default one node)."""
+    import torch
+
+    from common.runtime.worker import plan_world
 
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
-    devices = [rank_device(w.device, rank) for rank, w in enumerate(plan)]
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    local_world = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or len(plan)
+    devices = []
+    for rank, w in enumerate(plan):
+        node, local = divmod(rank, local_world)
+        device = f"cuda:{local % max(1, gpus)}" if w.device == "cuda" else w.device
+        devices.append(device if node == 0 else f"{device}@node{node}")
     return devices[:len(args.trainer_device_list)], devices[len(args.trainer_device_list):]
 
 
@@ -267,17 +333,30 @@ def judge_bytes(args, device_type: str) -> float:
     return judge.params * 4 + SLACK * forward_bytes(judge, 4, tokens) + process
 
 
+def local_device(key: str) -> str:
+    """A plan key's device on its own node (`cuda:3@node1` -> `cuda:3`)."""
+    return key.split("@")[0]
+
+
+def host_of(key: str) -> str:
+    """The host memory of a plan key's node (`cpu`, `cpu@node1`)."""
+    return "cpu" + key[len(local_device(key)):]
+
+
 # ----------------------------------------------------------------------------- the decision
 def gib(x: float) -> str:
     return f"{x / GIB:.1f} GiB"
 
 
-def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dict | None = None) -> list[str]:
+def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dict | None = None,
+                report: dict | None = None, gpus: int | None = None, local_world: int = 0) -> list[str]:
     """Fit the run into its devices before any model loads: returns the lines saying what was chosen (fields of
     `args` set: --gradient-checkpointing, --micro-batch-size or --max-tokens-per-micro-batch), or raises a one-line
     ConfigError naming the flag. `sequence`: tokens of the longest sequence a rollout makes (prompt + response,
     or a whole episode); `given`: fields the user set (never changed here); `memory`: (free, total) bytes per
-    device (default: measured now)."""
+    device (default: measured now; a node after the first has its first node's devices; host memory ("cpu") that is
+    not listed is not checked); `report`: filled with each device's workers and planned bytes; `gpus`,
+    `local_world`: the node's GPUs and ranks (worker_devices)."""
     from common.explorer.engine import StaticCacheSize
     from common.trainer.losses import ALGOS
 
@@ -293,21 +372,35 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     if args.teacher:
         teacher_config = model_config(args.teacher)
         teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
-    trainers, explorers = worker_devices(args)
+    trainers, explorers = worker_devices(args, gpus, local_world)
     own = [args.teacher_device] if args.teacher and args.teacher_device else []
     judges = [args.judge_device] * len(explorers) if args.judge_model and not args.judge_url else []  # one each
-    memory = memory if memory is not None else device_memory(sorted(set(trainers + explorers + own + judges)))
+    method = sync_method(args, trainers, explorers)
+    host = {host_of(k): 0.0 for k in trainers + explorers}  # /dev/shm copies, host-side snapshots
+    if memory is None:
+        memory = device_memory(sorted({local_device(k) for k in trainers + explorers + own + judges} | {"cpu"}))
+    memory = {**{k: memory[local_device(k)] for k in trainers + explorers + own + judges + list(host)
+                 if local_device(k) in memory}, **memory}
+    report = report if report is not None else {}
     if args.engine == "hf" and not args.hf_cache_tokens:  # the static KV cache's positions, decided here
         args.hf_cache_tokens = StaticCacheSize.plan(1, sequence).tokens
     # what the explorers take of each device
     taken: dict[str, float] = {}
-    for d in explorers:
-        key = "cpu" if d == "cpu" else d
-        need = explorer_bytes(shape, args, "cuda" if key != "cpu" else "cpu", memory[key][1], sequence)
-        taken[key] = taken.get(key, 0.0) + need
+    for i, d in enumerate(explorers):
+        kind = "cpu" if local_device(d) == "cpu" else "cuda"
+        need = explorer_bytes(shape, args, kind, memory[d][1], sequence)
+        extra, shm, what = sync_bytes(shape, args, method, "explorer")
+        if kind == "cuda" and args.engine == "vllm":  # the explorer's own process, beside vLLM's share
+            extra, what = extra + CUDA_CONTEXT_BYTES, " + ".join(filter(None, ["explorer process", what]))
+        taken[d] = taken.get(d, 0.0) + need + extra
+        host[host_of(d)] += shm
+        report.setdefault(d, []).append((f"explorer{i}", need + extra, what))
     for key, need in taken.items():
         if need > memory[key][0]:
             raise ConfigError(_explorer_error(args, shape, key, need, memory[key][0]))
+    host_explorers = dict(host)
+    for key, need in host.items():  # host memory (CPU workers there have that much less)
+        taken[key] = taken.get(key, 0.0) + need
     if own:  # --teacher-device: the teacher's weights and one forward there, not on the trainer's
         key, b = own[0], dtype_bytes(args.dtype)
         tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * sequence
@@ -317,6 +410,7 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
             raise ConfigError(f"--teacher {args.teacher} does not fit --teacher-device {key}: its weights and one "
                               f"forward need {gib(need)} and {_where(key, memory[key][0], taken.get(key, 0.0))}")
         taken[key] = taken.get(key, 0.0) + need
+        report.setdefault(key, []).append(("teacher", need, ""))
         teacher = None  # not on the trainers' devices
     for key in judges:  # a served judge: its weights and one forward on --judge-device, per explorer
         need = judge_bytes(args, "cpu" if key == "cpu" else "cuda")
@@ -325,26 +419,47 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
                               f"{len(judges)} explorers' judges needs {gib(need)} and "
                               f"{_where(key, memory[key][0], taken.get(key, 0.0))}")
         taken[key] = taken.get(key, 0.0) + need
-    # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers)
-    cpu_trainers = sum(1 for d in trainers if d == "cpu")
+        report.setdefault(key, []).append(("judge", need, ""))
+    # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers there)
     notes: list[str] = []
-    for key in sorted(set(trainers)):
+    for key in sorted(set(trainers), key=trainers.index):
         free, _ = memory[key]
-        budget = (free - taken.get(key, 0.0)) / (cpu_trainers if key == "cpu" else 1)
-        notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given, teacher)
+        first = trainers.index(key)
+        sync, shm, what = sync_bytes(shape, args, method, "trainer", source=first == 0)
+        host[host_of(key)] += shm
+        share = trainers.count(key) if local_device(key) == "cpu" else 1
+        budget = (free - taken.get(key, 0.0)) / share
+        notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given, teacher,
+                              sync, what)
+        tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * sequence
+        trained = tokens if args.max_tokens_per_micro_batch else args.micro_batch_size * args.max_new_tokens
+        peak = trainer_estimate(shape, args, "cpu" if local_device(key) == "cpu" else "cuda", tokens, trained,
+                                args.gradient_checkpointing, critic, teacher).peak + sync
+        report.setdefault(key, []).append((f"trainer{first}" + (f" (x{share})" if share > 1 else ""), peak * share,
+                                           what))
+    for key, need in host.items():
+        if not need:
+            continue
+        report.setdefault(key, []).append(("weight sync", need, "/dev/shm and host copies"))
+        if key in memory and key not in trainers and taken.get(key, 0.0) - host_explorers.get(key, 0.0) + need > \
+                memory[key][0]:
+            raise ConfigError(f"the weight sync's host memory on {key} ({gib(need)}: each vLLM explorer's model copy "
+                              f"in /dev/shm, a sharded trainer's in-flight snapshot) does not fit: "
+                              f"{_where(key, memory[key][0], taken.get(key, 0.0) - host_explorers.get(key, 0.0))}")
     return notes
 
 
 def _where(key: str, free: float, explorers: float) -> str:
-    place = "the machine's available memory" if key == "cpu" else f"{key}'s free memory"
+    place = "the machine's available memory" if local_device(key) == "cpu" else f"{key}'s free memory"
     shared = f", of which the explorers there take {gib(explorers)}" if explorers else ""
     return f"{place} is {gib(free)}{shared}"
 
 
-def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, given, teacher=None) -> list[str]:
+def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, given, teacher=None, sync=0.0,
+                 sync_what="") -> list[str]:
     """Fit one trainer device: as configured, else with checkpointing, else with smaller micro-batches (each only
-    where the user left that field open), else one line naming the flag."""
-    device_type = "cpu" if key == "cpu" else "cuda"
+    where the user left that field open), else one line naming the flag. `sync`: the weight sync's bytes there."""
+    device_type = "cpu" if local_device(key) == "cpu" else "cuda"
     packed = args.max_tokens_per_micro_batch > 0
     flag, field = (("--max-tokens-per-micro-batch", "max_tokens_per_micro_batch") if packed else
                    ("--micro-batch-size", "micro_batch_size"))
@@ -353,25 +468,27 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
     def peak(n: int, ckpt: bool) -> float:  # a packed micro-batch holds at least one whole sequence
         tokens = max(n, sequence) if packed else n * sequence
         trained = tokens if packed else n * args.max_new_tokens
-        return trainer_estimate(shape, args, device_type, tokens, trained, ckpt, critic, teacher).peak
+        return trainer_estimate(shape, args, device_type, tokens, trained, ckpt, critic, teacher).peak + sync
 
     ckpt = args.gradient_checkpointing
     if peak(size, ckpt) <= budget:
         return []
     states = trainer_estimate(shape, args, device_type, 0, 0, True, critic, teacher)
-    if states.states + states.process > budget:  # weights, gradients and optimizer state alone
+    if states.states + states.process + sync > budget:  # weights, gradients, optimizer state and the sync alone
         fixes = []
         if args.trainer_shard != "fsdp" and not args.lora_rank:
             fixes += ["--trainer-shard fsdp over more --trainer-devices", "--lora-rank 16"]
         if args.dtype != "bfloat16":
             fixes.append("--dtype bfloat16")
-        if key != "cpu" and args.trainer_shard == "fsdp" and not args.fsdp_cpu_offload:
+        if device_type == "cuda" and args.trainer_shard == "fsdp" and not args.fsdp_cpu_offload:
             fixes.append("--fsdp-cpu-offload")
         if explorers:
             fixes.append("the explorers on another device")
         raise ConfigError(f"--model {args.model} does not fit a trainer on {key}: weights, gradients and AdamW "
                           f"state of {shape.params / 1e9:.2f} B parameters in {args.dtype} need "
-                          f"{gib(states.states + states.process)} and {_where(key, free, explorers)}: use "
+                          f"{gib(states.states + states.process + sync)}"
+                          f"{f' with the weight sync ({sync_what}: {gib(sync)})' if sync else ''} and "
+                          f"{_where(key, free, explorers)}: use "
                           f"{' or '.join(fixes) or 'a device with more memory'}")
     notes = []
     if not ckpt and "gradient_checkpointing" not in given:
@@ -392,7 +509,8 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
             "more --trainer-devices with --trainer-shard fsdp")
     more = "" if ckpt else "; or add --gradient-checkpointing"
     raise ConfigError(f"{flag} {size}: a trainer on {key} needs {gib(peak(size, ckpt))} for micro-batches of {size} "
-                      f"{unit} and {_where(key, free, explorers)}: {hint}{more}")
+                      f"{unit}{f' (the weight sync {gib(sync)} of it: {sync_what})' if sync else ''} and "
+                      f"{_where(key, free, explorers)}: {hint}{more}")
 
 
 def _largest_fit(fits, upper: int) -> int:
@@ -409,12 +527,13 @@ def _largest_fit(fits, upper: int) -> int:
 
 def _explorer_error(args, shape: ModelShape, key: str, need: float, free: float) -> str:
     weights = shape.params * dtype_bytes(args.dtype)
-    if weights > free and not (args.engine == "vllm" and key != "cpu"):
+    if weights > free and not (args.engine == "vllm" and local_device(key) != "cpu"):
         return (f"--model {args.model} does not fit an explorer on {key}: its weights in {args.dtype} need "
                 f"{gib(weights)} and {_where(key, free, 0)}" + ("" if args.dtype == "bfloat16" else
                                                                  ": use --dtype bfloat16 or a smaller model"))
-    if args.engine == "vllm" and key != "cpu":
-        return (f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: vLLM would take {gib(need)} of "
+    if args.engine == "vllm" and local_device(key) != "cpu":
+        return (f"--vllm-gpu-memory-utilization {args.vllm_gpu_memory_utilization}: vLLM (its share, with the "
+                f"explorer's own process and sync buffer) would take {gib(need)} of "
                 f"{key}, whose free memory is {gib(free)}: lower it")
     if args.engine == "vllm":
         return (f"--vllm-kv-cache-gb {args.vllm_kv_cache_gb}: the explorers on cpu need {gib(need)} with the weights "

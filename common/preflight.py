@@ -165,10 +165,16 @@ def check_memory(args, tasks: list[dict]) -> None:
     """Every trainer and explorer must fit its device's memory (common/memory.py): the run as configured, or with
     --gradient-checkpointing and a smaller micro-batch where the user left them open (one line says so), or one
     line naming the flag to change, before any model loads."""
+    for line in plan_memory(args, rollout_sequence(args, tasks), getattr(args, "given_fields", frozenset())):
+        print(line, flush=True)
+
+
+def rollout_sequence(args, tasks: list[dict]) -> int:
+    """Tokens of the longest sequence a rollout makes: the longest prompt (of the first PROMPTS_MEASURED) plus
+    --max-new-tokens, or a whole episode (--episode-token-budget) where tasks name an environment."""
     single = [t for t in tasks if "env" not in t][:PROMPTS_MEASURED]
     tokenizer = load_tokenizer(args.model, args.chat_template) if single else None
     sequence = max([len(chat_prompt_ids(tokenizer, t)) for t in single] or [0]) + args.max_new_tokens
     if taskset_has_envs(args.taskset) or any("env" in t for t in tasks) or args.agent or args.agent_cmd:
         sequence = max(sequence, args.episode_token_budget)  # an episode's sample may be this long
-    for line in plan_memory(args, sequence, getattr(args, "given_fields", frozenset())):
-        print(line, flush=True)
+    return sequence

@@ -21,7 +21,8 @@ from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
 from common.runtime.launcher import launch_local, start_forkserver, stop_forkserver
-from common.runtime.worker import WorkerContext, join_world, plan_world, run_worker, under_elastic
+from common.placement import print_plan
+from common.runtime.worker import ENGINE_READY, WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
 from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
@@ -108,8 +109,14 @@ def launch(args, schedule: str, worker, title: str) -> None:
     take the prepared configuration from rank 0, run `worker(ctx, args)`, and on rank 0 write the wrap-up once every
     rank is done."""
     check_torch()
+    if args.plan:  # the placement and the memory plan, nothing else (rank 0's under torchrun)
+        if not under_elastic() or os.environ["RANK"] == "0":
+            print_plan(args, os.path.basename(sys.argv[0]))
+        return
     check_machine(args)  # before anything imports vLLM or touches CUDA, in every process
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
+    if getattr(args, "placement", None) and (not under_elastic() or os.environ["RANK"] == "0"):
+        print(f"[tandem] placement: {args.placement}", flush=True)
     if not under_elastic():
         check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
         if args.engine == "auto":  # vLLM imported here, where it imports, so the forked workers have it too
@@ -130,15 +137,30 @@ def launch(args, schedule: str, worker, title: str) -> None:
             apply_cores(shares[name], shares, name)
             if int(os.environ["LOCAL_RANK"]) == 0:
                 print(f"[tandem] cores: {describe_cores(shares)}", flush=True)
-        ctx = join_world(plan, args.timeout_s, args.peer_timeout_s)
+        ctx = join_world(plan, args.timeout_s, args.peer_timeout_s, cpu_collectives=args.fsdp_cpu_offload)
         share_prepared_args(ctx, args, schedule)
         check_weight_sync(ctx, args)
+        engines_first(ctx, args)
         worker(ctx, args)
         ctx.close(args.timeout_s)
         if ctx.rank == 0:
             finish_run(args, title)
 
     run_worker(rank_main)
+
+
+def engines_first(ctx: WorkerContext, args) -> None:
+    """A trainer on the same GPU as a vLLM explorer loads its model once that explorer's engine is up (the explorer
+    says so when it connects its weight sync: common/weight_sync make_weight_sync). vLLM measures the GPU's free
+    memory and profiles its own peak while it starts, and assumes no other process allocates meanwhile
+    (vllm/v1/worker/gpu_worker.py: determine_available_memory, its "Error in memory profiling" assertion); a trainer
+    loading at the same time shrinks vLLM's KV cache or fails that check."""
+    if ctx.role != "trainer" or args.engine != "vllm" or ctx.places[ctx.rank].id == "cpu":
+        return
+    for r in ctx.explorer_ranks:
+        if ctx.places[r].same(ctx.places[ctx.rank]):
+            ctx.wait_key(f"{ENGINE_READY}/{r}", args.timeout_s, f"{ctx.names[r]}'s vLLM engine on this GPU (it starts "
+                         "before the trainer loads)")
 
 
 def share_prepared_args(ctx: WorkerContext, args, schedule: str) -> None:

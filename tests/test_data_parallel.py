@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from common.checks import check_placement
 from common.knobs import ConfigError
 from common.preflight import check_devices
-from common.runtime.worker import choose_backend
 from common.model import load_model
 from conftest import TINY, assert_trained, run_in_process, run_script
 
@@ -69,13 +68,6 @@ def test_data_parallel_ppo_with_checkpoint_sync(tmp_path):
     assert rows[-1]["value_loss"] > 0
     for step, by_trainer in _train_hashes(out).items():
         assert by_trainer["trainer0"] == by_trainer["trainer1"], f"replicas diverged at step {step}"
-
-
-def test_backend_follows_placement():
-    assert choose_backend(["cpu", "cpu", "cpu"]) == "gloo"
-    assert choose_backend(["cuda:1", "cuda:2", "cuda:0"]) == "nccl"
-    assert choose_backend(["cuda:0", "cuda:0"]) == "cpu:gloo,cuda:nccl"  # colocated on one GPU
-    assert choose_backend(["cuda:0", "cpu"]) == "cpu:gloo,cuda:nccl"
 
 
 def test_impossible_placements_are_one_line_errors():

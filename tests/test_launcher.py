@@ -95,10 +95,11 @@ def test_forked_workers_run_only_their_own_exit_handlers_and_finalizers():
 
 
 def test_world_of_the_wrong_size_is_one_line_per_rank(tmp_path):
-    """torchrun with 3 ranks for a 1 trainer + 1 explorer configuration: each rank says so in one line, before any
-    model loads (no timeline file is written)."""
+    """torchrun with 3 ranks for a 1 trainer + 1 explorer configuration (named: without device flags the ranks are
+    placed by themselves): each rank says so in one line, before any model loads (no timeline file is written)."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-                           os.path.join(ROOT, "train_sync.py"), *TINY, "--steps", "1", "--out-dir",
+                           os.path.join(ROOT, "train_sync.py"), *TINY, "--steps", "1", "--trainer-devices", "cpu",
+                           "--explorer-devices", "cpu", "--out-dir",
                            str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode != 0

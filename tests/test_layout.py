@@ -20,7 +20,8 @@ LAYERS = [
     ("common.envs",),
     ("common.tasks",),
     ("common.explorer", "common.trainer"),
-    ("common.checks", "common.cli", "common.config", "common.memory", "common.preflight", "common.run"),
+    ("common.checks", "common.cli", "common.config", "common.memory", "common.placement", "common.preflight",
+     "common.run"),
     ("train_sync", "train_offpolicy", "train_async"),
 ]
 # The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).

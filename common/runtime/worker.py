@@ -7,9 +7,14 @@ whichever node gets rank 0 and the explorer on the other. A device `cuda` means 
 the GPUs of the node); `cuda:K` is that GPU.
 
 Groups: `trainers` (data parallel), `sync` (trainer rank 0 + every explorer: the weight broadcast) and a gloo
-group for the experience buffer (common/runtime/channel.py). Backend of the world: nccl when every rank has a GPU
-of its own, gloo when all are on the CPU, else both ("cpu:gloo,cuda:nccl": each collective picks by the tensors'
-device), because NCCL cannot connect two ranks on one GPU (colocated explorer + trainer) or a CPU rank.
+group for the experience buffer (common/runtime/channel.py). Backend of the world, decided once every rank has said
+where it runs (its node and its device's physical identity, through the store, before the process group forms):
+nccl when every rank has a GPU of its own, gloo when all are on the CPU, else both ("cpu:gloo,cuda:nccl": each
+collective picks by the tensors' device), because NCCL cannot connect two ranks on one GPU (colocated explorer +
+trainer) or a CPU rank. Physical, because device names repeat: `cuda:0` on two nodes, or on every rank of a job that
+shows each rank one GPU (Slurm --gpus-per-task=1), are different GPUs; a GPU is known by its UUID. Both also when
+FSDP2 offloads to the CPU (--fsdp-cpu-offload): its sharded parameters and gradients live there, and gathering or
+clipping them is a collective over CPU tensors (torchtitan adds cpu:gloo for the same reason).
 
 The run's small shared state (stop flag, announced weight versions, liveness) lives in the c10d store that the
 elastic agent already hosts. Every rank beats there once a second and watches the others: a peer silent for
@@ -25,13 +30,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -65,13 +71,47 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
 
 
-def choose_backend(devices: list[str]) -> str:
-    """nccl when every rank has a GPU of its own, gloo when none has one, else both (see module docstring)."""
-    if not any(d.startswith("cuda") for d in devices):
+class Place(NamedTuple):
+    """Where a rank runs: its node, its device as it names it, and what two ranks compare (`id`: "cpu", or the GPU's
+    UUID, the same whichever index a process sees the GPU under)."""
+    node: str
+    device: str
+    id: str
+
+    def same(self, other: "Place") -> bool:
+        return (self.node, self.id) == (other.node, other.id)
+
+
+def place_of(device: torch.device) -> Place:
+    """This process's Place on `device`."""
+    gpu = f"GPU-{torch.cuda.get_device_properties(device).uuid}" if device.type == "cuda" else "cpu"
+    return Place(socket.gethostname(), str(device), gpu)
+
+
+def gather_places(store, rank: int, names: list[str], place: Place, timeout_s: float) -> list[Place]:
+    """Every rank's Place, in rank order: each publishes its own in the store and reads the others'."""
+    store.set(f"place/{rank}", json.dumps(place))
+    deadline, places = time.time() + timeout_s, []
+    for r, name in enumerate(names):
+        while not store.check([f"place/{r}"]):
+            if time.time() > deadline:
+                raise TimeoutError(f"{names[rank]}: {name} (rank {r}) never said where it runs ({timeout_s:.0f}s)")
+            time.sleep(0.01)
+        places.append(Place(*json.loads(store.get(f"place/{r}"))))
+    return places
+
+
+def own_gpus(places: list[Place]) -> bool:
+    """Every rank on a GPU no other rank uses."""
+    return bool(places) and all(p.id != "cpu" for p in places) and len({(p.node, p.id) for p in places}) == len(places)
+
+
+def choose_backend(places: list[Place], cpu_collectives: bool = False) -> str:
+    """nccl when every rank has a GPU of its own (and no collective runs over CPU tensors: `cpu_collectives`), gloo
+    when none has one, else both (see module docstring)."""
+    if all(p.id == "cpu" for p in places):
         return "gloo"
-    if all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices):
-        return "nccl"
-    return "cpu:gloo,cuda:nccl"
+    return "nccl" if own_gpus(places) and not cpu_collectives else "cpu:gloo,cuda:nccl"
 
 
 @dataclass
@@ -86,6 +126,7 @@ class WorkerContext:
     trainer_ranks: list[int]
     explorer_ranks: list[int]
     names: list[str] = field(default_factory=list)  # every rank's worker name
+    places: list[Place] = field(default_factory=list)  # every rank's Place
     trainer_group: Any = None
     sync_group: Any = None
     buffer_group: Any = None       # gloo, every rank: the experience buffer and the control channel
@@ -100,8 +141,8 @@ class WorkerContext:
 
     @property
     def comm_device(self) -> torch.device:
-        """Where weight-sync buffers live: the worker's GPU under nccl, the CPU under gloo (or a colocated GPU)."""
-        return self.device if self.backend == "nccl" else torch.device("cpu")
+        """Where weight-sync buffers live: the worker's GPU when every rank has its own (NCCL), else the CPU (gloo)."""
+        return self.device if own_gpus(self.places) else torch.device("cpu")
 
     @property
     def trainer_comm_device(self) -> torch.device:
@@ -134,11 +175,13 @@ def under_elastic() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float) -> WorkerContext:
+def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float,
+               cpu_collectives: bool = False) -> WorkerContext:
     """This process's rank of the run: check the world size, join the process group and its sub-groups, start
-    the liveness watch. A world of the wrong size is a one-line error before any model loads."""
+    the liveness watch. A world of the wrong size is a one-line error before any model loads. `cpu_collectives`:
+    some collective runs over CPU tensors although every rank has a GPU (--fsdp-cpu-offload)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_rank = int(os.environ["LOCAL_RANK"])
     if world_size != len(plan):
         trainers = sum(w.role == "trainer" for w in plan)
         raise SystemExit(f"error: the torchrun world has {world_size} ranks but the configuration needs "
@@ -149,17 +192,17 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float) -> W
     os.environ["TANDEM_WORKER"] = me.name
     guard = guard_group()  # before this rank starts any process: none outlives it (vLLM's engine included)
     _install_signal_handlers(me.role)
-    devices = [rank_device(w.device, r % local_world) for r, w in enumerate(plan)]
     device = torch.device(rank_device(me.device, local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = choose_backend(devices)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # The agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); one key space per restart attempt.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                          is_master=not agent_store and rank == 0, timeout=timedelta(seconds=timeout_s))
     store = dist.PrefixStore(f"tandem/{os.environ['TORCHELASTIC_RUN_ID']}/{restart}", base)
+    places = gather_places(store, rank, [w.name for w in plan], place_of(device), timeout_s)
+    backend = choose_backend(places, cpu_collectives)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
@@ -168,6 +211,7 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float) -> W
     ctx = WorkerContext(
         name=me.name, role=me.role, index=me.index, rank=rank, world_size=world_size, device=device,
         backend=backend, trainer_ranks=trainer_ranks, explorer_ranks=explorer_ranks, names=[w.name for w in plan],
+        places=places,
         trainer_group=dist.new_group(trainer_ranks), sync_group=dist.new_group(trainer_ranks[:1] + explorer_ranks),
         buffer_group=dist.new_group(backend="gloo"),
         store=store, restart=restart, _guard=guard)
@@ -250,6 +294,7 @@ class Watchdog:
                      "stopped or is unreachable")
 
 
+ENGINE_READY = "engine_ready"  # an explorer's key in the run's store once its engine is up (common/run.py engines_first)
 DONE = 10**12  # added to a rank's beat counter when it is done: silence is then expected
 
 

@@ -3,6 +3,7 @@ chosen once by `--sync-method` from `METHODS`. A new method is one file plus one
 
 from __future__ import annotations
 
+from common.runtime.worker import ENGINE_READY
 from common.weight_sync.base import (Buffers, Folder, SharedFile, WeightSource, WeightSync,  # noqa: F401
                                      full_tensor, weights_hash)  # (the shared helpers and weight sources)
 from common.weight_sync.broadcast import BroadcastSync
@@ -20,12 +21,15 @@ def resolve_method(ctx, args) -> str:
     """--sync-method auto: colocated where every explorer shares trainer0's node and device, else broadcast. Every
     rank reaches the same answer (common/weight_sync/colocated.py `colocated`)."""
     if args.sync_method == "auto":
-        args.sync_method = "colocated" if colocated(ctx, args.timeout_s)[0] else "broadcast"
+        args.sync_method = "colocated" if colocated(ctx)[0] else "broadcast"
     return args.sync_method
 
 
 def make_weight_sync(args, ctx, timeline, engine=None) -> WeightSync:
-    """The run's weight-sync method, for a trainer (engine None) or an explorer (the engine it loads into)."""
+    """The run's weight-sync method, for a trainer (engine None) or an explorer (the engine it loads into, which is
+    up: a trainer sharing its GPU may load now, common/run.py engines_first)."""
+    if engine is not None:
+        ctx.store.set(f"{ENGINE_READY}/{ctx.rank}", "1")
     return METHODS[resolve_method(ctx, args)](ctx, args, timeline, engine)
 
 

@@ -33,7 +33,6 @@ import io
 import json
 import os
 import pickle
-import socket
 import time
 import uuid
 
@@ -44,23 +43,16 @@ from common.runtime.channel import StoreValue
 from common.weight_sync.base import Buffers, SharedFile, WeightSync, full_tensor
 
 
-def placement(ctx) -> dict:
-    """Where this rank runs, as colocation compares it: node and device."""
-    return {"node": socket.gethostname(), "device": str(ctx.device)}
-
-
-def colocated(ctx, timeout_s: float) -> tuple[bool, str]:
-    """(every explorer runs on trainer 0's node and device, why not): each rank of the sync group publishes its
-    placement in the store once; every rank of the run reads them all, so all reach the same answer."""
-    if ctx.rank == ctx.sync_src or ctx.role == "explorer":
-        ctx.store.set(f"weight_sync/where/{ctx.rank}", json.dumps(placement(ctx)))
-    where = {r: json.loads(ctx.wait_key(f"weight_sync/where/{r}", timeout_s, f"placement of {ctx.names[r]}"))
-             for r in [ctx.sync_src, *ctx.explorer_ranks]}
-    trainer = where[ctx.sync_src]
+def colocated(ctx) -> tuple[bool, str]:
+    """(every explorer runs on trainer 0's node and device, why not), from the places every rank published when the
+    world formed (common/runtime/worker.py gather_places): a GPU by its UUID, so two ranks that each see their own GPU
+    as cuda:0 are not taken for one. Every rank reaches the same answer."""
+    trainer = ctx.places[ctx.sync_src]
     for r in ctx.explorer_ranks:
-        if where[r] != trainer:
-            return False, (f"{ctx.names[r]} runs on {where[r]['device']} of node {where[r]['node']}, trainer0 on "
-                           f"{trainer['device']} of node {trainer['node']}")
+        where = ctx.places[r]
+        if not where.same(trainer):
+            return False, (f"{ctx.names[r]} runs on {where.device} ({where.id}) of node {where.node}, trainer0 on "
+                           f"{trainer.device} ({trainer.id}) of node {trainer.node}")
     return True, ""
 
 
@@ -104,7 +96,7 @@ class ColocatedSync(WeightSync):
 
     @classmethod
     def check(cls, ctx, args):
-        ok, why = colocated(ctx, args.timeout_s)
+        ok, why = colocated(ctx)
         if not ok:
             raise SystemExit(f"error: --sync-method colocated needs every explorer on trainer0's device: {why} "
                              "(use --sync-method broadcast)")
