@@ -14,6 +14,7 @@ import shutil
 
 from common.envs import parse_env_settings
 from common.knobs import ConfigError, check_numeric_ranges
+from common.lora import apply_defaults as apply_lora_defaults
 from common.runtime.plugins import load_object
 from common.tasks.named import taskset_has_envs
 from common.tasks.processors import TASK_PROCESSORS
@@ -49,7 +50,7 @@ def validate(args) -> None:
 
 def resolve_coupled(args) -> None:
     """Fields whose value follows from others when not given: the minibatch is the rollout batch, a micro-batch
-    is 8 sequences or the whole minibatch if that is smaller."""
+    is 8 sequences or the whole minibatch if that is smaller, LoRA's learning rate is scaled (common/lora.py)."""
     if args.minibatch_size is None:
         args.minibatch_size = args.rollout_batch_size
     if args.micro_batch_size is None:
@@ -58,6 +59,7 @@ def resolve_coupled(args) -> None:
         args.clip_eps_low = args.clip_eps
     if args.clip_eps_high is None:
         args.clip_eps_high = args.clip_eps
+    apply_lora_defaults(args)
 
 
 def _validate_datasets(args) -> None:

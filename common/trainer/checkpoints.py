@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
                                  save_hf_folder)
-from common.trainer.lora import merged_named_weights
+from common.lora import merged_named_weights
 
 MANIFEST = "manifest.json"
 MARGIN_BYTES = 1 << 20  # tokenizer, config and metrics rows besides the tensors
