@@ -140,9 +140,9 @@ def _validate_memory(args) -> None:
                           "CPU memory already)")
     if args.lora_rank and not [m for m in args.lora_target_modules.split(",") if m.strip()]:
         raise ConfigError("--lora-target-modules must name at least one module")
-    if args.lora_rank and args.trainer_shard == "fsdp":
-        raise ConfigError("--lora-rank with --trainer-shard fsdp is not supported (LoRA trains replicas: the "
-                          "frozen base is small next to full fine-tuning's gradients and AdamW state)")
+    if args.lora_rank and args.trainer_shard == "fsdp" and args.lora_sync == "merged":
+        raise ConfigError("--lora-sync merged with --trainer-shard fsdp is not supported (sharded trainers send "
+                          "the adapters: --lora-sync auto)")
     if args.lora_rank and args.ref_reset_every:
         raise ConfigError("--ref-reset-every with --lora-rank is not supported (the reference is the base model)")
 

@@ -128,29 +128,39 @@ def adapter_delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tenso
     return scale * (b.float() @ a.float())
 
 
-def merged_named_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """The base model's weights with every adapter merged in (W + scale * B @ A, rounded to W's dtype), in the HF
-    names and named_parameters order of a plain model; new tensors for the adapted matrices, the others as they are.
-    What `--lora-sync merged` sends and final/ holds."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    deltas = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            deltas[f"{name}.base_layer.weight"] = (f"{name}.weight", module)
-    out = []
-    with torch.no_grad():
-        for name, p in base.named_parameters():
-            if ".lora_" in name:
-                continue
-            if name in deltas:
-                hf_name, module = deltas[name]
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-                out.append((hf_name, p.detach() + delta.to(p.dtype)))
-            else:
-                out.append((name.replace(".base_layer.", "."), p.detach()))
+def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """HF names -> weights of a plain model from a peft model's parameters (its own, or a sharded model's gathered
+    full state): every adapted W becomes W + scale * B @ A rounded to W's dtype, the adapters drop out."""
+    out = {}
+    for key, t in state.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            prefix = key.removesuffix(".base_layer.weight")
+            a, b = state[f"{prefix}.lora_A.{ADAPTER}.weight"], state[f"{prefix}.lora_B.{ADAPTER}.weight"]
+            t = t + adapter_delta(a, b, scale).to(t.dtype)
+        out[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = t
     return out
+
+
+def merged_named_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The base model's weights with every adapter merged in, in the HF names and named_parameters order of a plain
+    model: what `--lora-sync merged` sends and final/ holds (`merged_state`)."""
+    scale = next(layer.scaling[ADAPTER] for _, layer in lora_layers(model))
+    with torch.no_grad():
+        return list(merged_state({n: p.detach() for n, p in model.named_parameters()}, scale).items())
+
+
+def adapter_file_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of a peft model's state (its own, or gathered when sharded) under the names peft saves
+    (adapter_model.safetensors: no adapter name)."""
+    return {k.replace(f".{ADAPTER}.", "."): t.contiguous() for k, t in state.items() if ".lora_" in k}
+
+
+def module_state(file_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`adapter_file_state` back to the peft model's parameter names."""
+    return {k.replace(".lora_A.", f".lora_A.{ADAPTER}.").replace(".lora_B.", f".lora_B.{ADAPTER}."): t
+            for k, t in file_state.items()}
 
 
 def merge_lost_share(model) -> float:
@@ -160,7 +170,7 @@ def merge_lost_share(model) -> float:
     with torch.no_grad():
         for _, layer in lora_layers(model):
             w = layer.get_base_layer().weight
-            d = layer.get_delta_weight(ADAPTER).float()
+            d = adapter_delta(layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER])
             kept = (w + d.to(w.dtype)).float() - w.float()
             lost += (kept - d).square().sum().item()
             total += d.square().sum().item()
