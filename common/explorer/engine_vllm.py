@@ -128,7 +128,7 @@ class VLLMEngine(RolloutEngine):
                 llm_kwargs.setdefault("distributed_executor_backend", TandemExecutor)
         # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
         # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
-        if lora is not None:  # one LoRA adapter per weights version (`_add_adapter`)
+        if lora is not None:  # one LoRA adapter per weights version (`_load_adapter`)
             llm_kwargs.update(lora_engine_kwargs(lora, lora_versions))
         saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if not on_cpu and self.device.index is not None:
@@ -163,7 +163,7 @@ class VLLMEngine(RolloutEngine):
         self.lora, self.lora_versions = lora, lora_versions
         self.lora_version: int | None = None  # the adapter new requests use (None: none loaded yet)
         self._lora_of: dict[str, tuple] = {}  # request id -> (version, max_new_tokens, sampling) of its adapter
-        self.lora_restarted = 0  # requests restarted under a newer adapter (`_add_adapter`)
+        self.lora_restarted = 0  # requests restarted under a newer adapter (`_load_adapter`)
         self.layout = hf_adapter_layout(model, lora) if lora else hf_parameter_layout(model, self.dtype)
         self._shm_path: str | None = None
         self._shm_layout: list | None = None
@@ -292,7 +292,7 @@ class VLLMEngine(RolloutEngine):
         label later tokens `version`. `Buffers`: `weight_buffers()`, written; `SharedFile`: another process's
         (the colocated sync's CPU slot), mapped by the worker, no copy through this process; `Folder`: its
         safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
-        weights between two decode steps (see `_update`). With `lora`, the source holds adapters: `_add_adapter`."""
+        weights between two decode steps (see `_update`). With `lora`, the source holds adapters: `_load_adapter`."""
         if self.lora is not None:
             return self._load_adapter(source, version)
         match source:
@@ -342,16 +342,8 @@ class VLLMEngine(RolloutEngine):
                 path, layout = self._shm_path, self._shm_layout
             case SharedFile(path, layout):
                 pass
-            case Folder(path):  # into the shared buffers first (the worker maps only shared memory)
-                from safetensors.torch import load_file
-
-                weights = {}
-                for f in sorted(os.listdir(path)):
-                    if f.endswith(".safetensors"):
-                        weights.update(load_file(os.path.join(path, f)))
-                for name, t in self.weight_buffers():
-                    t.copy_(weights[name])
-                return self._load_adapter(Buffers(), version)
+            case Folder():  # copied into the shared buffers first (the worker maps only shared memory)
+                return RolloutEngine.load_weights(self, source, version)
             case _:
                 raise TypeError(f"VLLMEngine loads adapters from Buffers, SharedFile or Folder, not from "
                                 f"{type(source).__name__}")

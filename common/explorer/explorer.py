@@ -62,10 +62,11 @@ def build_vllm_engine(args, device, tokenizer):
 
     tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
     path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
-    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None  # one per version, the ones
-    engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,  # within
+    # LoRA: one adapter per weights version, those within --max-staleness of the newest kept loaded
+    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None
+    engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
-                        lora=adapters, lora_versions=args.max_staleness + 1)  # --max-staleness kept loaded
+                        lora=adapters, lora_versions=args.max_staleness + 1)
     engine.model_dir = tiny_dir  # removed when the engine goes
     return engine
 
