@@ -23,7 +23,10 @@
      as the MFU goal's configuration (four packed micro-batches of 8192 tokens, a GRPO step of ~35k tokens, no
      checkpointing) with a profiled step (the GPU's busy fraction, kernels, the
      top kernels; the whole list in its log), once with gradient checkpointing;
-   - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator).
+   - peak GPU memory of each process (metrics.jsonl's memory/*_peak_gib, torch's allocator);
+   - a Qwen2.5-7B-shaped LoRA policy (rank 16, bf16) colocated on the GPU: fits, rollout and train tokens/s, the
+     adapter sync's bytes and ms, peak memory (`lora_size_rows`). The matrix's "LoRA, fp32" row gives the mismatch
+     the bf16 LoRA row's is read against.
    A new sync method registered in --sync-method gets its row without a change here.
 3. The plan: `train_async.py --plan` for this machine (a Qwen2.5-1.5B-shaped config, no weights), its verdict a row,
    and bench/plan.py's `--plan` tables for the 1.5B / 7B / 8B shapes on 1/2/4/8 GPUs and 2 x 8 like this machine's
@@ -105,6 +108,9 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
                                               "train_async.py", *on]),
         Check("checkpoint sync", ["train_async.py", *on, "--sync-method", "checkpoint"]),
         Check("LoRA", ["train_sync.py", *on, "--lora-rank", "4"]),
+        # the bf16 LoRA run's mismatch (the row above, bf16 on a GPU) against the same run in fp32
+        Check("LoRA, fp32 (mismatch against the LoRA row)", ["train_sync.py", *on, "--lora-rank", "4", "--dtype",
+                                                              "float32"], no_cuda),
         Check("HF engine, dynamic KV cache", ["train_sync.py", *on, "--hf-cache", "dynamic"]),
         Check("PPO (critic)", ["train_sync.py", *on, "--algo", "ppo"]),
         Check("FSDP2 + offload + checkpointing + packing" if gpu else "FSDP2 (2 trainers) + checkpointing + packing",
@@ -191,9 +197,9 @@ def run_matrix(checks: list[Check], jobs: int, work: str, logs: str, deadline: f
 
 
 # ----------------------------------------------------------------------------- the realistic size (GPU only)
-def _make_model(folder: str) -> None:
-    """A Qwen2.5-1.5B-shaped folder, random bf16 weights built on the GPU (seconds, not a CPU init), with the tiny
-    byte-level tokenizer (nothing is decoded that matters: the parity verifier scores any text)."""
+def _make_model(folder: str, shape: str = SIZE_SHAPE) -> None:
+    """A folder of `shape` (Qwen2.5-1.5B), random bf16 weights built on the GPU (seconds, not a CPU init), with the
+    tiny byte-level tokenizer (nothing is decoded that matters: the parity verifier scores any text)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -202,7 +208,7 @@ def _make_model(folder: str) -> None:
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(resolve_config(f"shape:{SIZE_SHAPE}"), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(resolve_config(f"shape:{shape}"), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     build_tiny_tokenizer().save_pretrained(folder)
     n = sum(p.numel() for p in model.parameters())
@@ -446,6 +452,54 @@ def plan_section(work: str, logs: str, gpus: int) -> tuple[str, bool]:
                       f"{detail} |", "", "\n\n".join(tables), ""]), verdict != "FAILED"
 
 
+LORA_SHAPE, LORA_RANK = "qwen2.5-7b", 16  # the 7B LoRA row: a policy that fits one GPU only with LoRA
+
+
+def lora_size_rows(work: str, logs: str, deadline: float) -> list[tuple[str, str, str]]:
+    """A Qwen2.5-7B-shaped LoRA policy (rank 16, bf16) trained colocated on one GPU (train_sync.py, the explorer
+    with --vllm-gpu-memory-utilization 0.35 where vLLM runs): whether it fits, rollout and train tokens/s, the
+    adapter sync (bytes and ms), peak memory of each process."""
+    if time.time() > deadline:
+        return [("7B LoRA colocated", "skipped", "out of the --budget-s time")]
+    folder = os.path.join(work, f"{LORA_SHAPE}-random")
+    made, err = _sub([os.path.abspath(__file__), "--_make-model", folder, "--_shape", LORA_SHAPE], 600,
+                     os.path.join(logs, "lora_model.log"))
+    if made is None:
+        return [("7B LoRA model folder", "FAILED", err)]
+    out_dir, log = os.path.join(work, "lora-7b"), os.path.join(logs, "lora_7b.log")
+    argv = ["train_sync.py", "--model", folder, "--dtype", "bfloat16", "--explorer-devices", "cuda:0",
+            "--trainer-devices", "cuda:0", "--lora-rank", str(LORA_RANK), "--vllm-gpu-memory-utilization", "0.35",
+            "--taskset", "parity", "--tasks-per-step", "8", "--samples-per-task", "4", "--max-new-tokens", "256",
+            "--micro-batch-size", "8", "--gradient-checkpointing", "--steps", "3", "--eval-size", "4",
+            "--eval-every", "0", "--num-threads", "4", "--overwrite", "--out-dir", out_dir]
+    try:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_for(900))
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stderr or b"").decode(errors="replace"), None
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n\n" + text)
+    metrics = read_metrics(out_dir)[1:]  # the first step warms up
+    what = f"7B LoRA rank {LORA_RANK} colocated ({made['params'] / 1e9:.2f} B params, bf16)"
+    if rc != 0 or not metrics:
+        return [(what, "FAILED", "timed out" if rc is None else f"{last_error(text)} (log: {log})")]
+    med = lambda k: statistics.median(r.get(k, float("nan")) for r in metrics)  # noqa: E731
+    rows_per_step = 8 * 4
+    wall, sent, took = handoff_seconds(out_dir)
+    rows = [(what, "fits", f"train_sync.py, 3 steps, explorer and trainer on cuda:0 (log: {log})"),
+            ("7B LoRA rollout tokens/s", f"{med('rollout/tokens_per_s'):,.0f}",
+             f"metrics rollout/tokens_per_s, median of steps 2-3 ({rows_per_step} x 256 new tokens)"),
+            ("7B LoRA train response tokens/s", f"{rows_per_step * med('response/tokens_mean') / med('time/train'):,.0f}",
+             f"{rows_per_step} x response/tokens_mean / time/train ({med('time/train'):.1f} s a step)"),
+            ("7B LoRA adapter sync", f"{1e3 * wall:,.1f} ms", f"{med('sync/bytes') / 1e6:,.1f} MB (sync/bytes) a sync; "
+             f"trainer0 sending {1e3 * sent:,.1f} ms, explorer0 taking {1e3 * took:,.1f} ms (timeline)")]
+    for k in sorted({k for r in metrics for k in r if k.startswith("memory/")}):
+        rows.append((f"7B LoRA peak GPU memory, {k[7:].replace('_peak_gib', '')} process",
+                     f"{max(r.get(k, 0) for r in metrics):.1f} GiB", "torch max_memory_allocated"))
+    return rows
+
+
 # ----------------------------------------------------------------------------- report
 def machine() -> tuple[str, int, tuple[bool, str]]:
     import torch
@@ -483,11 +537,12 @@ def main():
     parser.add_argument("--budget-s", type=float, default=300, help="start no new check after this many seconds")
     parser.add_argument("--grace-s", type=float, default=90, help="and stop any still running this much later")
     parser.add_argument("--_make-model", dest="make_model", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--_shape", dest="shape", default=SIZE_SHAPE, help=argparse.SUPPRESS)
     parser.add_argument("--_train-step", dest="train_step", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_checkpointing", dest="checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.make_model:
-        return _make_model(args.make_model)
+        return _make_model(args.make_model, args.shape)
     if args.train_step:
         return _train_step(args.train_step, args.checkpointing)
     start = time.time()
@@ -506,6 +561,7 @@ def main():
     if gpus and not args.skip_size:
         try:
             size = size_table(work, logs, deadline)
+            size += lora_size_rows(work, logs, deadline)
         except Exception as e:  # noqa: BLE001 -- reported in the table, the matrix's verdicts still print
             size = [("realistic size", "FAILED", f"gpu_check: {type(e).__name__}: {e}")]
     report = markdown(desc, checks, size, why)

@@ -14,6 +14,7 @@ import shutil
 
 from common.envs import parse_env_settings
 from common.knobs import ConfigError, check_numeric_ranges
+from common.lora import apply_defaults as apply_lora_defaults
 from common.runtime.plugins import load_object
 from common.tasks.named import taskset_has_envs
 from common.tasks.processors import TASK_PROCESSORS
@@ -68,7 +69,7 @@ def _validate_judge(args) -> None:
 def resolve_coupled(args) -> None:
     """Fields whose value follows from others when not given: the minibatch is the rollout batch, a micro-batch
     is 8 sequences or the whole minibatch if that is smaller, an episode's token budget 1024 (AGENT_TOKEN_BUDGET
-    for an agent)."""
+    for an agent), LoRA's learning rate is scaled (common/lora.py)."""
     if args.minibatch_size is None:
         args.minibatch_size = args.rollout_batch_size
     if args.micro_batch_size is None:
@@ -79,6 +80,7 @@ def resolve_coupled(args) -> None:
         args.clip_eps_high = args.clip_eps
     if args.episode_token_budget is None:
         args.episode_token_budget = AGENT_TOKEN_BUDGET if args.agent or args.agent_cmd else 1024
+    apply_lora_defaults(args)
 
 
 def _validate_datasets(args) -> None:
@@ -159,9 +161,9 @@ def _validate_memory(args) -> None:
                           "CPU memory already)")
     if args.lora_rank and not [m for m in args.lora_target_modules.split(",") if m.strip()]:
         raise ConfigError("--lora-target-modules must name at least one module")
-    if args.lora_rank and args.trainer_shard == "fsdp":
-        raise ConfigError("--lora-rank with --trainer-shard fsdp is not supported (LoRA trains replicas: the "
-                          "frozen base is small next to full fine-tuning's gradients and AdamW state)")
+    if args.lora_rank and args.trainer_shard == "fsdp" and args.lora_sync == "merged":
+        raise ConfigError("--lora-sync merged with --trainer-shard fsdp is not supported (sharded trainers send "
+                          "the adapters: --lora-sync auto)")
     if args.lora_rank and args.ref_reset_every:
         raise ConfigError("--ref-reset-every with --lora-rank is not supported (the reference is the base model)")
 

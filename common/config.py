@@ -465,12 +465,18 @@ class CommonArgs:
     """A vision-language policy: 'vision' keeps the vision tower and merger as they are (prime-rl), 'language' trains
     only them (a vision tower learning from random weights, docs/BENCHMARKS.md "A policy that sees")."""
     lora_rank: int = 0
-    """LoRA adapters of this rank (peft) on --lora-target-modules: the trainer trains only them and the explorers
-    get the merged weights (0: off, full fine-tuning)."""
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator (the adapter's update is scaled by alpha / rank)."""
+    """LoRA adapters of this rank (peft) on --lora-target-modules, in fp32 with their AdamW state, on a base frozen
+    in --dtype: the trainer trains only them and the explorers get them (--lora-sync). Unless --lr is given, the
+    learning rate is 10x the full fine-tune's ("LoRA Without Regret"; common/lora.py). 0: off, full fine-tuning."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the adapter's update is scaled by alpha / rank; 32 with the 1/r scale keeps the best
+    learning rate nearly the same across ranks, "LoRA Without Regret")."""
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    """Comma-separated module names that get LoRA adapters."""
+    """Comma-separated module names that get LoRA adapters (default: every linear layer of a Llama/Qwen block)."""
+    lora_sync: Literal["auto", "adapters", "merged"] = "auto"
+    """What the explorers get with --lora-rank: adapters (A, B in fp32, applied unmerged by the engine), merged
+    (W + scale * B @ A rounded to --dtype: in bf16 most of a small update is lost), auto: adapters wherever the
+    engine serves them (the HF engine always; vLLM for architectures with LoRA support)."""
 
     # --- ranges: a numeric field not listed must be a finite number >= 0 (common/knobs.py) -------------------------
     RANGES: ClassVar[dict[str, Range]] = {

@@ -7,13 +7,15 @@ chooses what the user left open (--gradient-checkpointing, --micro-batch-size) s
 line, or stops with one line naming the flag to change and the numbers.
 
 The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --trainer-shard fsdp, else 1):
-- states: parameters P x b / S, gradients and AdamW's two moments 3 x P_trained x b / S (in the parameters'
-  dtype), a reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo), the
+- states: parameters P x b / S, gradients and AdamW's two moments 3 x P x b / S (in the parameters' dtype; with
+  LoRA none for the frozen base, and 4 x 4 B per adapter parameter: fp32 adapters, gradients, moments), a
+  reference model P x b / S when --kl-coef > 0, the critic's model, gradients and moments (ppo), the
   teacher's weights P_teacher x b / S (--algo distill);
 - activations of one micro-batch, linear in its tokens (packed micro-batches: attention runs per sequence,
   `common.trainer.forward.packed_attention`, so nothing is N x N): what autograd keeps of every decoder layer per
   token (`layer_bytes_per_token`), or with --gradient-checkpointing one hidden state per layer plus one layer's
-  working set recomputed in the backward;
+  working set recomputed in the backward; LoRA adds the fp32 copies of the adapted layers' inputs
+  (`lora_activation_bytes`);
 - the log-probs: one chunk of common.trainer.forward.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the
   vocabulary, with their softmax, entropy and gradients (`head_bytes`);
 - the process itself: CUDA context, or on the CPU the interpreter with torch and transformers loaded.
@@ -168,11 +170,12 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
     """One trainer's memory with micro-batches of `tokens` tokens (module docstring)."""
     b = dtype_bytes(args.dtype)
     shards = len(args.trainer_device_list) if args.trainer_shard == "fsdp" else 1
-    trained = lora_params(shape, args) if args.lora_rank else shape.params
-    states = (shape.params + 3 * trained) * b / shards
+    states = (lora_state_bytes(shape, args, b) if args.lora_rank else 4 * shape.params * b) / shards
     if args.kl_coef > 0:
         states += shape.params * b / shards
     acts = activation_bytes(shape, b, tokens, trained_tokens, checkpointing)
+    if args.lora_rank:
+        acts += lora_activation_bytes(shape, args, tokens, checkpointing)
     if teacher is not None:  # frozen: its weights only; its forward runs without autograd, before the update
         states += teacher.params * b / shards
     if critic is not None:
@@ -185,20 +188,49 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
     return TrainerEstimate(states, acts, CPU_PROCESS_BYTES, CPU_SLACK)
 
 
-def lora_params(shape: ModelShape, args) -> int:
-    """LoRA adapters' parameters: rank x (in + out) per adapted projection per layer."""
+# ----------------------------------------------------------------------------- LoRA (common/lora.py)
+def _lora_dims(shape: ModelShape, args) -> list[tuple[int, int]]:
+    """(in, out) of every adapted projection of one layer."""
     dims = {"q_proj": (shape.hidden, shape.q_dim), "k_proj": (shape.hidden, shape.kv_dim),
             "v_proj": (shape.hidden, shape.kv_dim), "o_proj": (shape.q_dim, shape.hidden),
             "gate_proj": (shape.hidden, shape.intermediate), "up_proj": (shape.hidden, shape.intermediate),
             "down_proj": (shape.intermediate, shape.hidden)}
     names = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
-    return shape.layers * sum(args.lora_rank * sum(dims.get(m, (shape.hidden, shape.hidden))) for m in names)
+    return [dims.get(m, (shape.hidden, shape.hidden)) for m in names]
+
+
+def lora_params(shape: ModelShape, args) -> int:
+    """LoRA adapters' parameters: rank x (in + out) per adapted projection per layer."""
+    return shape.layers * sum(args.lora_rank * (i + o) for i, o in _lora_dims(shape, args))
+
+
+def lora_state_bytes(shape: ModelShape, args, b: int) -> float:
+    """A LoRA trainer's states: the frozen base in --dtype (no gradient, no optimizer state), the adapters, their
+    gradients and AdamW's two moments in fp32."""
+    return shape.params * b + 4 * 4 * lora_params(shape, args)
+
+
+def lora_activation_bytes(shape: ModelShape, args, tokens: int, checkpointing: bool) -> float:
+    """What the adapters add to the activations: per adapted projection and token, the fp32 copy of its input the
+    adapter multiplies (peft casts the bf16 input to the adapters' fp32 and autograd keeps it) and the rank-r
+    intermediate; every layer's, or one layer's recomputed with --gradient-checkpointing."""
+    per_layer = 4 * sum(i + args.lora_rank for i, _ in _lora_dims(shape, args)) * tokens
+    return per_layer * (1 if checkpointing else shape.layers)
+
+
+def lora_explorer_bytes(shape: ModelShape, args, device_type: str) -> float:
+    """An explorer's adapters: the HF engine's fp32 A and B; vLLM on the CPU keeps --max-staleness + 1 versions in
+    the model's dtype (on a GPU they are inside its --vllm-gpu-memory-utilization share)."""
+    if args.engine == "vllm":
+        return 0.0 if device_type == "cuda" else (args.max_staleness + 1) * lora_params(shape, args) * \
+            dtype_bytes(args.dtype)
+    return 4 * lora_params(shape, args)
 
 
 def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequence_tokens: int) -> float:
     """One explorer's memory: weights plus the engine's KV cache (vLLM: its whole share of a GPU)."""
     b = dtype_bytes(args.dtype)
-    weights = shape.params * b
+    weights = shape.params * b + (lora_explorer_bytes(shape, args, device_type) if args.lora_rank else 0)
     if args.engine == "vllm" and device_type == "cuda":
         return args.vllm_gpu_memory_utilization * total
     if args.engine == "vllm":

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from common.cli import LAUNCHED_ARGS
 from common.explorer.engine import resolve_engine, vllm_available
 from common.knobs import ConfigError
+from common.lora import describe as describe_lora, resolve_sync as resolve_lora_sync
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
@@ -53,6 +54,9 @@ def prepare_run(args, schedule: str) -> None:
     model_path = resolve_model(args.model)
     args.engine, why = resolve_engine(args.engine, model_path)  # the workers get hf or vllm, never auto
     print(f"[tandem] {schedule}: rollout engine {args.engine} ({why})", flush=True)
+    if args.lora_rank:  # adapters or merged weights to the explorers, decided once for every worker
+        args.lora_sync, why = resolve_lora_sync(args, model_path)
+        print(f"[tandem] {describe_lora(args, args.lora_sync, why)}", flush=True)
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,

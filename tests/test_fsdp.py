@@ -33,6 +33,7 @@ def worker(ctx, out_dir, flags, resume):
     """Trainers: (resume,) train to step 3 on fixed experiences, syncing after every step and saving a checkpoint
     at step 2 and final/. The explorer (an HF engine) pulls every version and records the checksum it holds."""
     from common.explorer.engine import HFEngine
+    from common.lora import LoraSpec
     from common.runtime.metrics import Timeline
     from common.model import build_tiny_tokenizer, load_model
     from common.trainer.parallel import DataParallel
@@ -46,7 +47,8 @@ def worker(ctx, out_dir, flags, resume):
         from common.trainer.trainer import DTYPES
 
         # other weights than the trainers' until the first sync; the run's dtype, as the explorer of a run
-        engine = HFEngine(load_model("tiny", dtype=DTYPES[args.dtype], seed=7), build_tiny_tokenizer())
+        engine = HFEngine(load_model("tiny", dtype=DTYPES[args.dtype], seed=7), build_tiny_tokenizer(),
+                          lora=LoraSpec.from_args(args))  # LoRA: the adapters are what it takes
         methods = {name: METHODS[name](ctx, args, timeline, engine) for name in set(SYNC.values())}
         for step in range(STEPS + 1):
             receiver = methods[SYNC.get(step, "broadcast")]
@@ -64,7 +66,8 @@ def worker(ctx, out_dir, flags, resume):
         hashes[trainer.version] = weights_hash(trainer.named_weights())  # gathered: every trainer joins
         while trainer.step < STEPS:
             metrics = trainer.train_step(uneven_experiences(seed=trainer.step))
-            assert metrics["grad_norm"] > 0
+            # through the policy-gradient term: non-zero advantages, loss and gradient
+            assert metrics["grad_norm"] > 0 and metrics["loss"] != 0 and metrics["advantage/abs_mean"] > 0
             hashes[trainer.version] = weights_hash(trainer.named_weights())
             if methods:
                 methods[SYNC[trainer.step]].push(trainer.named_weights(), trainer.version, trainer.step)
@@ -145,3 +148,25 @@ def test_resume_from_sharded_checkpoint_continues_exactly(fsdp_runs, tmp_path):
     for name in ("model.safetensors", "critic/model.safetensors"):
         a, b = (load_file(d / "checkpoints" / "step_3" / name) for d in (full_dir, tmp_path / "resumed"))
         assert _max_diff(a, b) == 0
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--dtype", "bfloat16"]
+
+
+def test_lora_fsdp_trains_fp32_adapters_and_sends_only_them(tmp_path):
+    """LoRA + FSDP2 (2 trainers over gloo, bf16 base): one unit per layer holds the bf16 base and the fp32 adapters;
+    the trainers train the adapters as one trainer does, and the explorer gets exactly the adapters."""
+    run_workers(tmp_path / "fsdp", [*LORA, "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"])
+    one_trainer(tmp_path / "one", LORA)
+    sent = json.load(open(tmp_path / "fsdp" / "hashes-trainer0.json"))
+    got = json.load(open(tmp_path / "fsdp" / "hashes-explorer0.json"))
+    assert sorted(got, key=int) == ["0", "1", "2", "3"] and got == sent  # the adapters, bit for bit
+
+    def adapter(run, step):
+        return load_file(tmp_path / run / "checkpoints" / f"step_{step}" / "adapter" / "adapter_model.safetensors")
+    fsdp, one = adapter("fsdp", 3), adapter("one", 3)
+    assert {t.dtype for t in fsdp.values()} == {torch.float32} and any(".lora_B." in k for k in fsdp)
+    assert _max_diff(fsdp, adapter("fsdp", 2)) > 1e-4  # it trained
+    assert _max_diff(fsdp, one) < 1e-3, _max_diff(fsdp, one)  # as one trainer (bf16 forward: not bit-equal)
+    final = load_file(tmp_path / "fsdp" / "final" / "model.safetensors")  # a plain HF folder of merged weights
+    assert final.keys() == load_file(tmp_path / "one" / "final" / "model.safetensors").keys()

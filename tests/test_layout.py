@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 # Folders (module prefixes), lowest first: a module may import its own layer and the ones below it.
 LAYERS = [
     ("common.knobs", "common.runtime"),
-    ("common.experience", "common.model", "common.vlm", "common.weight_sync", "common.buckets"),
+    ("common.experience", "common.model", "common.vlm", "common.weight_sync", "common.buckets", "common.lora"),
     ("rewards",),
     ("common.envs",),
     ("common.tasks",),

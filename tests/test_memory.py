@@ -6,8 +6,8 @@ import torch
 
 from common.cli import parse_args
 from common.knobs import ConfigError
-from common.memory import (CUDA_CONTEXT_BYTES, GIB, SLACK, ModelShape, explorer_bytes, forward_bytes, model_config,
-                           plan_memory, sync_bytes, trainer_estimate)
+from common.memory import (CUDA_CONTEXT_BYTES, GIB, SLACK, ModelShape, explorer_bytes, forward_bytes, lora_params,
+                           lora_state_bytes, model_config, plan_memory, sync_bytes, trainer_estimate)
 from conftest import TINY, run_in_process
 from train_sync import Args
 
@@ -27,6 +27,8 @@ def _config_folder(tmp_path, name: str, **shape) -> str:
 
 QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 QWEN_72B = dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
 
@@ -44,6 +46,31 @@ def test_a_model_that_cannot_fit_stops_in_one_line_before_any_model_loads(tmp_pa
     assert lines[0].startswith("error: --model") and "does not fit" in lines[0] and "GiB" in lines[0], lines[0]
     assert "--dtype bfloat16" in lines[0], lines[0]
     assert not (tmp_path / "run" / "timeline").exists()  # no worker started
+
+
+def test_a_7b_lora_policy_fits_one_80gb_gpu_colocated_where_full_fine_tuning_does_not(tmp_path):
+    """Qwen2.5-7B-shaped, bf16, trainer and a vLLM explorer (35 % of the GPU) on one 80 GB GPU: with LoRA rank 16
+    the frozen base (15 GB), fp32 adapters with gradients and AdamW state (0.6 GB) and the activations fit; full
+    fine-tuning's weights, gradients and moments alone (61 GB) do not, and the error names --lora-rank."""
+    folder = _config_folder(tmp_path, "qwen7b", **QWEN_7B)
+    shape = ModelShape.from_config(model_config(folder))
+    assert 7.6e9 < shape.params < 7.7e9  # Qwen2.5-7B's published size
+    gpu = {"cuda:0": (79 * GIB, 80 * GIB)}
+
+    def colocated(*flags):
+        args = _args(folder, "--vllm-gpu-memory-utilization", "0.35", *flags, explorers="cuda:0")
+        args.engine = "vllm"
+        return args
+
+    args = colocated("--lora-rank", "16")
+    assert lora_state_bytes(shape, args, 2) == shape.params * 2 + 16 * lora_params(shape, args)  # fp32 adapters
+    assert 40e6 < lora_params(shape, args) < 41e6  # rank 16 on the 7 projections of 28 layers
+    plan_memory(args, 64 + 512, args.given_fields, gpu)  # fits (choosing what was left open, if it must)
+    estimate = trainer_estimate(shape, args, "cuda", args.micro_batch_size * 576, args.micro_batch_size * 512,
+                                args.gradient_checkpointing)
+    assert estimate.peak + 0.35 * 80 * GIB < 79 * GIB
+    with pytest.raises(ConfigError, match="does not fit a trainer on cuda:0: .*--lora-rank 16"):
+        plan_memory(colocated(), 64 + 512, frozenset(), gpu)
 
 
 def _args(folder, *extra, trainers="cuda:0", explorers="cuda:1"):

@@ -64,7 +64,8 @@ def test_packed_and_checkpointed_equal_padded(algo):
     (["--fsdp-cpu-offload"], "--fsdp-cpu-offload needs --trainer-shard fsdp"),
     (["--fsdp-cpu-offload", "--trainer-shard", "fsdp"], "--fsdp-cpu-offload needs cuda --trainer-devices"),
     (["--max-tokens-per-micro-batch", "-1"], "--max-tokens-per-micro-batch must be >= 0"),
-    (["--lora-rank", "4", "--trainer-shard", "fsdp"], "--lora-rank with --trainer-shard fsdp is not supported"),
+    (["--lora-rank", "4", "--trainer-shard", "fsdp", "--lora-sync", "merged"],
+     "--lora-sync merged with --trainer-shard fsdp is not supported"),
     (["--lora-rank", "4", "--lora-target-modules", " , "], "--lora-target-modules must name at least one module"),
 ])
 def test_memory_flags_are_one_line_errors(flags, message):

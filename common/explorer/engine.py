@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.explorer import static_decode
+from common.lora import LoraSpec, adapter_tensors, inject_lora
 from common.vlm import is_frozen, is_vlm, stack_images
 from common.weight_sync.base import Buffers, Folder, WeightSource, weights_hash
 
@@ -161,11 +162,16 @@ class HFEngine(RolloutEngine):
       whose prompt plus new tokens would not fit `tokens` takes the dynamic path. Weight updates copy into the
       parameters in place, so the captured graphs stay valid (no re-capture). The cache's rows are slots that
       requests join and leave one by one (`streams`: `add` / `step`, continuous batching as vLLM's).
+
+    `lora`: the trainer's LoRA adapters are applied unmerged, y = W x + scale * B (A x) with A and B in fp32 (the
+    trainer's own peft layers, common/lora.py); they are the weight-sync buffers, and updates copy into them in
+    place (the static loop's graphs stay valid).
     """
 
     def __init__(self, model, tokenizer, stop_token_ids: list[int] | None = None, freeze: str = "none",
-                 static_cache: StaticCacheSize | None = None):
-        self.model = model.eval()
+                 static_cache: StaticCacheSize | None = None, lora: LoraSpec | None = None):
+        self.lora = lora  # LoRA adapters applied unmerged in the forward; the weight-sync buffers are then A and B
+        self.model = (inject_lora(model, lora) if lora is not None else model).eval()
         self.freeze = freeze
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_token_ids or default_stop_ids(tokenizer, model.generation_config)
@@ -293,6 +299,8 @@ class HFEngine(RolloutEngine):
         return time.time() - start
 
     def weight_buffers(self):
+        if self.lora is not None:  # the adapters in fp32 (common/lora.py): copied into in place
+            return adapter_tensors(self.model)
         return [(n, p) for n, p in self.model.named_parameters() if not is_frozen(n, self.freeze)]
 
     def load_weights(self, source: WeightSource, version: int | None = None) -> None:

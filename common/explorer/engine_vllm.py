@@ -47,6 +47,7 @@ import torch
 from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
 from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
                                      folder_generation_config, vllm_available)  # (re-exported)
+from common.lora import LoraSpec, adapter_tensors, inject_lora
 from common.model import DTYPES
 from common.weight_sync.base import Buffers, Folder, SharedFile, WeightSource
 
@@ -88,7 +89,8 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
-                 stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):
+                 stop_token_ids: list[int] | None = None, enforce_eager: bool = True, lora: LoraSpec | None = None,
+                 lora_versions: int = 2, **llm_kwargs):
         ok, why = vllm_available()
         if not ok:
             raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
@@ -126,6 +128,8 @@ class VLLMEngine(RolloutEngine):
                 llm_kwargs.setdefault("distributed_executor_backend", TandemExecutor)
         # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
         # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
+        if lora is not None:  # one LoRA adapter per weights version (`_load_adapter`)
+            llm_kwargs.update(lora_engine_kwargs(lora, lora_versions))
         saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if not on_cpu and self.device.index is not None:
             visible = saved_visible.split(",") if saved_visible else None
@@ -156,7 +160,11 @@ class VLLMEngine(RolloutEngine):
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
         self.startup_s = time.time() - start
-        self.layout = hf_parameter_layout(model, self.dtype)
+        self.lora, self.lora_versions = lora, lora_versions
+        self.lora_version: int | None = None  # the adapter new requests use (None: none loaded yet)
+        self._lora_of: dict[str, tuple] = {}  # request id -> (version, max_new_tokens, sampling) of its adapter
+        self.lora_restarted = 0  # requests restarted under a newer adapter (`_load_adapter`)
+        self.layout = hf_adapter_layout(model, lora) if lora else hf_parameter_layout(model, self.dtype)
         self._shm_path: str | None = None
         self._shm_layout: list | None = None
         self._buffers: list[tuple[str, torch.Tensor]] | None = None
@@ -189,8 +197,15 @@ class VLLMEngine(RolloutEngine):
 
         request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
         truncated = self._truncated(sampling)
+        adapter = {}
+        if self.lora is not None:  # sampled by the newest adapter, which stays loaded while this request runs
+            if self.lora_version is None:
+                raise RuntimeError("VLLMEngine with LoRA: no adapter loaded yet (load_weights first)")
+            adapter = {"lora_request": lora_request(self.lora_version)}
+            self._lora_of[request_id] = (self.lora_version, max_new_tokens, sampling)
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),
-                                        self._params(sampling, max_new_tokens, request_id if truncated else None))
+                                        self._params(sampling, max_new_tokens, request_id if truncated else None),
+                                        **adapter)
         self._live[request_id] = (owner, key, list(prompt), truncated, stepwise)
 
     def running(self, owner) -> int:
@@ -209,12 +224,16 @@ class VLLMEngine(RolloutEngine):
             except BaseException:  # an error mid-way: leave nothing running in the engine
                 self.llm.llm_engine.abort_request(list(self._live))
                 self._live.clear()
+                self._lora_of.clear()
                 raise
             self.busy_s += time.time() - start
             for out in done:
                 who, key, prompt, _, stepwise = self._live.pop(out.request_id)
-                self._done.setdefault(id(who), []).append(
-                    (key, self._generation(prompt, out.outputs[0], logz.get(out.request_id), stepwise)))
+                generation = self._generation(prompt, out.outputs[0], logz.get(out.request_id), stepwise)
+                if self.lora is not None:  # every token is its adapter's: the version it started with
+                    version = self._lora_of.pop(out.request_id)[0]
+                    generation.versions = [version] * len(generation.response_ids) if stepwise else None
+                self._done.setdefault(id(who), []).append((key, generation))
         return self._done.pop(id(owner), [])
 
     def abort(self, owner) -> None:
@@ -224,6 +243,7 @@ class VLLMEngine(RolloutEngine):
             self.llm.llm_engine.abort_request(mine)
         for rid in mine:
             del self._live[rid]
+            self._lora_of.pop(rid, None)
         self._done.pop(id(owner), None)
 
     @staticmethod
@@ -272,7 +292,9 @@ class VLLMEngine(RolloutEngine):
         label later tokens `version`. `Buffers`: `weight_buffers()`, written; `SharedFile`: another process's
         (the colocated sync's CPU slot), mapped by the worker, no copy through this process; `Folder`: its
         safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
-        weights between two decode steps (see `_update`)."""
+        weights between two decode steps (see `_update`). With `lora`, the source holds adapters: `_load_adapter`."""
+        if self.lora is not None:
+            return self._load_adapter(source, version)
         match source:
             case Buffers():
                 if self._buffers is None:
@@ -310,6 +332,41 @@ class VLLMEngine(RolloutEngine):
                 core.call_utility("resume_scheduler")
         self.last_update_s = time.time() - start
 
+    def _load_adapter(self, source: WeightSource, version: int | None) -> None:
+        """LoRA: the adapters in `source` become version `version`'s adapter, which new requests take; requests
+        on adapters older than the `lora_versions` kept are restarted under it (module section "LoRA" below)."""
+        match source:
+            case Buffers():
+                if self._buffers is None:
+                    raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
+                path, layout = self._shm_path, self._shm_layout
+            case SharedFile(path, layout):
+                pass
+            case Folder():  # copied into the shared buffers first (the worker maps only shared memory)
+                return RolloutEngine.load_weights(self, source, version)
+            case _:
+                raise TypeError(f"VLLMEngine loads adapters from Buffers, SharedFile or Folder, not from "
+                                f"{type(source).__name__}")
+        version = (self.lora_version + 1 if self.lora_version is not None else 0) if version is None else version
+        oldest = version - self.lora_versions + 1
+        running = {rid: v for rid, (v, *_) in self._lora_of.items() if rid in self._live}
+        restart = [rid for rid, v in running.items() if v < oldest]
+        keep = sorted({v + 1 for v in running.values() if v >= oldest})
+        start = time.time()
+        if restart:  # abort them before their adapter goes
+            self.llm.llm_engine.abort_request(restart)
+        self.last_reload_s = self.llm.collective_rpc(
+            "tandem_add_lora", args=(version + 1, path, layout, self.lora.rank, self.lora.alpha,
+                                     list(self.lora.targets), keep))[0]
+        self.lora_version = version
+        self.llm.llm_engine.set_weight_version(str(version))
+        for rid in restart:  # again from their prompt, under the newest adapter
+            owner, key, prompt, _, stepwise = self._live.pop(rid)
+            _, max_new_tokens, sampling = self._lora_of.pop(rid)
+            self.add(owner, key, prompt, max_new_tokens, sampling, stepwise)
+            self.lora_restarted += 1
+        self.last_update_s = time.time() - start
+
     def use_cores(self, cores: tuple[int, ...], threads: int) -> None:
         """CPU: the worker's OpenMP threads were bound when it started (VLLM_CPU_OMP_THREADS_BIND, above); it
         re-binds them and sets its thread count (common/explorer/vllm_worker.py `tandem_use_cores`)."""
@@ -324,7 +381,10 @@ class VLLMEngine(RolloutEngine):
 
     def weights_checksum(self) -> str:
         """sha256 of the vLLM worker's weights; equals common.weight_sync.weights_hash(hf.named_parameters()) iff
-        vLLM computes with those weights bit for bit."""
+        vLLM computes with those weights bit for bit. With `lora`: of the adapter tensors the worker built the
+        newest adapter from, as received (fp32, before vLLM casts them to its LoRA dtype)."""
+        if self.lora is not None:
+            return self.llm.collective_rpc("tandem_lora_digest", args=(self.lora_version + 1,))[0]
         return self.weights_digest()[0]
 
     def close(self) -> None:
@@ -342,6 +402,43 @@ class VLLMEngine(RolloutEngine):
     def __del__(self):
         if getattr(self, "_shm_path", None):
             remove_shared_file(self._shm_path)
+
+
+# ----------------------------------------------------------------------------- LoRA: one adapter per weights version
+# With --lora-rank the explorers get the adapters (common/lora.py), never merged weights: the worker builds each
+# version's adapter from the tensors in memory (common/explorer/vllm_worker.py `tandem_add_lora`) and vLLM computes
+# y = W x + B' (A x) (B' = scale * B, in vLLM's LoRA dtype: the model's) for the requests that name it. A request
+# keeps the adapter it started with to its end (so all its tokens and behaviour log-probs are that version's) and
+# new requests take the newest; nothing needs recomputing and the prefix cache stays (its keys include the
+# adapter's name). `lora_versions` adapters stay loaded: a request still running on a version that many versions
+# old (its sample past --max-staleness) is restarted under the newest.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
+
+
+def lora_engine_kwargs(lora: LoraSpec, versions: int) -> dict:
+    """vLLM's LoRA settings: room for `versions` adapters of `lora.rank` on the device and in the CPU cache."""
+    rank = next((r for r in LORA_RANKS if r >= lora.rank), None)
+    if rank is None:
+        raise ValueError(f"VLLMEngine: LoRA rank {lora.rank} is over vLLM's {LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": versions, "max_cpu_loras": versions}
+
+
+def lora_request(version: int):
+    """The request-side name of version `version`'s adapter: vLLM finds it already loaded by its id, so the path
+    (which vLLM would otherwise load from) is never read."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"tandem-v{version}", version + 1, "tandem-in-memory")  # ids start at 1
+
+
+def hf_adapter_layout(model_path: str, lora: LoraSpec) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, fp32) of the adapters the trainer sends (common/lora.py `adapter_tensors`), on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = inject_lora(AutoModelForCausalLM.from_config(config), lora)
+    return [(n, tuple(t.shape), torch.float32) for n, t in adapter_tensors(model)]
 
 
 def _token_versions(completion, num_tokens: int) -> list[int] | None:

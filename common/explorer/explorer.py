@@ -20,6 +20,7 @@ import torch
 from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, StaticCacheSize, resolve_engine,
                                     use_static_cache)
 from common.experience import Experience, zero_signal_groups
+from common.lora import LoraSpec, sync_mode
 from common.tasks.hub import DatasetOptions
 from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
@@ -47,7 +48,8 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
     if use_static_cache(args.hf_cache, torch.device(device).type, is_vlm(args.model, resolve_model(args.model))):
         # positions: planned by common/memory.py before the run; explorers built directly (tests) guess
         static = StaticCacheSize.plan(args.rollout_batch_size, args.hf_cache_tokens or args.max_new_tokens + 512)
-    return HFEngine(model, tokenizer, freeze=args.freeze, static_cache=static), tokenizer
+    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None  # else merged weights come
+    return HFEngine(model, tokenizer, freeze=args.freeze, static_cache=static, lora=adapters), tokenizer
 
 
 def build_vllm_engine(args, device, tokenizer):
@@ -60,8 +62,11 @@ def build_vllm_engine(args, device, tokenizer):
 
     tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
     path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
+    # LoRA: one adapter per weights version, those within --max-staleness of the newest kept loaded
+    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None
     engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb)
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
+                        lora=adapters, lora_versions=args.max_staleness + 1)
     engine.model_dir = tiny_dir  # removed when the engine goes
     return engine
 

@@ -299,6 +299,67 @@ class TandemWorkerExtension:
             weights[name] = t
         return tensor_digest((name, weights[name]) for name, _ in layout)
 
+    # ------------------------------------------------------------------ LoRA: one adapter per weights version
+    def tandem_add_lora(self, lora_id: int, path: str, layout: list, rank: int, alpha: float, targets: list[str],
+                        keep: list[int]) -> float:
+        """Build adapter `lora_id` from the fp32 adapter tensors in a shared-memory file (common/lora.py
+        `adapter_tensors` names) and register it in vLLM's adapter cache, where requests naming that id find it
+        (common/explorer/engine_vllm.py `lora_request`); every other registered adapter not in `keep` goes. vLLM
+        packs q/k/v and gate/up, casts to its LoRA dtype and folds the scale alpha / rank into B."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        start = time.time()
+        mapped = getattr(self, "_tandem_lora_files", None)
+        if mapped is None:
+            mapped = self._tandem_lora_files = {}
+        if path not in mapped:
+            mapped[path] = flat_views(map_shared_file(path, layout_bytes(layout)), layout)
+        views = mapped[path]
+        digests = getattr(self, "_tandem_lora_digests", None)
+        if digests is None:
+            digests = self._tandem_lora_digests = {}
+        digests[lora_id] = tensor_digest(views)[0]  # what arrived, for --verify-sync
+        worker_manager = self.model_runner.lora_manager
+        manager = worker_manager._adapter_manager
+        helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": alpha, "target_modules": targets})
+        helper.validate_legal(worker_manager.lora_config)
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+        adapter = LoRAModel.from_lora_tensors(
+            lora_id, {f"base_model.model.{name}": t.clone() for name, t in views}, helper, device="cpu",
+            dtype=worker_manager.lora_config.lora_dtype, model_vocab_size=worker_manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+        for old in set(manager.list_adapters()) - set(keep):
+            manager.remove_adapter(old)
+            digests.pop(old, None)
+        manager.add_adapter(adapter)
+        return time.time() - start
+
+    def tandem_lora_digest(self, lora_id: int) -> str:
+        """The digest of the adapter tensors adapter `lora_id` was built from (`tandem_add_lora`)."""
+        return self._tandem_lora_digests[lora_id]
+
+    def tandem_lora_deltas(self, lora_id: int, path: str) -> list[str]:
+        """Save, as safetensors at `path`, the weight update adapter `lora_id` adds to each HF linear layer, B' @ A
+        in fp32 from the device buffers vLLM computes with (B' = scale * B; q/k/v and gate/up un-fused). The adapter
+        must be active (a request has used it). Returns the names."""
+        from safetensors.torch import save_file
+
+        manager = self.model_runner.lora_manager._adapter_manager
+        slot = manager.lora_index_to_id.index(lora_id)
+        packed = manager.packed_modules_mapping
+        out = {}
+        for module_name, module in manager.modules.items():
+            a_stacked, b_stacked = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+            if not isinstance(a_stacked, tuple) or not isinstance(b_stacked, tuple):  # embeddings: not adapted here
+                continue
+            prefix, _, short = module_name.rpartition(".")
+            parts = packed.get(short, [short]) if len(a_stacked) > 1 else [short]
+            for part, a, b in zip(parts, a_stacked, b_stacked):
+                out[f"{prefix}.{part}" if prefix else part] = (b[slot, 0].float() @ a[slot, 0].float()).contiguous()
+        save_file(out, path)
+        return sorted(out)
+
     def tandem_use_cores(self, cores: list[int], threads: int) -> dict[int, list[int]]:
         """Compute on `cores` with `threads` OpenMP threads (common/runtime/cores.py `widen` / `narrow`). vLLM's CPU
         worker started its OpenMP threads bound to the cores it was given (OMP_PLACES / OMP_PROC_BIND, set from

@@ -26,11 +26,11 @@ import zlib
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.trainer.fsdp import (full_state_dict, load_full_state_dict, load_optimizer_state, optimizer_state,
                                  save_hf_folder)
-from common.trainer.lora import merged_named_weights
+from common.lora import ADAPTER, LoraSpec, adapter_file_state, merged_state, module_state
 
 MANIFEST = "manifest.json"
 MARGIN_BYTES = 1 << 20  # tokenizer, config and metrics rows besides the tensors
@@ -250,12 +250,18 @@ def _write(trainer, tmp: str, weights_only: bool, extra_state: dict | None, gath
     """The files of a checkpoint into `tmp`: the HF folder (merged weights and the adapter with LoRA), the
     tokenizer, and unless `weights_only` the critic, a reset reference and trainer_state.pt (step, version,
     optimizer, schedule, RNGs, `extra_state`)."""
-    if trainer.dp.sharded:
-        save_hf_folder(trainer.model, gathered["weights"], tmp)
-    elif trainer.args.lora_rank:  # a plain HF folder of the merged weights, plus the adapter to resume from
-        save_hf_folder(trainer.model.get_base_model(), dict(merged_named_weights(trainer.model)), tmp)
+    if trainer.args.lora_rank:  # a plain HF folder of the merged weights, plus the adapter to resume from
+        state = gathered["weights"] if trainer.dp.sharded else {n: p.detach() for n, p in
+                                                                 trainer.model.named_parameters()}
+        save_hf_folder(trainer.model.get_base_model(), merged_state(state, LoraSpec.from_args(trainer.args).scale),
+                       tmp)
         if not weights_only:
-            trainer.model.save_pretrained(os.path.join(tmp, "adapter"))
+            os.makedirs(os.path.join(tmp, "adapter"))
+            trainer.model.peft_config[ADAPTER].save_pretrained(os.path.join(tmp, "adapter"))
+            save_file(adapter_file_state(state), os.path.join(tmp, "adapter", "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+    elif trainer.dp.sharded:
+        save_hf_folder(trainer.model, gathered["weights"], tmp)
     else:
         trainer.model.save_pretrained(tmp)
     trainer.tokenizer.save_pretrained(tmp)
@@ -304,14 +310,15 @@ def resume(trainer, out_dir: str) -> dict:
 
 def _load_adapter(trainer, path: str):
     """LoRA: the base stays the initial model; the trained adapter comes back from <checkpoint>/adapter."""
-    from peft import set_peft_model_state_dict
-
     file = os.path.join(path, "adapter", "adapter_model.safetensors")
     if not os.path.exists(file):
         raise SystemExit(f"error: --resume {path}: no LoRA adapter in the checkpoint (saved without --lora-rank?)")
-    result = set_peft_model_state_dict(trainer.model, load_file(file, device=str(trainer.device)))
-    if result.unexpected_keys:
-        raise SystemExit(f"error: --resume {file}: adapter does not match --lora-* ({result.unexpected_keys[:3]})")
+    state = module_state(load_file(file, device=str(trainer.device)))
+    names = {n for n, _ in trainer.model.named_parameters() if ".lora_" in n}
+    if set(state) != names:
+        raise SystemExit(f"error: --resume {file}: adapter does not match --lora-* "
+                         f"({sorted(set(state) ^ names)[:3]})")
+    load_full_state_dict(trainer.model, state, strict=False)  # sharded: each trainer keeps its shards
 
 
 def _load_weights(trainer, model, path: str):

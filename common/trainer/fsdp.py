@@ -1,5 +1,5 @@
 """Trainer-side memory levers applied to a freshly loaded model: activation checkpointing, LoRA (peft,
-common/trainer/lora.py) and FSDP2
+common/lora.py) and FSDP2
 sharding over the data-parallel trainers (`--trainer-shard fsdp`). `prepare_model` is the one call the trainer and
 the critic make; the state-dict helpers below are what checkpoints and resume use in either mode.
 
@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from common.trainer.lora import add_lora
+from common.lora import LoraSpec, add_lora
 from common.trainer.forward import logprobs_forward, lm_body, use_packed_attention
 from common.vlm import freeze
 
@@ -46,8 +46,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     raise SystemExit(f"error: --trainer-shard fsdp: cannot find the decoder layers of {type(body).__name__}")
 
 
-def shard(model, dp, dtype: torch.dtype, cpu_offload: bool = False):
-    """FSDP2 over the trainers' process group: each decoder layer, then the root."""
+def shard(model, dp, dtype: torch.dtype | None, cpu_offload: bool = False):
+    """FSDP2 over the trainers' process group: each decoder layer, then the root. `dtype`: the parameters' compute
+    dtype (None: each its own)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -83,11 +84,13 @@ def prepare_model(model, args, dp=None, trainable: bool = True, shard_it: bool =
     if trainable and args.freeze != "none":
         freeze(model, args.freeze)
     if trainable and args.lora_rank and not hasattr(model, "body"):  # the critic is trained in full
-        model = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+        model = add_lora(model, LoraSpec.from_args(args))
     if args.trainer_shard == "fsdp" and shard_it:
         if dp is None or dp.group is None:
             raise RuntimeError("--trainer-shard fsdp: the model must be prepared inside a trainer worker")
-        dtype = next(model.parameters()).dtype
+        # LoRA: each parameter computes in its own dtype (fp32 adapters next to the frozen base in --dtype), as
+        # the replicas and the engines do; one FSDP unit per layer holds both and gathers them one unit at a time
+        dtype = None if args.lora_rank else next(model.parameters()).dtype
         model = shard(model, dp, dtype, args.fsdp_cpu_offload)
     return model
 

@@ -34,7 +34,7 @@ from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
 from common.trainer.correction import behaviour_weights, mismatch_stats
 from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, kl_estimate, kl_penalized_rewards, masked_mean
 from common.trainer.fsdp import prepare_model
-from common.trainer.lora import merged_named_weights
+from common.lora import adapter_tensors, merge_lost_share, merged_named_weights, sync_mode
 from common.model import DTYPES, load_model, load_tokenizer
 from common.trainer.forward import batch_logprobs, micro_batches, sequence_logprobs
 from common.trainer.filters import build_processors, check_finite, drop_stale, process
@@ -76,6 +76,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args.lr_scheduler, args.warmup_steps, args.steps)
         self.step = 0        # trainer steps done
         self.version = 0     # version of the weights in self.model (one per optimizer-updating step)
+        self._sync_bytes: int | None = None  # `sync_metrics`
 
     # ---------------------------------------------------------------- ALGO LOGIC: one step over a rollout batch
     def train_step(self, experiences: list[Experience]) -> dict:
@@ -209,9 +210,23 @@ class Trainer:
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What the explorers get, in HF names: the parameters (DTensor shards when sharded: the sync gathers
-        them), or with LoRA the base weights with the adapters merged in."""
-        named = merged_named_weights(self.model) if self.args.lora_rank else self.model.named_parameters()
+        them); with LoRA the adapters (common/lora.py), or with --lora-sync merged the base weights with the
+        adapters merged in."""
+        mode = sync_mode(self.args)
+        if mode == "adapters":
+            return adapter_tensors(self.model)
+        named = merged_named_weights(self.model) if mode == "merged" else self.model.named_parameters()
         return [(n, t) for n, t in named if not is_frozen(n, self.args.freeze)]  # --freeze: the explorers have them
+
+    def sync_metrics(self) -> dict:
+        """sync/bytes: what one weight sync sends (the adapters alone with LoRA); lora/merge_lost: with merged
+        LoRA sync, the share of the adapters' update the merge onto --dtype loses (common/lora.py)."""
+        if self._sync_bytes is None:
+            self._sync_bytes = sum(t.numel() * t.element_size() for _, t in self.named_weights())
+        out = {"sync/bytes": float(self._sync_bytes)}
+        if sync_mode(self.args) == "merged":
+            out["lora/merge_lost"] = merge_lost_share(self.model)
+        return out
 
 
 def incoming_metrics(experiences: list[Experience]) -> dict:
@@ -317,6 +332,7 @@ class TrainerRun:
             experiences, replay_metrics = self.replay.mix(experiences, self.trainer.version)
         with self.timeline.phase("train", step=step) as event:
             metrics = self.trainer.train_step(experiences) if experiences else self.trainer.skip_step()
+            metrics |= self.trainer.sync_metrics()
             if self.args.verify_sync:  # data-parallel replicas must stay bit-identical
                 event["hash"] = weights_hash(self.trainer.named_weights())
         return {**metrics, **replay_metrics}
