@@ -264,12 +264,7 @@ def sync_method(args, trainers: list[str], explorers: list[str]) -> str:
 
 def adapted_params(shape: ModelShape, args) -> int:
     """Parameters of the matrices LoRA adapts (--lora-target-modules): what `merged_named_weights` builds anew."""
-    dims = {"q_proj": shape.hidden * shape.q_dim, "k_proj": shape.hidden * shape.kv_dim,
-            "v_proj": shape.hidden * shape.kv_dim, "o_proj": shape.q_dim * shape.hidden,
-            "gate_proj": shape.hidden * shape.intermediate, "up_proj": shape.hidden * shape.intermediate,
-            "down_proj": shape.intermediate * shape.hidden}
-    names = [m.strip() for m in args.lora_target_modules.split(",") if m.strip()]
-    return shape.layers * sum(dims.get(m, shape.hidden * shape.hidden) for m in names)
+    return shape.layers * sum(i * o for i, o in _lora_dims(shape, args))
 
 
 def sync_bytes(shape: ModelShape, args, method: str, role: str, source: bool = False) -> tuple[float, float, str]:
@@ -278,6 +273,8 @@ def sync_bytes(shape: ModelShape, args, method: str, role: str, source: bool = F
     b = dtype_bytes(args.dtype)
     model = shape.params * b
     bucket = max(args.sync_bucket_mb << 20, shape.vocab * shape.hidden * b)  # pack(): at least one whole tensor
+    if args.lora_rank and args.lora_sync != "merged":  # only the fp32 adapters travel (common/lora.py)
+        model = bucket = 4 * lora_params(shape, args)
     device, host, what = 0.0, 0.0, []
     sharded = args.trainer_shard == "fsdp"
     if role == "explorer":
@@ -299,7 +296,7 @@ def sync_bytes(shape: ModelShape, args, method: str, role: str, source: bool = F
                 device, what = device + model, what + ["in-flight snapshot"]
     if method == "colocated":
         device, what = device + model, what + ["colocated slot"]
-    if args.lora_rank:
+    if args.lora_rank and args.lora_sync == "merged":
         device, what = device + adapted_params(shape, args) * b, what + ["LoRA merged matrices"]
     return device, host, " + ".join(what)
 
