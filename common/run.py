@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.cli import LAUNCHED_ARGS
 from common.explorer.engine import resolve_engine, vllm_available
+from common.explorer.eval_metrics import format_interval
 from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
@@ -226,7 +227,14 @@ def finish_run(args, title: str) -> None:
     if rows:
         rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"
-        held_out = (f"held-out accuracy {summary.get('eval_before')} -> {summary.get('eval_after')}"
+        held_out = (f"held-out {'accuracy' if args.eval_samples == 1 else f'mean@{args.eval_samples}'} "
+                    f"{with_interval(summary, 'eval_before')} -> {with_interval(summary, 'eval_after')}"
                     if args.eval_every else "no evaluation (--eval-every 0)")
         print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; {held_out}; "
               f"outputs in {args.out_dir}")
+
+
+def with_interval(summary: dict, key: str) -> str:
+    """summary[key] with its 95% interval (summary[key + "_interval"]) where it has one: '0.250 [0.146, 0.375]'."""
+    value, interval = summary.get(key), summary.get(f"{key}_interval")
+    return format_interval(value, *interval) if value is not None and interval else str(value)

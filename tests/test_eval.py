@@ -1,0 +1,71 @@
+"""Evaluation outside and inside runs: the benchmark presets (common/tasks/presets.py) read from local files in the
+Hub datasets' schemas (nothing is downloaded), eval.py end to end with the tiny model, and --eval-samples in a run."""
+
+import json
+
+import pytest
+
+from common.tasks import build_tasksets, evaluation_tasks
+from rewards import score
+
+# One row of each preset in its Hub dataset's columns (openai/gsm8k main, HuggingFaceH4/MATH-500,
+# HuggingFaceH4/aime_2024, opencompass/AIME2025), with a right and a wrong final answer.
+PRESET_ROWS = {
+    "gsm8k": ({"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                           "May. How many clips did Natalia sell altogether in April and May?",
+               "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+                         "altogether in April and May.\n#### 1,072"}, "\\boxed{1072}", "\\boxed{72}"),
+    "math500": ({"problem": "Convert the point $(0,3)$ in rectangular coordinates to polar coordinates.",
+                 "solution": "...", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus",
+                 "level": 2, "unique_id": "test/precalculus/807.json"},
+                "so the answer is \\boxed{(3, \\frac{\\pi}{2})}", "\\boxed{(3, \\pi)}"),
+    "aime2024": ({"id": 60, "problem": "Every morning Aya goes for a 9-kilometer-long walk ...", "solution": "...",
+                  "answer": "204", "url": "https://artofproblemsolving.com", "year": "2024"},
+                 "Answer: 204", "Answer: 240"),
+    "aime2025": ({"question": "Find the sum of all integer bases $b>9$ for which $17_b$ is a divisor of $97_b$.",
+                  "answer": "70"}, "The sum is \\boxed{70}.", "The sum is \\boxed{16}."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_ROWS))
+def test_preset_reads_a_local_file_and_scores_right_1_and_wrong_0(name, tmp_path):
+    row, right, wrong = PRESET_ROWS[name]
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    tasks = evaluation_tasks(f"{name}:{path}", 0, seed=0)
+    assert len(tasks) == 2 and tasks[0]["id"] == f"{name}-0" and tasks[1]["id"] == f"{name}-1"
+    assert "\\boxed{}" in tasks[0]["prompt"] and row.get("question", row.get("problem")) in tasks[0]["prompt"]
+    assert score(right, tasks[0]).score == 1.0
+    assert score(wrong, tasks[0]).score == 0.0
+    assert score("I do not know.", tasks[0]).score == 0.0
+
+
+def test_arith_preset_is_a_runs_held_out_split():
+    tasks = evaluation_tasks("arith", 0, seed=3)
+    assert tasks == build_tasksets("arith", None, 1, 48, 3)[1]  # what a run with --seed 3 holds out
+    assert score(f"{tasks[0]['answer']}. Answer: {tasks[0]['answer']}", tasks[0]).score == 1.0
+    assert score(f"Answer: {int(tasks[0]['answer']) + 1}", tasks[0]).score == 0.0
+    assert len(evaluation_tasks("arith", 5, seed=3)) == 5
+
+
+def test_preset_errors_are_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "q", "solution": "#### 4"}) + "\n")
+    with pytest.raises(SystemExit, match=r"row 0: missing column 'answer'"):
+        evaluation_tasks(f"gsm8k:{path}", 0, seed=0)
+    path.write_text(json.dumps({"question": "q", "answer": "4"}) + "\n")
+    with pytest.raises(SystemExit, match=r"does not match"):
+        evaluation_tasks(f"gsm8k:{path}", 0, seed=0)
+    with pytest.raises(SystemExit, match="never trained on"):
+        build_tasksets("math500", None, 1, 4, 0)
+    # offline and not cached: the local copy under $TANDEM_CACHE/datasets, else an error naming both ways
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(SystemExit, match=r"no local copy at .*aime2025.jsonl"):
+        evaluation_tasks("aime2025", 0, seed=0)
+    (tmp_path / "cache" / "datasets").mkdir(parents=True)
+    (tmp_path / "cache" / "datasets" / "aime2025.jsonl").write_text(json.dumps(PRESET_ROWS["aime2025"][0]) + "\n")
+    tasks = evaluation_tasks("aime2025", 0, seed=0)
+    assert len(tasks) == 1 and score("\\boxed{70}", tasks[0]).score == 1.0
