@@ -238,3 +238,29 @@ def with_interval(summary: dict, key: str) -> str:
     """summary[key] with its 95% interval (summary[key + "_interval"]) where it has one: '0.250 [0.146, 0.375]'."""
     value, interval = summary.get(key), summary.get(f"{key}_interval")
     return format_interval(value, *interval) if value is not None and interval else str(value)
+
+
+def run_of(model: str) -> tuple[str, dict | None]:
+    """(what to load, the run's config.json or None): a run's folder gives its final/, its final/ or
+    checkpoints/step_N/ themselves; anything else is a model as a run's --model takes it."""
+    def config_of(folder: str) -> dict | None:
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            config = json.load(open(path))
+        except ValueError as e:
+            raise ConfigError(f"--model {model}: {path} is not readable JSON ({e})") from None
+        return config if isinstance(config, dict) and "schedule" in config else None  # a run's, not a model's
+
+    if not os.path.isdir(model):
+        return model, None
+    run = config_of(model)
+    if run is not None:
+        final = os.path.join(model, "final")
+        if not os.path.isdir(final):
+            raise ConfigError(f"--model {model}: the run has no final/ (not finished): pass one of its "
+                              f"checkpoints/step_N/")
+        return final, run
+    parent = os.path.dirname(os.path.normpath(model))
+    return model, config_of(parent) or config_of(os.path.dirname(parent))  # final/ or checkpoints/step_N/

@@ -69,3 +69,69 @@ def test_preset_errors_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "cache" / "datasets" / "aime2025.jsonl").write_text(json.dumps(PRESET_ROWS["aime2025"][0]) + "\n")
     tasks = evaluation_tasks("aime2025", 0, seed=0)
     assert len(tasks) == 1 and score("\\boxed{70}", tasks[0]).score == 1.0
+
+
+def fake_run(folder, **config) -> str:
+    """A finished run's folder as the trainer leaves it: config.json (with its schedule) and final/, here the tiny
+    model's weights saved as a servable folder (the same weights as --model tiny)."""
+    from common.model import save_servable_tiny
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"schedule": "sync", **config}))
+    save_servable_tiny(str(folder / "final"))
+    return str(folder)
+
+
+def test_eval_py_compares_two_models_on_the_same_tasks_and_seeds(tmp_path):
+    """`--compare A B`: the tiny model against a run whose final/ holds the same weights. With one new token a
+    response is one byte, whose code point has the parity asked for about half the time: mixed outcomes. The same
+    tasks and sampling seed for both give identical samples, so B - A is exactly 0 with a zero-width interval, and
+    the run's sampling (its temperature) is what both were sampled at."""
+    from tests.conftest import run_in_process
+
+    run = fake_run(tmp_path / "run", temperature=0.9, top_p=1.0, max_new_tokens=1)
+    out = tmp_path / "eval"
+    proc = run_in_process("eval.py", "--compare", "tiny", run, "--taskset", "parity", "--size", "6", "--samples", "4",
+                          "--engine", "hf", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "eval.json").read_text())
+    assert report["sampling"] == {"temperature": 0.9, "top_p": 1.0, "max_new_tokens": 1}
+    a, b = (report["results"]["parity"][m] for m in ("tiny", run))
+    assert set(a) == {"mean@4", "pass@2", "pass@4", "maj@2", "maj@4"}
+    assert 0 < a["mean@4"]["value"] < 1 and a["mean@4"]["lo"] < a["mean@4"]["value"] < a["mean@4"]["hi"]
+    assert a["pass@4"]["value"] >= a["pass@2"]["value"] >= a["mean@4"]["value"]
+    assert a == b and report["per_task"]["tiny"] == report["per_task"][run]
+    assert report["difference"]["parity"]["mean@4"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
+    assert "| parity | 6 | mean@4 |" in proc.stdout and "B - A (95% paired interval)" in proc.stdout
+    assert (out / "eval.md").read_text().strip() in proc.stdout
+
+
+def test_eval_py_bad_input_is_one_line_before_any_model_loads(tmp_path):
+    from tests.conftest import run_in_process
+
+    for flags, message in ((["--compare", "tiny"], "--compare takes two models"),
+                           (["--samples", "0"], "--samples must be >= 1"),
+                           (["--taskset", "nope.jsonl"], "no such file"),
+                           (["--model", str(tmp_path)], "no config.json")):
+        proc = run_in_process("eval.py", *flags, "--out-dir", str(tmp_path / "eval"))
+        assert proc.returncode == 1 and message in proc.stderr, (flags, proc.stderr[-1000:])
+        assert "Traceback" not in proc.stderr
+
+
+def test_a_run_with_eval_samples_reports_intervals(tmp_path):
+    """--eval-samples 4: every evaluation of the run reports mean@4 (eval/accuracy), pass@4 and maj@4 with
+    intervals, in metrics.jsonl and summary.json, and the run's last line shows the interval."""
+    from tests.conftest import TINY, run_in_process
+
+    out = tmp_path / "run"
+    proc = run_in_process("train_sync.py", *TINY, "--steps", "1", "--eval-every", "1", "--eval-samples", "4",
+                          "--max-new-tokens", "1", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    for name in ("accuracy", "pass@4", "maj@4"):
+        assert row[f"eval/{name}_lo"] <= row[f"eval/{name}"] <= row[f"eval/{name}_hi"]
+    assert row["eval/samples"] == 4 and 0 < row["eval/accuracy"] < 1
+    summary = json.loads((out / "summary.json").read_text())
+    lo, hi = summary["eval_after_interval"]
+    assert lo <= summary["eval_after"] <= hi and summary["eval_before_interval"] is not None
+    assert f"held-out mean@4 {summary['eval_before']:.3f} [" in proc.stdout

@@ -75,7 +75,7 @@ def test_paired_bootstrap_sees_a_gain_the_unpaired_intervals_hide():
 def test_per_task_and_summary():
     correct = [[True, True, False, False], [False, False, False, False]]
     answers = [["4", "4", "5", None], ["1", "2", "2", None]]
-    assert report_ks(4) == [1, 2, 4] and report_ks(8) == [1, 2, 4, 8] and report_ks(6) == [1, 2, 4, 6]
+    assert report_ks(4) == [2, 4] and report_ks(8) == [2, 4, 8] and report_ks(6) == [2, 4, 6] and report_ks(1) == []
     values = per_task(correct, answers, report_ks(4))
     assert values["mean@4"] == [0.5, 0.0]
     assert values["pass@2"] == pytest.approx([1 - 1 / 6, 0.0])  # 1 - C(2,2)/C(4,2)

@@ -68,8 +68,9 @@ def maj_at_k(correct: list[bool], answers: list, k: int, seed: int = 0) -> float
 
 
 def report_ks(n: int) -> list[int]:
-    """The k of pass@k and maj@k reported for n samples a task: 1, 2, 4, ... below n, and n."""
-    return [k for k in (2 ** i for i in range(n.bit_length())) if k < n] + [n]
+    """The k of pass@k and maj@k reported for n samples a task: 2, 4, 8, ... below n, and n (none for n = 1; pass@1
+    is mean@n, and so is maj@1 where the answer decides the verdict)."""
+    return [k for k in (2 ** i for i in range(1, n.bit_length())) if k < n] + ([n] if n > 1 else [])
 
 
 def per_task(correct: list[list[bool]], answers: list[list], ks: list[int], seed: int = 0) -> dict[str, list[float]]:
