@@ -103,11 +103,13 @@ class CommonArgs:
     """Difficulty level of the 'arith' taskset (1 easiest .. 4); 'parity': longer requests per level; 'shapes':
     1 is the shape red (yes/no), 2 which colour, 3 left or right, 4 how many."""
     eval_taskset: str | None = None
-    """Held-out tasks; default: the taskset's own held-out split."""
+    """Held-out tasks (what --taskset takes, or a benchmark preset: gsm8k, math500, aime2024, aime2025); default:
+    the taskset's own held-out split."""
     eval_size: int = 48
     """Number of held-out tasks per evaluation."""
     eval_every: int = 10
-    """Evaluate (greedy) every N steps, plus before the first and after the last step (0: no evaluation at all)."""
+    """Evaluate (greedy unless --eval-samples) every N steps, plus before the first and after the last step (0: no
+    evaluation at all)."""
     eval_samples: int = 1
     """Samples per held-out task: 1 evaluates greedily; N > 1 samples N responses a task at --temperature /
     --top-p and reports mean@N (as eval/accuracy), pass@N and maj@N, each with a 95% bootstrap interval over tasks."""
