@@ -123,9 +123,10 @@ def evaluate(args: Args, config: CommonArgs, tasksets: dict[str, list[dict]], ba
     return out
 
 
-def table(labels: list[str], results: dict, compared: dict | None) -> str:
+def table(models: dict[str, str], results: dict, compared: dict | None) -> str:
     """The markdown table: a row per taskset and metric, a column per model (value [95% interval]), and B - A."""
-    names = [f"{ab}: {label}" for ab, label in zip("AB", labels)] if compared else labels
+    labels = list(models)
+    names = [f"{label}: {model}" if compared else model for label, model in models.items()]
     names = [f"{name} [95% interval]" for name in names]
     head = ["taskset", "tasks", "metric", *names] + (["B - A (95% paired interval)"] if compared else [])
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -151,11 +152,12 @@ def main():
     args = parse_args(Args)
     args.out_dir = args.out_dir or os.path.join("runs", f"eval-{time.strftime('%Y%m%d-%H%M%S')}")
     check_out_dir(args.out_dir)
-    labels = list(args.compare) or [args.model]
-    found = [run_of(m) for m in labels]
+    models = dict(zip("AB", args.compare)) if args.compare else {args.model: args.model}  # label -> model
+    labels = list(models)
+    found = [run_of(m) for m in models.values()]
     runs = [run for _, run in found if run]
-    sampling = {k: getattr(args, k) if getattr(args, k) is not None else runs[0][k] if runs else
-                getattr(CommonArgs, k) for k in SAMPLING}
+    sampling = {k: getattr(args, k) if getattr(args, k) is not None else runs[0].get(k, getattr(CommonArgs, k))
+                if runs else getattr(CommonArgs, k) for k in SAMPLING}
     tasksets = {name: evaluation_tasks(name, args.size, args.seed, args.difficulty) for name in args.taskset}
     configs = [explorer_args(args, model, run, sampling) for model, run in found]
     for config in configs:  # every one-line error before any model loads
@@ -176,8 +178,8 @@ def main():
                for name, tasks in tasksets.items()}
     compared = ({name: eval_metrics.compare(per_task[labels[0]][name], per_task[labels[1]][name], args.seed,
                                             args.resamples) for name in tasksets} if args.compare else None)
-    markdown = table(labels, results, compared)
-    report = {"models": labels, "samples": args.samples, "sampling": "greedy" if args.samples == 1 else sampling,
+    markdown = table(models, results, compared)
+    report = {"models": models, "samples": args.samples, "sampling": "greedy" if args.samples == 1 else sampling,
               "seed": args.seed, "resamples": args.resamples, "interval": eval_metrics.LEVEL, "results": results,
               "difference": compared, "task_ids": {name: [t["id"] for t in tasks] for name, tasks in tasksets.items()},
               "per_task": per_task}

@@ -56,6 +56,9 @@ def test_preset_errors_are_one_line(tmp_path, monkeypatch):
     path.write_text(json.dumps({"question": "q", "answer": "4"}) + "\n")
     with pytest.raises(SystemExit, match=r"does not match"):
         evaluation_tasks(f"gsm8k:{path}", 0, seed=0)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(SystemExit, match=r"gsm8k.jsonl: row 0: a row must be an object"):
+        evaluation_tasks(f"gsm8k:{path}", 0, seed=0)
     with pytest.raises(SystemExit, match="never trained on"):
         build_tasksets("math500", None, 1, 4, 0)
     # offline and not cached: the local copy under $TANDEM_CACHE/datasets, else an error naming both ways
@@ -96,13 +99,14 @@ def test_eval_py_compares_two_models_on_the_same_tasks_and_seeds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "eval.json").read_text())
     assert report["sampling"] == {"temperature": 0.9, "top_p": 1.0, "max_new_tokens": 1}
-    a, b = (report["results"]["parity"][m] for m in ("tiny", run))
+    assert report["models"] == {"A": "tiny", "B": run}
+    a, b = (report["results"]["parity"][m] for m in ("A", "B"))
     assert set(a) == {"mean@4", "pass@2", "pass@4", "maj@2", "maj@4"}
     assert 0 < a["mean@4"]["value"] < 1 and a["mean@4"]["lo"] < a["mean@4"]["value"] < a["mean@4"]["hi"]
     assert a["pass@4"]["value"] >= a["pass@2"]["value"] >= a["mean@4"]["value"]
-    assert a == b and report["per_task"]["tiny"] == report["per_task"][run]
+    assert a == b and report["per_task"]["A"] == report["per_task"]["B"]
     assert report["difference"]["parity"]["mean@4"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
-    assert "| parity | 6 | mean@4 |" in proc.stdout and "B - A (95% paired interval)" in proc.stdout
+    assert "| parity | 6 | mean@4 |" in proc.stdout and "| A: tiny [95% interval] |" in proc.stdout
     assert (out / "eval.md").read_text().strip() in proc.stdout
 
 

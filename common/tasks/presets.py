@@ -39,6 +39,8 @@ class Preset:
 
     def task(self, name: str, row: dict, where: str, index: int) -> dict:
         """One dataset row -> a validated math task; one-line errors name the row."""
+        if not isinstance(row, dict):
+            raise SystemExit(f"error: {where}: a row must be an object with {self.question!r} and {self.answer!r}")
         for column in (self.question, self.answer):
             if column not in row:
                 raise SystemExit(f"error: {where}: missing column {column!r} (preset {name} reads "
@@ -106,7 +108,7 @@ def preset_tasks(taskset: str) -> list[dict]:
             sources = [(local_copy(name), file_rows(local_copy(name)))]
     tasks = []
     for source, rows in sources:
-        tasks += [preset.task(name, dict(row), f"{source}: row {i}", len(tasks) + i) for i, row in enumerate(rows)]
+        tasks += [preset.task(name, row, f"{source}: row {i}", len(tasks) + i) for i, row in enumerate(rows)]
     if not tasks:
         raise SystemExit(f"error: --taskset {taskset}: no rows")
     return tasks
