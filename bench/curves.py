@@ -9,7 +9,8 @@ held-out accuracy against trained samples and against wall-clock, and a table (J
     # one GPU: runs share it (--parallel starts them together; compare wall-clock only between parallel runs)
     python bench/curves.py --name x --parallel --run ... -- --explorer-devices cuda:0 --trainer-devices cuda:0
 
-Accuracy is greedy held-out accuracy (eval/accuracy); the x value of an evaluation is the number of samples the
+Accuracy is greedy held-out accuracy (eval/accuracy; mean@N with --eval-samples N), before and after with its 95%
+bootstrap interval over the tasks; the x value of an evaluation is the number of samples the
 evaluated weights were trained on (eval/version x rollout batch), so sync and async points line up.
 """
 
@@ -40,7 +41,8 @@ def curve(out_dir: str) -> dict:
     points.append((summary["steps"] * batch, summary["elapsed"], summary["eval_after"]))
     return {"samples": [p[0] for p in points], "seconds": [p[1] for p in points], "accuracy": [p[2] for p in points],
             "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
-            "dropped_stale": summary.get("dropped_stale", 0)}
+            "dropped_stale": summary.get("dropped_stale", 0),
+            "intervals": [summary.get("eval_before_interval"), summary.get("eval_after_interval")]}  # 95% bootstrap
 
 
 def plot(results: dict, title: str, path: str) -> None:
@@ -106,10 +108,12 @@ def main():
     with open(os.path.join(opts.results, f"{opts.name}.json"), "w") as f:
         json.dump({"shared_flags": shared, "runs": {label: cmd[2:] for label, _, cmd in runs}, "curves": results},
                   f, indent=1)
-    print(f"\n{'run':<40} {'accuracy before -> after':>26} {'samples':>8} {'wall s':>8} {'dropped':>8}")
+    print(f"\n{'run':<40} {'accuracy [95% interval] before -> after':>52} {'samples':>8} {'wall s':>8} {'dropped':>8}")
     for label, c in results.items():
-        print(f"{label:<40} {c['accuracy'][0]:>12.3f} -> {c['accuracy'][-1]:<11.3f} {c['samples'][-1]:>8d} "
-              f"{c['seconds'][-1]:>8.0f} {c['dropped_stale']:>8d}")
+        ends = [f"{a:.3f}" + (f" [{i[0]:.3f}, {i[1]:.3f}]" if i else "")
+                for a, i in zip((c["accuracy"][0], c["accuracy"][-1]), c["intervals"])]
+        print(f"{label:<40} {ends[0]:>24} -> {ends[1]:<24} {c['samples'][-1]:>8d} {c['seconds'][-1]:>8.0f} "
+              f"{c['dropped_stale']:>8d}")
     print(f"plot: {os.path.join(opts.results, opts.name + '.png')}")
 
 

@@ -125,11 +125,16 @@ class CommonArgs:
     """Difficulty level of the 'arith' taskset (1 easiest .. 4); 'parity': longer requests per level; 'shapes':
     1 is the shape red (yes/no), 2 which colour, 3 left or right, 4 how many."""
     eval_taskset: str | None = None
-    """Held-out tasks; default: the taskset's own held-out split."""
+    """Held-out tasks (what --taskset takes, or a benchmark preset: gsm8k, math500, aime2024, aime2025); default:
+    the taskset's own held-out split."""
     eval_size: int = 48
     """Number of held-out tasks per evaluation."""
     eval_every: int = 10
-    """Evaluate (greedy) every N steps, plus before the first and after the last step (0: no evaluation at all)."""
+    """Evaluate (greedy unless --eval-samples) every N steps, plus before the first and after the last step (0: no
+    evaluation at all)."""
+    eval_samples: int = 1
+    """Samples per held-out task: 1 evaluates greedily; N > 1 samples N responses a task at --temperature /
+    --top-p and reports mean@N (as eval/accuracy), pass@N and maj@N, each with a 95% bootstrap interval over tasks."""
 
     # --- rollout ---------------------------------------------------------------------------------------------
     tasks_per_step: int = 8
@@ -485,6 +490,7 @@ class CommonArgs:
         "stall_log_s": Range(gt=0), "keep_checkpoints": Range(ge=0, why="0 = keep every one"),
         "vllm_gpu_memory_utilization": Range(gt=0, le=1), "vllm_kv_cache_gb": Range(gt=0),
         "difficulty": Range(ge=1, le=4, why="the arith levels"), "eval_size": Range(ge=1),
+        "eval_samples": Range(ge=1),
         "tasks_per_step": Range(ge=1), "samples_per_task": Range(ge=1), "max_new_tokens": Range(ge=1),
         "temperature": Range(gt=0, why="sampling needs a positive temperature"), "top_p": Range(gt=0, le=1),
         "max_turns": Range(ge=1), "tool_timeout_s": Range(gt=0), "max_tool_calls_per_turn": Range(ge=1),

@@ -51,14 +51,15 @@ def check_devices(args) -> None:
                 raise ConfigError(f"device {d} in {flag} does not exist here ({torch.cuda.device_count()} GPU(s))")
 
 
-def check_tasks(args, model_path: str, tasks: list[dict]) -> None:
-    """Every check below, on the training and held-out tasks together."""
+def check_tasks(args, model_path: str, tasks: list[dict], memory: bool = True) -> None:
+    """Every check below, on the training and held-out tasks together (eval.py: all but the memory a run needs)."""
     check_workflows(tasks)
     check_images(args, model_path, tasks)
     check_episode_prompts(args, tasks)
     check_prompt_lengths(args, tasks)
     check_reward_models(args, tasks)
-    check_memory(args, tasks)
+    if memory:
+        check_memory(args, tasks)
 
 
 def check_reward_models(args, tasks: list[dict]) -> None:

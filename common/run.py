@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.cli import LAUNCHED_ARGS
 from common.explorer.engine import resolve_engine, vllm_available
+from common.explorer.eval_metrics import format_interval
 from common.knobs import ConfigError
 from common.lora import describe as describe_lora, resolve_sync as resolve_lora_sync
 from common.preflight import check_machine, check_tasks
@@ -252,7 +253,40 @@ def finish_run(args, title: str) -> None:
     if rows:
         rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"
-        held_out = (f"held-out accuracy {summary.get('eval_before')} -> {summary.get('eval_after')}"
+        held_out = (f"held-out {'accuracy' if args.eval_samples == 1 else f'mean@{args.eval_samples}'} "
+                    f"{with_interval(summary, 'eval_before')} -> {with_interval(summary, 'eval_after')}"
                     if args.eval_every else "no evaluation (--eval-every 0)")
         print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; {held_out}; "
               f"outputs in {args.out_dir}")
+
+
+def with_interval(summary: dict, key: str) -> str:
+    """summary[key] with its 95% interval (summary[key + "_interval"]) where it has one: '0.250 [0.146, 0.375]'."""
+    value, interval = summary.get(key), summary.get(f"{key}_interval")
+    return format_interval(value, *interval) if value is not None and interval else str(value)
+
+
+def run_of(model: str) -> tuple[str, dict | None]:
+    """(what to load, the run's config.json or None): a run's folder gives its final/, its final/ or
+    checkpoints/step_N/ themselves; anything else is a model as a run's --model takes it."""
+    def config_of(folder: str) -> dict | None:
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            config = json.load(open(path))
+        except ValueError as e:
+            raise ConfigError(f"--model {model}: {path} is not readable JSON ({e})") from None
+        return config if isinstance(config, dict) and "schedule" in config else None  # a run's, not a model's
+
+    if not os.path.isdir(model):
+        return model, None
+    run = config_of(model)
+    if run is not None:
+        final = os.path.join(model, "final")
+        if not os.path.isdir(final):
+            raise ConfigError(f"--model {model}: the run has no final/ (not finished): pass one of its "
+                              f"checkpoints/step_N/")
+        return final, run
+    parent = os.path.dirname(os.path.normpath(model))
+    return model, config_of(parent) or config_of(os.path.dirname(parent))  # final/ or checkpoints/step_N/

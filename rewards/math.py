@@ -136,9 +136,19 @@ def is_equivalent(pred: str, gold: str) -> bool:
     return bool(mv.verify(gold_p, pred_p, timeout_seconds=None))
 
 
+def answer_key(pred: str) -> str:
+    """The answer in a normal form, for majority votes (common/explorer/eval_metrics.py): a plain number as its
+    shortest decimal (7.50 and 7.5 vote together), anything else without its whitespace."""
+    if PLAIN_NUMBER.match(pred):
+        number = Decimal(pred).normalize()
+        return "0" if number == 0 else format(number, "f")
+    return "".join(pred.split())
+
+
 def score(response: str, task: dict):
     pred = extract_answer(response)
     if pred is None:
         return Reward(0.0, {"reason": "no answer", "format_ok": False})
     ok = is_equivalent(pred, str(task["answer"]))
-    return Reward(1.0 if ok else 0.0, {"reason": "correct" if ok else "wrong", "pred": pred, "format_ok": True})
+    return Reward(1.0 if ok else 0.0, {"reason": "correct" if ok else "wrong", "pred": pred,
+                                       "answer_key": answer_key(pred), "format_ok": True})

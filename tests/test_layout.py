@@ -22,7 +22,7 @@ LAYERS = [
     ("common.explorer", "common.trainer"),
     ("common.checks", "common.cli", "common.config", "common.memory", "common.placement", "common.preflight",
      "common.run"),
-    ("train_sync", "train_offpolicy", "train_async"),
+    ("train_sync", "train_offpolicy", "train_async", "eval"),
 ]
 # The one arrow that runs back up (calculator and retry build their tasks from the arith word problems).
 UPWARD_ALLOWED = {("common.envs", "common.tasks")}
@@ -37,7 +37,7 @@ def project_modules() -> dict[str, str]:
                 if f.endswith(".py"):
                     rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
                     out[rel.removesuffix(".__init__")] = os.path.join(folder, f)
-    for script in ("train_sync", "train_offpolicy", "train_async"):
+    for script in ("train_sync", "train_offpolicy", "train_async", "eval"):
         out[script] = os.path.join(ROOT, script + ".py")
     return out
 
@@ -244,7 +244,7 @@ def test_each_algorithm_is_one_registered_function():
 
 
 def test_entry_scripts_stay_short():
-    for script in ("train_sync.py", "train_offpolicy.py", "train_async.py"):
+    for script in ("train_sync.py", "train_offpolicy.py", "train_async.py", "eval.py"):
         assert sum(1 for _ in open(os.path.join(ROOT, script))) <= 200, script
 
 

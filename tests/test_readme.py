@@ -5,7 +5,8 @@ environment running this test, and each command runs through bash after the bloc
 it quick every training command gets the tiny model and 1 step (2 when it resumes), plus small batch flags,
 `--no-plots` and `--engine hf` where it does not set them itself; everything else stays as the README writes it.
 `--engine vllm` commands are skipped (and said so) where vLLM cannot be imported. The flag lines of the block after
-it are parsed and validated with every entry script.
+it are parsed and validated with every entry script. An `eval.py` command gets the tiny model in place of `default`,
+2 tasks per taskset, 8 new tokens and `--engine hf`, and runs after the command that makes the run it evaluates.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SMALL = {"--tasks-per-step": "2", "--samples-per-task": "2", "--max-new-tokens":
          "--eval-every": "0", "--lr": "1e-3", "--timeout-s": "300", "--engine": "hf",
          "--num-threads": "1", "--no-plots": None}  # None: a flag without a value
 ENTRY = ("python", "torchrun")
+EVAL_SMALL = {"--size": "2", "--max-new-tokens": "8", "--engine": "hf"}  # eval.py's own small flags
 
 
 def running_blocks(readme: str) -> list[list[str]]:
@@ -66,10 +68,29 @@ def flag_value(words: list[str], flag: str) -> str | None:
     return words[words.index(flag) + 1] if flag in words else None
 
 
+def is_eval(words: list[str]) -> bool:
+    return words[:2] == ["python", "eval.py"]
+
+
+def needs_run(words: list[str], index: int) -> str | None:
+    """The out_dir of the run a command needs made first: the one it resumes, or the run an eval.py command
+    evaluates (a runs/NAME path among its words)."""
+    if "--resume" in words:
+        return small_run(words, index)[1]
+    if is_eval(words):
+        return next(("/".join(w.split("/")[:2]) for w in words if w.startswith("runs/")), None)
+    return None
+
+
 def small_run(words: list[str], index: int) -> tuple[list[str], str | None, int]:
-    """(the command with the test's flags, its out_dir, its steps); --help runs as written."""
+    """(the command with the test's flags, its out_dir, its steps: 0 for eval.py); --help runs as written."""
     if "--help" in words:
         return words, None, 0
+    if is_eval(words):
+        extra = [w for flag, value in EVAL_SMALL.items() if flag not in words for w in (flag, value)]
+        out_dir = flag_value(words, "--out-dir") or f"runs/readme-{index}"
+        extra += [] if "--out-dir" in words else ["--out-dir", out_dir]
+        return ["tiny" if w == "default" else w for w in words] + extra, out_dir, 0
     steps = 2 if "--resume" in words else 1
     extra = [w for flag, value in SMALL.items() if flag not in words
              for w in ((flag,) if value is None else (flag, value))]
@@ -178,11 +199,11 @@ def test_every_running_command_works_in_a_fresh_clone(tmp_path):
             same[shlex.join(c)] = shlex.join(commands[twin])
             continue
         jobs.append((i, c))
-    # A --resume command runs right after the run it continues, in the same thread; those chains start first. Three
-    # at a time: a tiny run keeps about half a core busy (its processes wait for each other).
-    then = [(i, c) for i, c in jobs if "--resume" in c]
-    chains = [[(i, c), *[(k, e) for k, e in then if small_run(e, k)[1] == small_run(c, i)[1]]]
-              for i, c in jobs if "--resume" not in c]
+    # A --resume or eval.py command runs right after the run it needs, in the same thread; those chains start first.
+    # Three at a time: a tiny run keeps about half a core busy (its processes wait for each other).
+    then = [(i, c) for i, c in jobs if needs_run(c, i)]
+    chains = [[(i, c), *[(k, e) for k, e in then if needs_run(e, k) == small_run(c, i)[1]]]
+              for i, c in jobs if not needs_run(c, i)]
     chains += [[job] for job in then if not any(job in chain for chain in chains)]
     chains.sort(key=len, reverse=True)
     results = {}
@@ -202,6 +223,11 @@ def test_every_running_command_works_in_a_fresh_clone(tmp_path):
         elif out_dir is None:
             if "usage" not in proc.stdout.lower():
                 failures.append(f"{script}\n  printed no usage")
+        elif is_eval(words):
+            scores = json.load(open(os.path.join(clone, out_dir, "eval.json")))["results"]
+            if not scores or not all("lo" in metric for by_model in scores.values() for model, metrics in
+                                     by_model.items() if model != "tasks" for metric in metrics.values()):
+                failures.append(f"{script}\n  eval.json holds no scores with intervals: {scores}")
         else:
             summary = json.load(open(os.path.join(clone, out_dir, "summary.json")))
             with open(os.path.join(clone, out_dir, "metrics.jsonl")) as f:

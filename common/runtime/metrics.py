@@ -308,7 +308,9 @@ def plot_reward_curve(out_dir: str, path: str | None = None, title: str | None =
     if train:
         ax.plot(*zip(*train), ".-", label="train reward (batch mean)", alpha=0.6)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy)")
+        config = os.path.join(out_dir, "config.json")
+        samples = json.load(open(config)).get("eval_samples", 1) if os.path.exists(config) else 1
+        ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy)" if samples == 1 else f"held-out mean@{samples}")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(title or f"{os.path.basename(os.path.normpath(out_dir))}: reward and held-out accuracy")

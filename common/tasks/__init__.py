@@ -5,6 +5,7 @@ held-out list).
 - shapes                        procedural image questions, verifier vision (common/tasks/shapes.py)
 - an environment's name, textarena:GAME, reasoning_gym:NAME, A+B mixtures   (common/tasks/named.py)
 - a .jsonl file, an HF dataset folder / file / Hub id                      (common/tasks/files.py, hub.py)
+- gsm8k, math500, aime2024, aime2025: benchmark presets, held-out only      (common/tasks/presets.py)
 
 Every row is checked when loaded (common/tasks/validate.py); task processors (common/tasks/processors.py) run
 later, in the explorer, between the taskset and the workflow.
@@ -16,6 +17,7 @@ import random
 
 from common.tasks.files import load_tasks
 from common.tasks.named import MixedStream, is_named_taskset, named_taskset
+from common.tasks.presets import is_preset, preset_tasks
 from common.tasks.procedural import arithmetic_split, parity_split
 from common.tasks.shapes import shapes_split
 from common.tasks.stream import TaskStream
@@ -37,6 +39,9 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
         train, held_out = parity_split(seed, difficulty, eval_size, curriculum)
     elif taskset == "shapes":
         train, held_out = shapes_split(seed, difficulty, eval_size, curriculum)
+    elif is_preset(taskset):
+        raise SystemExit(f"error: --taskset {taskset}: a benchmark preset is a test set, evaluated, never trained on "
+                         f"(pass it as --eval-taskset)")
     elif is_named_taskset(taskset):  # environments' tasksets (common/tasks/named.py)
         train, held_out = named_taskset(taskset, eval_taskset, difficulty, eval_size, seed, sampling, curriculum)
     else:
@@ -56,5 +61,23 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
                     raise SystemExit(f"error: --curriculum: task {t['id']} in {taskset} has no numeric 'difficulty'")
         train = TaskStream(tasks=tasks, seed=seed, sampling=sampling, curriculum=curriculum)
     if eval_taskset is not None:
-        held_out = load_tasks(eval_taskset, options, eval_split)[:eval_size]
+        held_out = (preset_tasks(eval_taskset) if is_preset(eval_taskset)
+                    else load_tasks(eval_taskset, options, eval_split))[:eval_size]
     return train, held_out
+
+
+PROCEDURAL_EVAL_SIZE = 48  # a procedural taskset's held-out split when no size is given: a run's --eval-size default
+
+
+def evaluation_tasks(taskset: str, size: int, seed: int, difficulty: int = 1, options=None,
+                     split: str = "test") -> list[dict]:
+    """The tasks an evaluation of `taskset` runs (eval.py): a preset's or a dataset's first `size` (0: all of them),
+    or a procedural taskset's held-out split of `size` tasks (0: 48), the very tasks a run with that --seed,
+    --difficulty and --eval-size holds out."""
+    if is_preset(taskset):
+        tasks = preset_tasks(taskset)
+    elif taskset in ("arith", "parity", "shapes") or is_named_taskset(taskset) or "+" in taskset:
+        return build_tasksets(taskset, None, difficulty, size or PROCEDURAL_EVAL_SIZE, seed)[1]
+    else:
+        tasks = load_tasks(taskset, options, split)
+    return tasks[:size] if size else tasks

@@ -259,6 +259,11 @@ def resolve_algo(args):
     return algo
 
 
+def accuracy_interval(metrics: dict) -> list[float] | None:
+    """An evaluation's [low, high] bootstrap interval of its accuracy (common/explorer/evaluation.py), if it has one."""
+    return [metrics["eval/accuracy_lo"], metrics["eval/accuracy_hi"]] if "eval/accuracy_lo" in metrics else None
+
+
 class TrainerRun:
     """The trainer process's bookkeeping around `Trainer`, the same in every schedule: resume, the metrics row per
     step, periodic checkpoints, Ctrl-C -> checkpoint, and final/ + summary.json at the end."""
@@ -272,7 +277,9 @@ class TrainerRun:
         self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
         self.taken = 0  # batches taken from the queue (`get`)
         state = ckpt.resume(self.trainer, args.out_dir) if args.resume else {}
-        self.summary = {"eval_before": state.get("eval_before"), "dropped_stale": state.get("dropped_stale", 0),
+        self.summary = {"eval_before": state.get("eval_before"),
+                        "eval_before_interval": state.get("eval_before_interval"),  # its 95% bootstrap interval
+                        "dropped_stale": state.get("dropped_stale", 0),
                         "evals": state.get("evals", []),  # every evaluation's metrics, in the order they came
                         "trained_tasks": state.get("trained_tasks", {})}  # train_async.py: explorer -> ledger
         self.start_time = time.time() - state.get("elapsed", 0.0)
@@ -401,6 +408,7 @@ class TrainerRun:
             self.summary["evals"].append(msg.metrics)
             if msg.metrics.get("eval/version") == 0 and self.summary["eval_before"] is None:
                 self.summary["eval_before"] = msg.metrics["eval/accuracy"]
+                self.summary["eval_before_interval"] = accuracy_interval(msg.metrics)
         return out
 
     def finish(self):
@@ -414,8 +422,9 @@ class TrainerRun:
         if final_eval:
             self.summary["evals"].append(final_eval)
         self._final_checkpoints()  # model + tokenizer (hard links to the step checkpoint's when there is one)
-        self.summary.update(eval_after=final_eval.get("eval/accuracy"), elapsed=time.time() - self.start_time,
-                            steps=self.trainer.step)
+        self.summary.update(eval_after=final_eval.get("eval/accuracy"),
+                            eval_after_interval=accuracy_interval(final_eval),
+                            elapsed=time.time() - self.start_time, steps=self.trainer.step)
         if not self.args.eval_every:
             self.summary["evaluation"] = "off (--eval-every 0)"
         with open(os.path.join(self.args.out_dir, "summary.json"), "w") as f:
