@@ -63,9 +63,13 @@ def check_tasks(args, model_path: str, tasks: list[dict], memory: bool = True) -
 
 
 def check_reward_models(args, tasks: list[dict]) -> None:
-    """Tasks scored by a reward model need one: theirs, --rm-model, or a --reward-fn instead."""
+    """Tasks scored by a reward model or a judge need one: theirs, --rm-model, --judge-model, or a --reward-fn."""
     if any(t.get("reward") == "rm" and not t.get("rm_model") for t in tasks) and not (args.rm_model or args.reward_fn):
         raise ConfigError("--taskset has tasks with reward 'rm' that name no rm_model: pass --rm-model")
+    judged = next((t for t in tasks if t.get("reward") in ("judge", "judge_group")), None)
+    if judged and not (args.judge_model or args.reward_fn):
+        raise ConfigError(f"{judged.get(WHERE, judged.get('id'))}: reward {judged['reward']!r} needs a judge: pass "
+                          f"--judge-url and --judge-model, or --judge-model PATH (served by tandem)")
 
 
 def check_workflows(tasks: list[dict]) -> None:

@@ -112,6 +112,17 @@ def test_no_judge_given_fails_the_item_naming_the_flags():
     assert got[0].info["failed"] and "--judge-url" in got[0].info["reason"]
 
 
+def test_judge_tasks_without_a_judge_stop_before_the_run():
+    from types import SimpleNamespace
+
+    from common.preflight import check_reward_models
+
+    args = SimpleNamespace(rm_model=None, reward_fn=None, judge_model=None)
+    with pytest.raises(ConfigError, match="examples/x.jsonl:3: reward 'judge' needs a judge: pass --judge-url"):
+        check_reward_models(args, [MATH, {**TASK, "_where": "examples/x.jsonl:3"}])
+    check_reward_models(SimpleNamespace(**{**vars(args), "judge_model": "m"}), [TASK])
+
+
 def test_strict_parse():
     assert parse('{"score": 7}', None) == [0.7] and parse(' {"scores": [0, 10.0]} ', 2) == [0.0, 1.0]
     for bad, n in [('{"scores": [1, 2, 3]}', 2), ('{"scores": [1, "2"]}', 2), ('{"score": 1e999}', None),
