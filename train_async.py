@@ -8,8 +8,8 @@ each other, and an explorer never waits for its slowest group.
 Each explorer keeps --inflight-groups groups generating (vLLM: one running batch that new groups and episodes'
 next turns join; HF: one generate call over every request ready, call after call). A group that ends is scored in
 the reward pool at once; the first --tasks-per-step groups scored go to the queue as one batch, so a long answer or
-a slow tool delays its own group only. Every --sync-interval trainer steps the weights go out (one broadcast
-reaches every explorer, or a checkpoint they poll) and each explorer takes them between two engine steps: requests
+a slow tool delays its own group only. Every --sync-interval trainer steps the weights go out (one sync reaches
+every explorer: a shared buffer, a broadcast or a checkpoint) and each explorer takes them between two engine steps: requests
 running then go on with the new weights, each token keeps the version that sampled it. Samples more than
 --max-staleness versions behind the trainer are dropped and counted; --off-policy-correction weights the rest.
 
@@ -81,7 +81,7 @@ class Args(CommonArgs):
         self.queue_size = self.queue_size or self.num_explorers
         shared = bool(set(self.explorer_device_list) & set(self.trainer_device_list))
         self.inflight_groups = self.inflight_groups or (1 if shared else 2) * self.tasks_per_step
-        if shared and "mid_generation_updates" not in getattr(self, "given_fields", frozenset()):
+        if shared and "mid_generation_updates" not in self.given_fields:
             self.mid_generation_updates = False
 
 

@@ -425,6 +425,10 @@ class CommonArgs:
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     """Comma-separated module names that get LoRA adapters."""
 
+    given_fields: ClassVar[frozenset[str]] = frozenset()
+    """Not a flag: the fields the user set (common/cli.py `given_fields`, per parsed config); defaults that depend
+    on the placement or the memory plan are chosen only for the others."""
+
     # --- ranges: a numeric field not listed must be a finite number >= 0 (common/knobs.py) -------------------------
     RANGES: ClassVar[dict[str, Range]] = {
         "steps": Range(ge=1), "timeout_s": Range(gt=0, why="a wait of 0 s fails at once"),

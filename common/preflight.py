@@ -169,5 +169,5 @@ def check_memory(args, tasks: list[dict]) -> None:
     sequence = max([len(chat_prompt_ids(tokenizer, t)) for t in single] or [0]) + args.max_new_tokens
     if taskset_has_envs(args.taskset) or any("env" in t for t in tasks):
         sequence = max(sequence, args.episode_token_budget)
-    for line in plan_memory(args, sequence, getattr(args, "given_fields", frozenset())):
+    for line in plan_memory(args, sequence, args.given_fields):
         print(line, flush=True)

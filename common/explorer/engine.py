@@ -51,6 +51,14 @@ class RolloutEngine(ABC):
     streams = False
     accepts: tuple[type, ...] = (Buffers, Folder)  # the weight sources `load_weights` takes
 
+    def describe(self) -> str:
+        """One line for the run's first lines: which generation path this engine takes ("": none to say)."""
+        return ""
+
+    def warm_up(self, prompt: list[int]) -> float:
+        """Compile and capture what the first rollout would, before it; the seconds it took (0: nothing to do)."""
+        return 0.0
+
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
         """For each prompt (token ids, chat template applied), `sampling.n` generations. Engines that serve

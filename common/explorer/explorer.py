@@ -77,13 +77,13 @@ class Explorer:
         self.args, self.timeline, self.index, self.device = args, timeline, index, device
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
-        if isinstance(self.engine, HFEngine):
+        if self.engine.describe():
             print(f"[tandem] explorer{index}: {self.engine.describe()}", flush=True)
-            start = time.time()  # compiles the decode step, where there is one to compile, before the first rollout
-            if self.engine.warm_up(chat_prompt_ids(self.tokenizer, {"prompt": "warm up"})):
-                self.timeline.record("warm-up", start, time.time())
-                print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
-                      flush=True)
+        start = time.time()  # compiles the decode step, where there is one to compile, before the first rollout
+        if self.engine.warm_up(chat_prompt_ids(self.tokenizer, {"prompt": "warm up"})):
+            self.timeline.record("warm-up", start, time.time())
+            print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
+                  flush=True)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index,
                                                            args.task_sampling, args.curriculum,

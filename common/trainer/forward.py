@@ -80,14 +80,13 @@ Both are sdpa in a padded forward. In a packed forward `PACKED` runs flash atten
 runs per sequence (bench/train_step.py --packed-attention split, to compare)."""
 
 
-def use_packed_attention(model, split: bool = False) -> None:
+def use_packed_attention(hf_model, split: bool = False) -> None:
     """Give an sdpa model tandem's packed attention (`packed_attention`), under its own name: the same as sdpa in a
     padded forward, causal within each sequence in a packed one. Other implementations keep theirs (flash attention
     packs from the position ids itself; eager packs nothing: `hidden_states` runs it as a block-diagonal mask)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    hf_model = model.body if hasattr(model, "body") else model  # the critic: its LM body
     if hf_model.config._attn_implementation not in ("sdpa", PACKED, PACKED_SPLIT):
         return
     for name, varlen in ((PACKED, True), (PACKED_SPLIT, False)):
