@@ -4,7 +4,6 @@ common/preflight.py) and wrap-up (timeline, plots, summary) are shared by every 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
@@ -15,11 +14,13 @@ import time
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.cli import LAUNCHED_ARGS
+from common.compat import python
 from common.explorer.engine import resolve_engine, vllm_available
 from common.knobs import ConfigError
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
+from common.runtime import cpu_tuning
 from common.runtime.launcher import launch_local, start_forkserver, stop_forkserver
 from common.runtime.worker import WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
@@ -73,13 +74,16 @@ def prepare_run(args, schedule: str) -> None:
 
 def run_entry(main) -> None:
     """An entry script's `main()`. In the launcher (`python train_X.py`), the process then ends as Python would end
-    it (exit code, a one-line error on stderr, atexit handlers run) without tearing down its modules: torch's and
-    transformers' teardown costs ~1 s of CPU on every run and every one-line error. A rank (under torch elastic)
+    it (exit code, a one-line error on stderr, atexit handlers run), with the CPU tuning (common/runtime/cpu_tuning.py)
+    without tearing down its modules: torch's and transformers' teardown costs ~1 s of CPU on every run and every
+    one-line error. A rank (under torch elastic)
     returns, as the agent expects of its function and binary entrypoints."""
     if under_elastic():
         return main()
     code = exit_code(main)
-    atexit._run_exitfuncs()
+    if not cpu_tuning.enabled():
+        raise SystemExit(code)
+    python.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -109,12 +113,14 @@ def launch(args, schedule: str, worker, title: str) -> None:
     rank is done."""
     check_torch()
     check_machine(args)  # before anything imports vLLM or touches CUDA, in every process
+    tuned = cpu_tuning.decide(args.cpu_tuning, args.trainer_device_list + args.explorer_device_list)
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if not under_elastic():
         check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
         if args.engine == "auto":  # vLLM imported here, where it imports, so the forked workers have it too
             vllm_available()  # (it starts no thread); which engine runs is decided in prepare_run
-        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # CPU: before any thread starts
+        if tuned:
+            start_forkserver(args.trainer_device_list + args.explorer_device_list)  # before any thread starts
         prepare_run(args, schedule)
         os.environ[LAUNCHED_ARGS] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:
@@ -212,7 +218,7 @@ def node_cores(args, schedule: str, plan) -> dict:
     first = int(os.environ["RANK"]) - int(os.environ["LOCAL_RANK"])
     node = plan[first:first + int(os.environ.get("LOCAL_WORLD_SIZE", len(plan)))]
     return plan_cores([(w.name, w.role, w.device) for w in node], schedule != "sync", sorted(os.sched_getaffinity(0)),
-                      args.num_threads, args.bind_cores)
+                      args.num_threads, args.bind_cores, lend=cpu_tuning.enabled())
 
 
 def finish_run(args, title: str) -> None:

@@ -58,6 +58,24 @@ def test_overrides_and_more_workers_than_cores():
     assert describe(crowded).endswith("(more CPU workers than cores: some share one)")
 
 
+def test_cpu_tuning_is_one_switch_on_only_where_every_worker_is_on_the_cpu(monkeypatch):
+    """--no-cpu-tuning (or any GPU worker) turns it off for the run: the plan then lends no cores, and the workers
+    and vLLM's engine core read it from the environment (common/runtime/cpu_tuning.py)."""
+    from common.cli import parse_args
+    from common.runtime import cpu_tuning
+    from train_async import Args
+
+    monkeypatch.setenv(cpu_tuning.ENV, "1")  # restored after the test
+    monkeypatch.delenv(cpu_tuning.ENV)
+    assert cpu_tuning.enabled()  # a CPU process the launcher did not start
+    assert parse_args(Args, []).cpu_tuning and not parse_args(Args, ["--no-cpu-tuning"]).cpu_tuning
+    assert not cpu_tuning.decide(True, ["cpu", "cuda:0"]) and not cpu_tuning.enabled()
+    assert not cpu_tuning.decide(False, ["cpu", "cpu"]) and not cpu_tuning.enabled()
+    assert cpu_tuning.decide(True, ["cpu", "cpu"]) and cpu_tuning.enabled()
+    assert all(s.wide is None for s in plan_cores(ASYNC, together=True, available=[0, 1], lend=False).values())
+    assert plan_cores(ASYNC, together=True, available=[0, 1], lend=False)["explorer0"] == CoreShare((1,), 1, True)
+
+
 def test_apply_binds_the_process_and_its_children():
     cores = sorted(os.sched_getaffinity(0))
     code = ("import os, subprocess, sys, torch\nfrom common.runtime.cores import CoreShare, apply\n"

@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 
 # Folders (module prefixes), lowest first: a module may import its own layer and the ones below it.
 LAYERS = [
-    ("common.knobs", "common.runtime"),
+    ("common.knobs", "common.runtime", "common.compat"),
     ("common.experience", "common.model", "common.vlm", "common.weight_sync", "common.buckets", "common.arithmetic"),
     ("rewards",),
     ("common.envs",),

@@ -121,7 +121,7 @@ class VLLMEngine(RolloutEngine):
             # bench/multiturn.py --block-size).
             llm_kwargs.setdefault("block_size", 32)
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine
-                from common.explorer.vllm_worker import TandemExecutor  # core (vllm_worker.py: Process start)
+                from common.compat.vllm import TandemExecutor  # core (vllm_worker.py: Process start)
 
                 llm_kwargs.setdefault("distributed_executor_backend", TandemExecutor)
         # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps

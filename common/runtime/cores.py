@@ -45,9 +45,10 @@ class CoreShare:
 
 
 def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: list[int], num_threads: int = 0,
-               bind: bool = True) -> dict[str, CoreShare]:
+               bind: bool = True, lend: bool = True) -> dict[str, CoreShare]:
     """`workers`: (name, role, device) of this node's ranks, trainers first; `together`: explorers and trainers
-    compute at the same time (every schedule but train_sync.py); `available`: this node's cores."""
+    compute at the same time (every schedule but train_sync.py); `available`: this node's cores; `lend`: the idle
+    side's cores go to the busy side (`widened`; common/runtime/cpu_tuning.py)."""
     available = sorted(available)
     cpu = [(name, role) for name, role, device in workers if device == "cpu"]
     splitting = [name for name, role in cpu if together or role == "trainer"]
@@ -68,6 +69,8 @@ def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: l
             shares[name] = CoreShare(tuple(available), num_threads or max(1, len(available) // len(splitting)), False)
     for name, _, _ in workers:
         shares.setdefault(name, CoreShare(tuple(available), num_threads or len(available), False))
+    if not lend:
+        return shares
     return widened(shares, [name for name, role in cpu if name in splitting and role == "explorer"], num_threads)
 
 
