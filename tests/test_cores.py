@@ -4,13 +4,12 @@ as many threads; workers that take turns get every core. Checked on the plan and
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from common.runtime.cores import CoreShare, describe, plan_cores
 from common.runtime.metrics import read_timeline
-from tests.conftest import ROOT, TINY, worker_pid
+from tests.conftest import ROOT, TINY, run_script
 
 ASYNC = [("trainer0", "trainer", "cpu"), ("explorer0", "explorer", "cpu")]
 
@@ -136,64 +135,35 @@ def test_the_explorer_computes_on_the_trainers_cores_while_every_trainer_waits(t
     assert lines[7] == str(((list(own.cores), own.threads), 2)), out.stdout  # narrowed, then counted
 
 
-def thread_cores(pid: int) -> set[tuple[int, ...]]:
-    """The cores each thread of `pid` may run on (Cpus_allowed_list in /proc), as a set."""
-    seen = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            seen.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
-        except ProcessLookupError:
-            pass
-    return seen
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs 2 cores")
 def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
-    """A real train_async.py run: while it trains, its trainer and explorer processes are bound to the cores the
-    plan gives them (disjoint), and the run's first lines print that plan. Before its first batch the explorer
-    computes alone: every thread of it then runs on the trainer's cores too, as many threads as cores (the plan's
-    `wide`), until it hands that batch over. The trainer's last step (the explorer has nothing left to make) takes
-    the explorer's cores too."""
+    """A real train_async.py run: the run's first lines print the plan, and every change of a worker's cores is
+    recorded in its timeline with each thread's cores as the OS then had them (bound by what the workers did, not
+    by sampling). The explorer computes on the trainer's cores too (every thread of it, as many threads as cores:
+    the plan's `wide`) until it hands its first batch over, on its own while the trainer trains, and on both again
+    for the final evaluation; the trainer never runs on the explorer's cores but for its last step."""
     available = sorted(os.sched_getaffinity(0))
     expected = plan_cores(ASYNC, together=True, available=available)
     assert not set(expected["trainer0"].cores) & set(expected["explorer0"].cores)
     wide = expected["explorer0"].wide
     assert wide == CoreShare(tuple(available), len(available), True)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--bind-cores",
-                             "--num-threads", "0", "--steps", "3", "--out-dir", str(tmp_path / "run")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        pids = {name: worker_pid(proc.pid, rank) for rank, name in enumerate(("trainer0", "explorer0"))}
-        seen = {name: [] for name in pids}  # each process's distinct thread bindings, in the order seen
-        since = {name: [] for name in pids}  # when each was first seen
-        deadline = time.time() + 240
-        while proc.poll() is None and time.time() < deadline:
-            for name, pid in pids.items():
-                try:
-                    state = thread_cores(pid)
-                except FileNotFoundError:  # ended
-                    continue
-                if not seen[name] or seen[name][-1] != state:
-                    seen[name].append(state)
-                    since[name].append(time.time())
-            time.sleep(0.02)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-3000:]
-    assert f"[tandem] cores: {describe(expected)}" in out
-    assert {expected["trainer0"].cores} in seen["trainer0"]
-    assert all(expected["explorer0"].cores not in s for s in seen["trainer0"]), seen
-    assert seen["trainer0"][-1] == {expected["trainer0"].wide.cores}, seen  # from its last step on
-    # The rank binds itself to its own cores as it starts and widens at once, before it records anything (the poll
-    # often finds the process after both); it narrows to its own as it hands its first batch over, and widens for
-    # the final evaluation
-    explorer, own = seen["explorer0"], {expected["explorer0"].cores}
-    begun = min(e["start"] for e in read_timeline(str(tmp_path / "run")) if e["process"] == "explorer0")
-    narrowed = [i for i, (state, t) in enumerate(zip(explorer, since["explorer0"])) if state == own and t > begun]
-    assert narrowed, (explorer, since["explorer0"], begun)  # its own cores while the trainer trains
-    assert {wide.cores} in explorer[:narrowed[0]], explorer  # before: every thread on every core (first batch)
-    assert {wide.cores} in explorer[narrowed[0]:], explorer  # after: the final evaluation's
+    # a fresh process: one forked from this one after it ran OpenMP regions with more than one thread would wait
+    # forever at its first team barrier
+    proc = run_script("train_async.py", *TINY, "--bind-cores", "--num-threads", "0", "--steps", "3",
+                      "--out-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[tandem] cores: {describe(expected)}" in proc.stdout
+    events = read_timeline(str(tmp_path / "run"))
+    changes = {name: [(tuple(e["cores"]), e["threads"], {tuple(c) for c in e["bound"]})
+                      for e in sorted(events, key=lambda e: e["start"]) if e["process"] == name and e["phase"] == "cores"]
+               for name in ("trainer0", "explorer0")}
+    trainer, explorer = expected["trainer0"], expected["explorer0"]
+    assert changes["trainer0"][-1] == (trainer.wide.cores, trainer.wide.threads, {trainer.wide.cores})  # last step
+    assert all(c[0] in (trainer.cores, trainer.wide.cores) for c in changes["trainer0"]), changes["trainer0"]
+    assert changes["explorer0"][0] == (wide.cores, wide.threads, {wide.cores}), changes["explorer0"]  # first batch
+    own = (explorer.cores, explorer.threads, {explorer.cores})
+    assert own in changes["explorer0"], changes["explorer0"]  # its own cores once it handed a batch over
+    assert changes["explorer0"][-1][0] == wide.cores  # the final evaluation's
 
 
 def test_async_defaults_follow_the_placement():

@@ -1,7 +1,8 @@
 """transformers' internals tandem uses: a model config's attention implementation (`config._attn_implementation`,
 read by the trainer's forward and swapped by the HF engine's decode loop for its own call) and the KV-cache protocol
-its attention layers call (`past_key_values.update(key_states, value_states, layer_idx, ...)`), which the decode
-loop's slot cache implements (common/explorer/static_decode.py)."""
+its attention layers call (`past_key_values.update(key_states, value_states, layer_idx, ...)`: one layer's new keys
+and values in, the keys and values to attend over out), which the decode loop's `SlotCache` implements
+(common/explorer/static_decode.py)."""
 
 from __future__ import annotations
 
@@ -39,11 +40,3 @@ def attention_implementation_set(config, name: str):
         yield
     finally:
         config._attn_implementation = before
-
-
-class CacheProtocol:
-    """What transformers' attention layers call on `past_key_values`: `update` with one layer's new keys and
-    values ([rows, heads, positions, dim]); it returns the keys and values to attend over."""
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        raise NotImplementedError

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from common.compat.transformers import CacheProtocol, attention_implementation, attention_implementation_set
+from common.compat.transformers import attention_implementation, attention_implementation_set
 
 CHECK_EVERY = 8  # decode steps between the host's "has every row stopped?" reads on CUDA (each one a sync)
 GROUPED = "tandem_grouped_sdpa"  # the attention this loop's forwards use (registered with transformers)
@@ -59,10 +59,11 @@ def supported(model) -> bool:
     return attention_implementation(model.config) in ("sdpa", "eager") and not hasattr(model.config, "vision_config")
 
 
-class SlotCache(CacheProtocol):
+class SlotCache:
     """Keys and values of `slots` rows x `tokens` columns per layer, written where the decoder says: every row at
     `columns` (a decode step, or a whole batch's prefill), or only `rows` (a prefill of joining requests; their
-    rows come back for attention). transformers' attention calls `update` with each layer's new keys and values."""
+    rows come back for attention). transformers' attention calls `update` with each layer's new keys and values
+    (the protocol common/compat/transformers.py checks)."""
 
     def __init__(self, slots: int, tokens: int, layers: int):
         self.slots, self.tokens, self.keys, self.values = slots, tokens, [None] * layers, [None] * layers
