@@ -11,7 +11,6 @@ from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from common.compat import missing
-from common.runtime import cpu_tuning
 
 CHECKED = "0.32.0"
 SPIN_S = 0.01  # how long a reader of the engine core <-> worker queues spins before it sleeps
@@ -34,15 +33,22 @@ def bound_spin(seconds: float = SPIN_S) -> None:
     SpinCondition.__init__.__defaults__ = (seconds,)
 
 
-class TandemExecutor(MultiprocExecutor):
-    """vLLM's multiprocess executor whose worker is forked from the engine core and, with the CPU tuning on
-    (common/runtime/cpu_tuning.py), whose queues spin briefly."""
+class ForkedExecutor(MultiprocExecutor):
+    """vLLM's multiprocess executor whose worker is forked from the engine core."""
+
+    spin_s: float | None = None  # how long its queues' readers spin (None: vLLM's own second)
 
     def _init_executor(self) -> None:
         # The engine core inherited tandem's VLLM_WORKER_MULTIPROC_METHOD=spawn (common/explorer/engine_vllm.py),
         # meant for the engine core only; this process has no gloo/NCCL threads, and vLLM forces spawn again where
         # CUDA is initialised.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        if cpu_tuning.enabled():
-            bound_spin()  # before the queues (and the worker, which inherits it) are made
+        if self.spin_s is not None:
+            bound_spin(self.spin_s)  # before the queues (and the worker, which inherits it) are made
         super()._init_executor()
+
+
+class TandemExecutor(ForkedExecutor):
+    """The same, its queues spinning briefly: the CPU tuning's (common/runtime/cpu_tuning.py)."""
+
+    spin_s = SPIN_S
