@@ -9,9 +9,10 @@ Each explorer keeps --inflight-groups groups generating (vLLM: one running batch
 next turns join; HF: one generate call over every request ready, call after call). A group that ends is scored in
 the reward pool at once; the first --tasks-per-step groups scored go to the queue as one batch, so a long answer or
 a slow tool delays its own group only. Every --sync-interval trainer steps the weights go out (one sync reaches
-every explorer: a shared buffer, a broadcast or a checkpoint) and each explorer takes them between two engine steps: requests
-running then go on with the new weights, each token keeps the version that sampled it. Samples more than
---max-staleness versions behind the trainer are dropped and counted; --off-policy-correction weights the rest.
+every explorer: a shared buffer, a broadcast or a checkpoint) and each explorer takes them between two engine
+steps: requests running then go on with the new weights, each token keeps the version that sampled it. Samples
+more than --max-staleness versions behind the trainer are dropped and counted; --off-policy-correction weights the
+rest.
 
 Launch (one rank per worker: trainers first, then explorers; `python` starts them through torch elastic):
     python train_async.py
@@ -41,6 +42,7 @@ from common.tasks.stream import StreamPositions
 from common.run import launch, run_entry
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import make_weight_sync
+
 
 @dataclass
 class Args(CommonArgs):
