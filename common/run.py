@@ -76,8 +76,8 @@ def run_entry(main) -> None:
     """An entry script's `main()`. In the launcher (`python train_X.py`), the process then ends as Python would end
     it (exit code, a one-line error on stderr, atexit handlers run), with the CPU tuning (common/runtime/cpu_tuning.py)
     without tearing down its modules: torch's and transformers' teardown costs ~1 s of CPU on every run and every
-    one-line error. A rank (under torch elastic)
-    returns, as the agent expects of its function and binary entrypoints."""
+    one-line error. A rank (under torch elastic) returns, as the agent expects of its function and binary
+    entrypoints."""
     if under_elastic():
         return main()
     code = exit_code(main)
