@@ -8,10 +8,11 @@ each other, and an explorer never waits for its slowest group.
 Each explorer keeps --inflight-groups groups generating (vLLM: one running batch that new groups and episodes'
 next turns join; HF: one generate call over every request ready, call after call). A group that ends is scored in
 the reward pool at once; the first --tasks-per-step groups scored go to the queue as one batch, so a long answer or
-a slow tool delays its own group only. Every --sync-interval trainer steps the weights go out (one broadcast
-reaches every explorer, or a checkpoint they poll) and each explorer takes them between two engine steps: requests
-running then go on with the new weights, each token keeps the version that sampled it. Samples more than
---max-staleness versions behind the trainer are dropped and counted; --off-policy-correction weights the rest.
+a slow tool delays its own group only. Every --sync-interval trainer steps the weights go out (one sync reaches
+every explorer: a shared buffer, a broadcast or a checkpoint) and each explorer takes them between two engine
+steps: requests running then go on with the new weights, each token keeps the version that sampled it. Samples
+more than --max-staleness versions behind the trainer are dropped and counted; --off-policy-correction weights the
+rest.
 
 Launch (one rank per worker: trainers first, then explorers; `python` starts them through torch elastic):
     python train_async.py
@@ -24,7 +25,6 @@ Launch (one rank per worker: trainers first, then explorers; `python` starts the
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,18 +32,16 @@ from common.cli import parse_args
 from common.config import CommonArgs
 from common.knobs import ConfigError, Range
 from common.runtime.channel import Mailbox, StoreFlag
-from common.runtime import cores
 from common.runtime.control import ControlChannel
-from common.experience import ExperienceQueue, RolloutBatch
+from common.experience import ExperienceQueue
 from common.explorer.explorer import Explorer
+from common.explorer.streaming import Stream
 from common.runtime.worker import WorkerContext, stop_requested
 from common.runtime.metrics import Timeline
-from common.tasks.stream import mark_trained
+from common.tasks.stream import StreamPositions
 from common.run import launch, run_entry
 from common.trainer.trainer import TrainerRun
 from common.weight_sync import make_weight_sync
-
-REDO_KEY = "batches_redo"  # in the run's store: batches the trainer dropped whole (too stale), each owed again
 
 
 @dataclass
@@ -81,97 +79,43 @@ class Args(CommonArgs):
         self.queue_size = self.queue_size or self.num_explorers
         shared = bool(set(self.explorer_device_list) & set(self.trainer_device_list))
         self.inflight_groups = self.inflight_groups or (1 if shared else 2) * self.tasks_per_step
-        if shared and "mid_generation_updates" not in getattr(self, "given_fields", frozenset()):
+        if shared and "mid_generation_updates" not in self.given_fields:
             self.mid_generation_updates = False
 
 
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
-    timeline = Timeline(args.out_dir, ctx.name)
-    cores.widen()  # the trainer computes nothing before the first batch: until then its cores are the explorer's too
-    explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    stream = explorer.stream  # common/explorer/streaming.py
-    explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
+    explorer = Explorer(args, ctx.device, Timeline(args.out_dir, ctx.name), index=ctx.index)
+    explorer.connect(make_weight_sync(args, ctx, explorer.timeline, explorer.engine))
     explorer.pull(step=0)
-    stream.resume(trained_ledger(ctx), explorer.version)  # groups in flight at the checkpoint: again
-    evaluates = ctx.index == 0  # one explorer measures held-out accuracy for the run
-    undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
-    sent = 0  # batches put in the queue
-
-    def evaluated(wait: bool = False):  # the evaluation in flight, once scored, goes to the trainer
-        metrics = stream.take_evaluation(wait)
-        if metrics is not None:
-            control.send("eval", metrics, ctx.index)
-
+    explorer.skip_to(explorer.version)
+    positions = StreamPositions.published(args, ctx.store, ctx.index, explorer.version)  # what the trainer trained
+    stream = Stream(explorer, positions, ctx.store, control if ctx.index == 0 else None)  # explorer 0 evaluates
     while not stop.is_set():
-        cores.follow(ctx.store, explorer.engine)  # on the trainers' cores too while they wait for a batch
-        if evaluates and any(explorer.eval_due(s) for s in range(undecided, explorer.version + 2)):
-            stream.start_evaluation(sent)  # its requests join the groups' running batch
-        undecided = explorer.version + 2
-        stream.start_groups()  # up to --inflight-groups generating
+        stream.evaluate_when_due()  # its requests join the groups' running batch
+        stream.start_groups()  # up to --inflight-groups generating, none too stale to train (StreamPositions)
         stream.step()  # one engine step; waits (<= 1 s) only while every episode waits on its environment
-        evaluated()
         batch = stream.take_batch()  # --tasks-per-step groups, once that many are scored
         if batch is None:  # weights between two engine steps, or when idle (a batch being scored goes out first)
-            if args.mid_generation_updates or not (explorer.in_flight.workflows or stream.scoring):
-                explorer.poll(sent)  # the admission window may wait for them
-            if stream.past_the_end():  # the trainer may have dropped a batch whole since: it then needs one more
-                stream.redo = int(ctx.store.add(REDO_KEY, 0))
+            if args.mid_generation_updates or stream.idle():
+                stream.poll()
             continue
-        sent += 1
-        cores.handing_over(ctx.store, explorer.engine)  # the trainer's cores back first: it computes at once
-        with timeline.phase("wait", put=f"{ctx.index}-{sent}"):  # blocks only while the queue is full
-            put_unless_stopped(queue, RolloutBatch(sent, batch[0], batch[1], ctx.index, batch[2]), stop, explorer,
-                               args, evaluated)
-        explorer.poll(sent)
-    stream.stop()  # groups still in flight are given up (a resumed run starts them again)
-    evaluated(wait=True)  # an evaluation in flight ends with the weights it started with
-    explorer.take_final(sent)  # every send still owed, up to the trainer's final weights
-    cores.widen(explorer.engine)  # the trainer has finished: the final evaluation takes its cores too
-    if evaluates:
-        control.send("final", explorer.final_evaluation(sent + 1), ctx.index)
+        stream.hand_over(queue, batch, stop)  # blocks only while the queue is full
+        stream.poll()
+    stream.stop()  # groups still in flight are given up, an evaluation in flight ends
+    explorer.take_final(stream.sent)  # every send still owed, up to the trainer's final weights
+    if ctx.index == 0:
+        control.send("final", explorer.final_evaluation(stream.sent + 1), ctx.index)
     explorer.close()
 
 
-def put_unless_stopped(queue: ExperienceQueue, item: RolloutBatch, stop, explorer: Explorer, args: Args, evaluated):
-    """Put with backpressure; give the batch up once the trainer has finished (it will never be trained). While the
-    queue is full the trainer may be waiting for this explorer to join a weight broadcast (one collective for all
-    explorers), so a pending one is taken here, once an evaluation in flight (which holds the weights) has ended;
-    the batch keeps the versions it was made with."""
-    for _ in range(int(args.timeout_s / 0.5)):
-        if stop.is_set():
-            return
-        try:
-            return queue.put(item, timeout=0.5)
-        except TimeoutError:
-            evaluated(wait=True)
-            explorer.poll(item.step)
-    raise TimeoutError(f"explorer: experience queue stayed full for {args.timeout_s:.0f}s (trainer stalled?)")
-
-
-def trained_ledger(ctx: WorkerContext):
-    """This explorer's ledger of trained task positions (common/tasks/stream.py mark_trained), as the trainer
-    published it before its first weights; None when the run starts fresh."""
-    ledgers = json.loads(ctx.store.get("trained_tasks"))
-    return ledgers.get(str(ctx.index))
-
-
 def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel, stop):
-    with TrainerRun(ctx, args, control) as run:
+    with TrainerRun(ctx, args, control) as run:  # publishes the trained stream positions for the explorers
         weights = make_weight_sync(args, ctx, run.timeline)
-        ledgers = run.summary["trained_tasks"]  # saved with every checkpoint: a resumed explorer skips these
-        ctx.store.set("trained_tasks", json.dumps(ledgers))  # before the first weights, which explorers wait for
         weights.push(run.trainer.named_weights(), run.trainer.version, step=run.step)
         while run.step < args.steps:
-            with cores.lending(ctx.store, run.taken):  # while it waits, its cores are the explorers'
-                batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
-            key = str(batch.explorer)
-            ledgers[key] = mark_trained(ledgers.get(key), batch.positions)  # trained or dropped: used once
-            if not batch.experiences:
-                if ctx.rank == 0:
-                    ctx.store.add(REDO_KEY, 1)  # one batch more than the explorers planned (common/explorer/streaming.py)
+            batch = run.get(queue)  # samples older than --max-staleness are dropped there (counted)
+            if not batch.experiences:  # dropped whole: the explorers make one batch more
                 continue
-            if run.step + 1 == args.steps:  # the last step: explorers have nothing left to make, their cores are ours
-                cores.widen()
             run.log(batch, run.train(batch, run.step + 1))
             if run.step % args.sync_interval == 0:  # in flight: the trainer goes on while explorers pick it up
                 weights.push(run.trainer.named_weights(), run.trainer.version, run.step, wait=False)

@@ -19,7 +19,6 @@ from common.cli import parse_args
 from common.config import CommonArgs
 from common.knobs import ConfigError
 from common.runtime.channel import Mailbox
-from common.runtime import cores
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
@@ -43,10 +42,8 @@ class Args(CommonArgs):
 
 
 def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control: ControlChannel):
-    timeline = Timeline(args.out_dir, ctx.name)
-    cores.widen()  # the trainer computes nothing before the first batch: until then its cores are the explorer's too
-    explorer = Explorer(args, ctx.device, timeline, index=ctx.index)
-    explorer.connect(make_weight_sync(args, ctx, timeline, explorer.engine))
+    explorer = Explorer(args, ctx.device, Timeline(args.out_dir, ctx.name), index=ctx.index)  # on the trainer's
+    explorer.connect(make_weight_sync(args, ctx, explorer.timeline, explorer.engine))  # cores too until batch 1
     explorer.pull(step=0)
     explorer.skip_to(explorer.version)
     for step in range(explorer.version + 1, args.steps + 1):
@@ -57,12 +54,8 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
             # SYNC: the weights trained on batch step-1, taken before batch step is handed over: the trainer cannot
             # train batch step (and replace them) before that, so batch step+1 is exactly one version behind.
             explorer.pull(step)
-        if step == explorer.first_step:  # the trainer starts computing: its cores go back to it
-            cores.narrow(explorer.engine)
-        with timeline.phase("wait", put=f"0-{step}"):
-            queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
+        explorer.hand_over(queue, RolloutBatch(step, experiences, metrics))  # the trainer's cores go back to it
     explorer.pull(args.steps)  # the weights trained on the last batch
-    cores.widen(explorer.engine)  # the trainer has finished: the final evaluation takes its cores too
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
 

@@ -23,7 +23,6 @@ from common.cli import parse_args
 from common.config import CommonArgs
 from common.knobs import ConfigError
 from common.runtime.channel import Mailbox
-from common.runtime import cores
 from common.runtime.control import ControlChannel
 from common.experience import ExperienceQueue, RolloutBatch
 from common.explorer.explorer import Explorer
@@ -54,8 +53,7 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
         if explorer.eval_due(step):
             control.send("eval", explorer.evaluate(step))
         experiences, metrics = explorer.rollout(step)
-        with timeline.phase("wait", put=f"0-{step}"):
-            queue.put(RolloutBatch(step, experiences, metrics), args.timeout_s)
+        explorer.hand_over(queue, RolloutBatch(step, experiences, metrics))
         explorer.pull(step)  # SYNC: no generation until the new weights are here
     control.send("final", explorer.final_evaluation(args.steps + 1))
     explorer.close()
@@ -68,8 +66,6 @@ def trainer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, control
         while run.step < args.steps:
             step = run.step + 1
             batch = run.get(queue)
-            if step == args.steps:  # train_offpolicy.py's explorer now waits for the final weights: its cores are ours
-                cores.widen()  # (train_sync.py's workers take turns on every core: nothing to widen)
             run.log(batch, run.train(batch, step))
             weights.push(run.trainer.named_weights(), run.trainer.version, step)
         run.finish()  # waits for the final evaluation on the control channel

@@ -75,6 +75,10 @@ class CommonArgs:
     bind_cores: bool = True
     """Bind each CPU worker that computes at the same time as others to its own cores (affinity, inherited by the
     vLLM engine it starts); --no-bind-cores leaves placement to the OS. The plan is the run's "cores:" line."""
+    cpu_tuning: bool = True
+    """Where every worker computes on the CPU: workers forked from one process that imported torch once, a fast
+    exit, vLLM's queues spinning 10 ms instead of 1 s, and idle workers' cores lent to the busy side
+    (common/runtime/cpu_tuning.py); --no-cpu-tuning to compare. Off wherever a worker is on a GPU."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine of the explorers: auto (vllm where it imports and serves the model's architecture, else hf;
     the run's first line says which), hf (transformers generate: debugging, models vLLM cannot serve) or vllm
@@ -482,6 +486,10 @@ class CommonArgs:
     """What the explorers get with --lora-rank: adapters (A, B in fp32, applied unmerged by the engine), merged
     (W + scale * B @ A rounded to --dtype: in bf16 most of a small update is lost), auto: adapters wherever the
     engine serves them (the HF engine always; vLLM for architectures with LoRA support)."""
+
+    given_fields: ClassVar[frozenset[str]] = frozenset()
+    """Not a flag: the fields the user set (common/cli.py `given_fields`, per parsed config); defaults that depend
+    on the placement or the memory plan are chosen only for the others."""
 
     # --- ranges: a numeric field not listed must be a finite number >= 0 (common/knobs.py) -------------------------
     RANGES: ClassVar[dict[str, Range]] = {

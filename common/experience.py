@@ -114,6 +114,13 @@ def collate(experiences: list[Experience], pad_id: int) -> Batch:
     )
 
 
+def too_stale(made: int, version: int, max_staleness: int) -> bool:
+    """The staleness rule, stated once: what weights `made` made is too old to train at trainer version `version`
+    when it is more than --max-staleness versions behind. The trainer drops such samples (common/trainer/filters.py
+    `drop_stale`); a streaming explorer starts no group that would be (common/tasks/stream.py `StreamPositions`)."""
+    return version - made > max_staleness
+
+
 @dataclass
 class RolloutBatch:
     """What an explorer puts on the queue: one batch of experiences plus the metrics of the rollout that made them

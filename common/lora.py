@@ -63,9 +63,9 @@ class LoraSpec:
 
 def apply_defaults(args) -> None:
     """--lora-rank without --lr: the learning rate scaled for LoRA (`LR_SCALE`, module docstring)."""
-    if args.lora_rank and "lr" not in getattr(args, "given_fields", frozenset()):
+    if args.lora_rank and "lr" not in args.given_fields:
         args.lr *= LR_SCALE
-        args.given_fields = frozenset(getattr(args, "given_fields", frozenset()) | {"lr"})  # once
+        args.given_fields = frozenset(args.given_fields | {"lr"})  # once
 
 
 def _check_targets(model, spec: LoraSpec) -> None:

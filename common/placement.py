@@ -69,7 +69,7 @@ def place(args) -> None:
     """Choose --trainer-devices and --explorer-devices (and --num-explorers, --trainer-shard) when neither device flag
     was given (module docstring); `args.placement` says what and why. A placement that cannot work is a one-line
     ConfigError."""
-    given = getattr(args, "given_fields", frozenset())
+    given = args.given_fields
     if given & DEVICE_FLAGS or args.resume:  # a resumed run keeps its saved placement
         if "explorer_gpus" in given and not args.resume:
             raise ConfigError("--explorer-gpus places the workers itself: give it or --explorer-devices / "
@@ -140,7 +140,7 @@ def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> flo
 
     probe = copy.copy(args)
     probe.trainer_devices = ",".join(["cuda"] * trainers)
-    if trainers > 1 and "trainer_shard" not in getattr(args, "given_fields", ()) and not args.lora_rank:
+    if trainers > 1 and "trainer_shard" not in args.given_fields and not args.lora_rank:
         probe.trainer_shard = "fsdp"
     probe.engine = _engine(args)
     tokens = args.max_new_tokens + SEQUENCE_GUESS
@@ -163,7 +163,7 @@ def _colocation(args, shape, node: Node) -> tuple[bool, str]:
     """train_sync.py on one node of several GPUs: the explorer beside trainer 0 when trainer 0 fits there."""
     from common.memory import gib
 
-    if "explorer_gpus" in getattr(args, "given_fields", ()):
+    if "explorer_gpus" in args.given_fields:
         colocate = args.explorer_gpus == 0
         return colocate, f"--explorer-gpus {args.explorer_gpus}"
     if shape is None:
@@ -251,7 +251,7 @@ def plan_report(args) -> dict:
     if args.gpus:  # a node this machine is not: every GPU free, host memory not checked
         memory = {f"cuda:{i}": (node.gpu_bytes, node.gpu_bytes) for i in range(node.gpus)}
     devices: dict = {}
-    notes = plan_memory(args, sequence, getattr(args, "given_fields", frozenset()), memory, devices,
+    notes = plan_memory(args, sequence, args.given_fields, memory, devices,
                         node.gpus if args.gpus else None, node.ranks or (node.gpus if node.nnodes > 1 else 0))
     return {"node": node, "placement": getattr(args, "placement", "as the device flags name it"), "notes": notes,
             "devices": devices, "sequence": sequence}

@@ -4,7 +4,6 @@ common/preflight.py) and wrap-up (timeline, plots, summary) are shared by every 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import os
@@ -15,6 +14,7 @@ import time
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.cli import LAUNCHED_ARGS
+from common.compat import python
 from common.explorer.engine import resolve_engine, vllm_available
 from common.explorer.eval_metrics import format_interval
 from common.knobs import ConfigError
@@ -22,6 +22,7 @@ from common.lora import describe as describe_lora, resolve_sync as resolve_lora_
 from common.preflight import check_machine, check_tasks
 from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
+from common.runtime import cpu_tuning
 from common.runtime.launcher import launch_local, start_forkserver, stop_forkserver
 from common.placement import print_plan
 from common.runtime.worker import ENGINE_READY, WorkerContext, join_world, plan_world, run_worker, under_elastic
@@ -79,13 +80,16 @@ def prepare_run(args, schedule: str) -> None:
 
 def run_entry(main) -> None:
     """An entry script's `main()`. In the launcher (`python train_X.py`), the process then ends as Python would end
-    it (exit code, a one-line error on stderr, atexit handlers run) without tearing down its modules: torch's and
-    transformers' teardown costs ~1 s of CPU on every run and every one-line error. A rank (under torch elastic)
-    returns, as the agent expects of its function and binary entrypoints."""
+    it (exit code, a one-line error on stderr, atexit handlers run), with the CPU tuning (common/runtime/cpu_tuning.py)
+    without tearing down its modules: torch's and transformers' teardown costs ~1 s of CPU on every run and every
+    one-line error. A rank (under torch elastic) returns, as the agent expects of its function and binary
+    entrypoints."""
     if under_elastic():
         return main()
     code = exit_code(main)
-    atexit._run_exitfuncs()
+    if not cpu_tuning.enabled():
+        raise SystemExit(code)
+    python.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -119,6 +123,7 @@ def launch(args, schedule: str, worker, title: str) -> None:
             print_plan(args, os.path.basename(sys.argv[0]))
         return
     check_machine(args)  # before anything imports vLLM or touches CUDA, in every process
+    tuned = cpu_tuning.decide(args.cpu_tuning, args.trainer_device_list + args.explorer_device_list)
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     if getattr(args, "placement", None) and (not under_elastic() or os.environ["RANK"] == "0"):
         print(f"[tandem] placement: {args.placement}", flush=True)
@@ -126,7 +131,8 @@ def launch(args, schedule: str, worker, title: str) -> None:
         check_paths(args)  # a mistyped path is one line now, not after the forkserver's seconds of imports
         if args.engine == "auto":  # vLLM imported here, where it imports, so the forked workers have it too
             vllm_available()  # (it starts no thread); which engine runs is decided in prepare_run
-        start_forkserver(args.trainer_device_list + args.explorer_device_list)  # CPU: before any thread starts
+        if tuned:
+            start_forkserver(args.trainer_device_list + args.explorer_device_list)  # before any thread starts
         prepare_run(args, schedule)
         os.environ[LAUNCHED_ARGS] = json.dumps(dataclasses.asdict(args))  # the workers take it as is
         try:
@@ -239,7 +245,7 @@ def node_cores(args, schedule: str, plan) -> dict:
     first = int(os.environ["RANK"]) - int(os.environ["LOCAL_RANK"])
     node = plan[first:first + int(os.environ.get("LOCAL_WORLD_SIZE", len(plan)))]
     return plan_cores([(w.name, w.role, w.device) for w in node], schedule != "sync", sorted(os.sched_getaffinity(0)),
-                      args.num_threads, args.bind_cores)
+                      args.num_threads, args.bind_cores, lend=cpu_tuning.enabled())
 
 
 def finish_run(args, title: str) -> None:

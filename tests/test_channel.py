@@ -13,6 +13,10 @@ from common.runtime.launcher import run_function
 CAPACITY, BATCHES = 2, 5
 
 
+class Reported(Exception):
+    """Ends a wait from its stall report."""
+
+
 def ranks(ctx, out_dir):
     from common.experience import ExperienceQueue, RolloutBatch
     from common.runtime.channel import Mailbox
@@ -31,8 +35,16 @@ def ranks(ctx, out_dir):
         seen["control_past_full_buffer"] = control_messages
         seen["order"] = [(b.explorer, b.step) for b in (queue.get(30) for _ in range(2 * BATCHES))]
         stalls = []
+
+        def report(waited):  # the third report ends the wait: bound by the reports, not by a clock
+            stalls.append(waited)
+            if len(stalls) == 3:
+                raise Reported
+
+        with pytest.raises(Reported):
+            queue.get(60, on_stall=report, stall_every=0.3)
         with pytest.raises(TimeoutError) as e:
-            queue.get(1.0, on_stall=stalls.append, stall_every=0.3)
+            queue.get(1.0)
         seen["empty_wait"], seen["stalls"] = str(e.value), stalls
         seen["final"] = control.wait_final(30)[0]
         with pytest.raises(TimeoutError) as e:
@@ -68,6 +80,7 @@ def test_buffer_and_control_between_ranks(tmp_path):
                                           "(trainer stalled?)")
     assert trainer["control_past_full_buffer"] == [{"eval/accuracy": 0.5}]
     assert trainer["empty_wait"] == "trainer: no experiences arrived for 1s (explorer stalled?)"
-    assert len(trainer["stalls"]) == 3 and 0.3 <= trainer["stalls"][0] < trainer["stalls"][-1] < 1.0
+    stalls = trainer["stalls"]  # every 0.3 s of waiting, each at or after its due time
+    assert len(stalls) == 3 and all(s >= 0.3 * (i + 1) for i, s in enumerate(stalls)) and stalls == sorted(stalls)
     assert trainer["final"] == {"eval/accuracy": 0.75}
     assert trainer["no_final"] == "trainer: no final evaluation from explorer0 for 0s (explorer stalled?)"

@@ -4,13 +4,12 @@ as many threads; workers that take turns get every core. Checked on the plan and
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from common.runtime.cores import CoreShare, describe, plan_cores
 from common.runtime.metrics import read_timeline
-from tests.conftest import ROOT, TINY, worker_pid
+from tests.conftest import ROOT, TINY, run_script
 
 ASYNC = [("trainer0", "trainer", "cpu"), ("explorer0", "explorer", "cpu")]
 
@@ -56,6 +55,24 @@ def test_overrides_and_more_workers_than_cores():
     assert crowded["explorer0"].wide is crowded["explorer1"].wide is None  # no core is the trainer's alone
     assert crowded["trainer0"].wide == CoreShare((0, 1), 2, True)  # explorer0's is: its last step takes it
     assert describe(crowded).endswith("(more CPU workers than cores: some share one)")
+
+
+def test_cpu_tuning_is_one_switch_on_only_where_every_worker_is_on_the_cpu(monkeypatch):
+    """--no-cpu-tuning (or any GPU worker) turns it off for the run: the plan then lends no cores, and the workers
+    and vLLM's engine core read it from the environment (common/runtime/cpu_tuning.py)."""
+    from common.cli import parse_args
+    from common.runtime import cpu_tuning
+    from train_async import Args
+
+    monkeypatch.setenv(cpu_tuning.ENV, "1")  # restored after the test
+    monkeypatch.delenv(cpu_tuning.ENV)
+    assert cpu_tuning.enabled()  # a CPU process the launcher did not start
+    assert parse_args(Args, []).cpu_tuning and not parse_args(Args, ["--no-cpu-tuning"]).cpu_tuning
+    assert not cpu_tuning.decide(True, ["cpu", "cuda:0"]) and not cpu_tuning.enabled()
+    assert not cpu_tuning.decide(False, ["cpu", "cpu"]) and not cpu_tuning.enabled()
+    assert cpu_tuning.decide(True, ["cpu", "cpu"]) and cpu_tuning.enabled()
+    assert all(s.wide is None for s in plan_cores(ASYNC, together=True, available=[0, 1], lend=False).values())
+    assert plan_cores(ASYNC, together=True, available=[0, 1], lend=False)["explorer0"] == CoreShare((1,), 1, True)
 
 
 def test_apply_binds_the_process_and_its_children():
@@ -118,64 +135,35 @@ def test_the_explorer_computes_on_the_trainers_cores_while_every_trainer_waits(t
     assert lines[7] == str(((list(own.cores), own.threads), 2)), out.stdout  # narrowed, then counted
 
 
-def thread_cores(pid: int) -> set[tuple[int, ...]]:
-    """The cores each thread of `pid` may run on (Cpus_allowed_list in /proc), as a set."""
-    seen = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            seen.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
-        except ProcessLookupError:
-            pass
-    return seen
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a split needs 2 cores")
 def test_async_run_binds_trainer_and_explorer_to_their_own_cores(tmp_path):
-    """A real train_async.py run: while it trains, its trainer and explorer processes are bound to the cores the
-    plan gives them (disjoint), and the run's first lines print that plan. Before its first batch the explorer
-    computes alone: every thread of it then runs on the trainer's cores too, as many threads as cores (the plan's
-    `wide`), until it hands that batch over. The trainer's last step (the explorer has nothing left to make) takes
-    the explorer's cores too."""
+    """A real train_async.py run: the run's first lines print the plan, and every change of a worker's cores is
+    recorded in its timeline with each thread's cores as the OS then had them (bound by what the workers did, not
+    by sampling). The explorer computes on the trainer's cores too (every thread of it, as many threads as cores:
+    the plan's `wide`) until it hands its first batch over, on its own while the trainer trains, and on both again
+    for the final evaluation; the trainer never runs on the explorer's cores but for its last step."""
     available = sorted(os.sched_getaffinity(0))
     expected = plan_cores(ASYNC, together=True, available=available)
     assert not set(expected["trainer0"].cores) & set(expected["explorer0"].cores)
     wide = expected["explorer0"].wide
     assert wide == CoreShare(tuple(available), len(available), True)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_async.py"), *TINY, "--bind-cores",
-                             "--num-threads", "0", "--steps", "3", "--out-dir", str(tmp_path / "run")], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        pids = {name: worker_pid(proc.pid, rank) for rank, name in enumerate(("trainer0", "explorer0"))}
-        seen = {name: [] for name in pids}  # each process's distinct thread bindings, in the order seen
-        since = {name: [] for name in pids}  # when each was first seen
-        deadline = time.time() + 240
-        while proc.poll() is None and time.time() < deadline:
-            for name, pid in pids.items():
-                try:
-                    state = thread_cores(pid)
-                except FileNotFoundError:  # ended
-                    continue
-                if not seen[name] or seen[name][-1] != state:
-                    seen[name].append(state)
-                    since[name].append(time.time())
-            time.sleep(0.02)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out[-3000:]
-    assert f"[tandem] cores: {describe(expected)}" in out
-    assert {expected["trainer0"].cores} in seen["trainer0"]
-    assert all(expected["explorer0"].cores not in s for s in seen["trainer0"]), seen
-    assert seen["trainer0"][-1] == {expected["trainer0"].wide.cores}, seen  # from its last step on
-    # The rank binds itself to its own cores as it starts and widens at once, before it records anything (the poll
-    # often finds the process after both); it narrows to its own as it hands its first batch over, and widens for
-    # the final evaluation
-    explorer, own = seen["explorer0"], {expected["explorer0"].cores}
-    begun = min(e["start"] for e in read_timeline(str(tmp_path / "run")) if e["process"] == "explorer0")
-    narrowed = [i for i, (state, t) in enumerate(zip(explorer, since["explorer0"])) if state == own and t > begun]
-    assert narrowed, (explorer, since["explorer0"], begun)  # its own cores while the trainer trains
-    assert {wide.cores} in explorer[:narrowed[0]], explorer  # before: every thread on every core (first batch)
-    assert {wide.cores} in explorer[narrowed[0]:], explorer  # after: the final evaluation's
+    # a fresh process: one forked from this one after it ran OpenMP regions with more than one thread would wait
+    # forever at its first team barrier
+    proc = run_script("train_async.py", *TINY, "--bind-cores", "--num-threads", "0", "--steps", "3",
+                      "--out-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"[tandem] cores: {describe(expected)}" in proc.stdout
+    events = read_timeline(str(tmp_path / "run"))
+    changes = {name: [(tuple(e["cores"]), e["threads"], {tuple(c) for c in e["bound"]})
+                      for e in sorted(events, key=lambda e: e["start"]) if e["process"] == name and e["phase"] == "cores"]
+               for name in ("trainer0", "explorer0")}
+    trainer, explorer = expected["trainer0"], expected["explorer0"]
+    assert changes["trainer0"][-1] == (trainer.wide.cores, trainer.wide.threads, {trainer.wide.cores})  # last step
+    assert all(c[0] in (trainer.cores, trainer.wide.cores) for c in changes["trainer0"]), changes["trainer0"]
+    assert changes["explorer0"][0] == (wide.cores, wide.threads, {wide.cores}), changes["explorer0"]  # first batch
+    own = (explorer.cores, explorer.threads, {explorer.cores})
+    assert own in changes["explorer0"], changes["explorer0"]  # its own cores once it handed a batch over
+    assert changes["explorer0"][-1][0] == wide.cores  # the final evaluation's
 
 
 def test_async_defaults_follow_the_placement():

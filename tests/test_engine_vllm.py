@@ -362,7 +362,7 @@ def test_a_slow_tool_does_not_slow_the_other_episodes_decoding(engine, monkeypat
 
 def test_the_engine_core_and_worker_sleep_while_they_wait(engine):
     """After a message the engine core and its worker wait for the next without spinning on a core (vLLM's queue
-    readers spin for 1 s: common/explorer/vllm_worker.py `bound_spin`), so neither takes compute from the other's
+    readers spin for 1 s: common/compat/vllm.py `bound_spin`), so neither takes compute from the other's
     threads, or from a trainer's, while it waits."""
     import os
     import time

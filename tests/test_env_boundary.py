@@ -230,7 +230,7 @@ def test_a_run_against_faulty_environments_trains(faulty_envs, server, tmp_path)
     rows = assert_trained(out, steps=2)
     assert sum(r.get("rollout/end/error", 0) for r in rows) > 0
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
-    assert all(r.get("rollout/turns_mean", 0) <= 3 for r in rows)
+    assert all(0 < r["rollout/turns_mean"] <= 3 for r in rows)  # the metric is there; at most --max-turns
 
 
 DEEP = '{"x": ' * 5000 + "1" + "}" * 5000

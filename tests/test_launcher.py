@@ -18,22 +18,31 @@ from conftest import ROOT, TINY, alive, engines, files_left, kill_all, left_of, 
 WORKERS = textwrap.dedent("""
     import os, subprocess, sys, time
 
-    from common.buckets import map_shared_file
+    HOLDER = (  # maps a shared file, holds a run's file open, ignores SIGTERM (as vLLM's engine core does)
+        "import mmap, os, signal, sys, time\\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+        "fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)\\n"
+        "os.ftruncate(fd, 4096)\\n"
+        "mapped = mmap.mmap(fd, 4096)\\n"
+        "os.makedirs(sys.argv[2])\\n"
+        "held = open(os.path.join(sys.argv[2], 'metrics.jsonl'), 'a')\\n"
+        "open(sys.argv[3], 'w').close()\\n"
+        "time.sleep(300)\\n")
 
     def main(ctx, pid_dir):
-        if ctx.role == "trainer":  # sleeps, with a grandchild that ignores SIGTERM (as vLLM's engine core does)
-            child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
-            mapped = map_shared_file(f"/dev/shm/tandem-test-{os.getpid()}", 4096, create=True)  # never removed here
-            os.makedirs(f"/dev/shm/tandem-test-dir-{os.getpid()}")  # a run's own file (an --out-dir under /dev/shm),
-            held = open(f"/dev/shm/tandem-test-dir-{os.getpid()}/metrics.jsonl", "a")  # open when the guard looks
+        if ctx.role == "trainer":  # sleeps; its child maps a shared file (never removed here) and opens a run's
+            ready = os.path.join(pid_dir, "mapped")  # own file (an --out-dir under /dev/shm), open when the guard looks
+            child = subprocess.Popen([sys.executable, "-c", HOLDER, f"/dev/shm/tandem-test-{os.getpid()}",
+                                      f"/dev/shm/tandem-test-dir-{os.getpid()}", ready])
+            deadline = time.time() + 60
+            while not os.path.exists(ready) and time.time() < deadline:
+                time.sleep(0.05)
             open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(f"{os.getpid()} {child.pid}")
             time.sleep(300)
         open(os.path.join(pid_dir, f"{ctx.name}.pid"), "w").write(str(os.getpid()))
-        deadline = time.time() + 60  # the trainer has mapped its file, and its guard has seen it (read every 1 s)
+        deadline = time.time() + 60  # the trainer's group has mapped its file
         while not os.path.exists(os.path.join(pid_dir, "trainer0.pid")) and time.time() < deadline:
-            time.sleep(0.1)
-        time.sleep(3)
+            time.sleep(0.05)
         open(os.path.join(pid_dir, "failed_at"), "w").write(repr(time.time()))
         raise ValueError("boom from the failing worker")
 """)
@@ -51,9 +60,11 @@ def test_failing_worker_stops_run_with_traceback_and_no_leftovers(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == "error: worker explorer0 failed: ValueError: boom from the " \
                                                    "failing worker", proc.stderr[-2000:]
     pids = [int(p) for f in ("trainer0.pid", "explorer0.pid") for p in (tmp_path / f).read_text().split()]
-    time.sleep(0.5)
+    deadline = time.time() + 10  # the guard killed the group before the run returned: wait for the reaping only
+    while [p for p in pids if alive(p)] and time.time() < deadline:
+        time.sleep(0.05)
     assert len(pids) == 3 and not [p for p in pids if alive(p)]
-    assert not files_left({f"/dev/shm/tandem-test-{pids[0]}"})  # the trainer mapped it, and was killed: removed
+    assert not files_left({f"/dev/shm/tandem-test-{pids[0]}"})  # the trainer's group mapped it, was killed: removed
     kept = f"/dev/shm/tandem-test-dir-{pids[0]}"
     assert os.path.exists(f"{kept}/metrics.jsonl")  # a file, not a shared-memory object: kept
     shutil.rmtree(kept)

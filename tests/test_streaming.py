@@ -12,7 +12,9 @@ import pytest
 
 from common.cli import parse_args
 from common.envs import ENVS, Env, StepResult, env_class
-from common.tasks.stream import mark_trained
+from common.explorer.streaming import Stream
+from common.experience import RolloutBatch
+from common.tasks.stream import StreamPositions, TrainedPositions, mark_trained
 
 
 class Sleepy(Env):
@@ -73,45 +75,49 @@ def explorer(tmp_path):
     del ENVS["sleepy"]
 
 
-def stream(explorer, batches: int, timeout_s: float = 120):
-    """The loop of train_async.py's explorer, without weights: (experiences, metrics, positions, seconds) per batch."""
+def stream(s, batches: int, timeout_s: float = 120) -> list[RolloutBatch]:
+    """The loop of train_async.py's explorer over the Stream `s`, without weights: `batches` batches."""
     out, start = [], time.time()
     while len(out) < batches:
         assert time.time() - start < timeout_s, f"{len(out)} batches in {timeout_s}s"
-        explorer.stream.start_groups()
-        explorer.stream.step()
-        batch = explorer.stream.take_batch()
+        s.start_groups()
+        s.step()
+        batch = s.take_batch()
         if batch is not None:
-            out.append((*batch, time.time() - start))
+            out.append(batch)
     return out
+
+
+def in_flight(s) -> list[int]:
+    return sorted(p for p, _ in s.position_of.values())
 
 
 @pytest.mark.timeout(300)
 def test_a_slow_group_does_not_hold_back_the_groups_behind_it(explorer):
-    e = explorer()
-    batches = stream(e, 4)  # while the slow group's tool is busy
-    positions = [b[2] for b in batches]
+    s = Stream(explorer())
+    batches = stream(s, 4)  # while the slow group's tool is busy
+    positions = [b.positions for b in batches]
     assert [0] not in positions, positions  # the groups started after it reached the buffer first
-    assert all(len(b[0]) == 2 and b[1]["rollout/groups_in_flight"] >= 1 for b in batches)
-    assert all(0 <= b[1]["rollout/engine_busy_frac"] <= 1 for b in batches)
+    assert [b.step for b in batches] == [1, 2, 3, 4]
+    assert all(len(b.experiences) == 2 and b.metrics["rollout/groups_in_flight"] >= 1 for b in batches)
+    assert all(0 <= b.metrics["rollout/engine_busy_frac"] <= 1 for b in batches)
     env_class("sleepy").release.set()
-    later = [b[2] for b in stream(e, 3)]
+    later = [b.positions for b in stream(s, 3)]
     assert [0] in later, later  # ... and it follows once its tool has answered
 
 
 @pytest.mark.timeout(300)
 def test_resume_uses_every_task_position_once(explorer):
-    first = explorer()
-    trained = [p for b in stream(first, 3) for p in b[2]]  # three steps trained; more groups still in flight
-    assert 0 not in trained and first.stream.position_of  # the slow group was in flight when the "checkpoint" was taken
+    first = Stream(explorer())
+    trained = [p for b in stream(first, 3) for p in b.positions]  # three steps trained; more groups still in flight
+    assert 0 not in trained and first.position_of  # the slow group was in flight when the "checkpoint" was taken
     ledger = mark_trained(None, trained)
-    first.stream.stop()
-    resumed = explorer()
-    resumed.stream.resume(ledger, step=3)
-    again = [p for b in stream(resumed, 5) for p in b[2]]
+    first.stop()
+    e = explorer()
+    resumed = Stream(e, StreamPositions(e.args, ledger, step=3))
+    again = [p for b in stream(resumed, 5) for p in b.positions]
     assert not set(again) & set(trained), (trained, again)  # nothing trained twice
-    in_flight = {p for p, _ in resumed.stream.position_of.values()}
-    lost = set(range(max(trained))) - set(trained) - set(again) - in_flight
+    lost = set(range(max(trained))) - set(trained) - set(again) - set(in_flight(resumed))
     assert not lost, (trained, again, in_flight)  # the groups in flight at the checkpoint were started again
 
 @pytest.mark.timeout(300)
@@ -120,36 +126,47 @@ def test_a_group_starts_only_within_max_staleness_of_the_weights(explorer):
     + 1) x --tasks-per-step, however many --inflight-groups are free; each new version admits one batch more."""
     e = explorer()
     e.args.max_staleness = 1  # at version 0: positions 0 and 1 (--inflight-groups 3 would start a third)
-    e.stream.start_groups()
-    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1]
-    e.stream.start_groups()
-    assert len(e.stream.position_of) == 2  # no new version, no new group
+    s = Stream(e)
+    s.start_groups()
+    assert in_flight(s) == [0, 1]
+    s.start_groups()
+    assert len(s.position_of) == 2  # no new version, no new group
     e.version = 1
-    e.stream.start_groups()
-    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1, 2]
+    s.start_groups()
+    assert in_flight(s) == [0, 1, 2]
 
 
 @pytest.mark.timeout(300)
 def test_no_group_starts_past_the_runs_last_batch_until_the_trainer_drops_one(explorer):
     """--steps 2 x 1 task: positions 0 and 1 start, however many --inflight-groups and versions are free; a batch
-    the trainer drops whole (`redo`) admits one batch more; a resumed explorer counts the positions it trained."""
+    the trainer drops whole (owed again, through the run's store) admits one batch more; a resumed explorer counts
+    the positions it trained, as the trainer published them."""
+    import torch
+
+    store = torch.distributed.HashStore()
+    trainer = TrainedPositions({}, store, main=True)  # the trainer's side, published before the first weights
     e = explorer()
     e.args.steps = 2
-    e.stream.end = e.args.steps * e.args.tasks_per_step  # as a stream built with --steps 2 has it
+    s = Stream(e, StreamPositions.published(e.args, store, 0, step=0), store)
     e.version = 5
-    e.stream.start_groups()
-    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1] and e.stream.past_the_end()
-    e.stream.redo = 1
-    e.stream.start_groups()
-    assert sorted(p for p, _ in e.stream.position_of.values()) == [0, 1, 2]
-    e.stream.stop()
+    s.start_groups()
+    assert in_flight(s) == [0, 1]
+    s.start_groups()
+    assert in_flight(s) == [0, 1]  # past the run's last batch
+    trainer.record(RolloutBatch(1, [], {}, 0, [0]))  # dropped whole as too stale: owed again
+    s.start_groups()
+    assert in_flight(s) == [0, 1, 2]
+    s.stop()
+    # 2 steps trained and a position a processor dropped (0-2 used): one batch left, at position 3
+    trainer.record(RolloutBatch(2, ["trained"], {}, 0, [1, 2]))
     e.args.steps = 3
     resumed = explorer()
-    # 2 steps trained and a position a processor dropped (0-2 used): one batch left, at position 3
-    resumed.stream.resume(mark_trained(None, [0, 1, 2]), step=2)
     resumed.version = 5
-    resumed.stream.start_groups()
-    assert sorted(p for p, _ in resumed.stream.position_of.values()) == [3]
+    fresh = torch.distributed.HashStore()  # a resumed run's store: its trainer publishes the checkpoint's ledger
+    TrainedPositions(trainer.ledgers, fresh, main=True)
+    s = Stream(resumed, StreamPositions.published(resumed.args, fresh, 0, step=2), fresh)
+    s.start_groups()
+    assert in_flight(s) == [3]
 
 
 @pytest.mark.timeout(300)
@@ -171,15 +188,18 @@ def test_an_evaluation_runs_beside_the_groups_on_the_weights_it_started_with(exp
     named = [(n, p.detach().clone()) for n, p in e.engine.model.named_parameters()]
     write_sync_checkpoint(e.weights.sync_dir, named, 0)
     e.pull(step=0)
-    e.stream.start_evaluation(0)
-    assert len(stream(e, 3)) == 3  # made while the evaluation's episode waits
-    assert e.stream.take_evaluation() is None and sleepy.started == 1
+    s = Stream(e)
+    s.start_evaluation(0)
+    assert len(stream(s, 3)) == 3  # made while the evaluation's episode waits
+    assert s.take_evaluation() is None and sleepy.started == 1
     write_sync_checkpoint(e.weights.sync_dir, [(n, t + 0.01) for n, t in named], 1)
-    assert not e.poll(3) and e.version == 0  # not while the evaluation runs
+    s.poll()
+    assert e.version == 0  # not while the evaluation runs
     sleepy.release.set()
-    metrics = e.stream.take_evaluation(wait=True)
+    metrics = s.take_evaluation(wait=True)
     assert metrics["eval/version"] == 0 and metrics["eval/turns_mean"] == 1.0
-    assert e.poll(3) and e.version == 1  # and once it is over
+    s.poll()
+    assert e.version == 1  # and once it is over
 
 
 def test_ledger_of_trained_positions():

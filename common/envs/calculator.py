@@ -9,6 +9,7 @@ import operator
 import random
 from dataclasses import dataclass
 
+from common.arithmetic import ANSWER_FORMAT, arithmetic_task
 from common.envs import EnvSettings
 from common.envs.tools import ToolEnv
 
@@ -63,8 +64,6 @@ def evaluate_arithmetic(expression: str) -> float | int:
 
 
 def calculator_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
-    from common.tasks.procedural import ANSWER_FORMAT, arithmetic_task
-
     task = arithmetic_task(rng, difficulty)
     question = task["prompt"].replace(ANSWER_FORMAT, "Use a tool if it helps, then reply 'Answer: <number>'.")
     return {**task, "prompt": question, "id": f"calc-{index}", "env": "calculator"}  # reward "math": the verifier

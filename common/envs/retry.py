@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from common.arithmetic import arithmetic_task
 from common.envs import Env, EnvSettings, StepResult
 
 
@@ -30,8 +31,6 @@ def numbers_match(response: str, answer: str) -> bool:
 
 
 def retry_task(rng: random.Random, index: int, difficulty: int, arg: str | None = None) -> dict:
-    from common.tasks.procedural import arithmetic_task
-
     task = arithmetic_task(rng, difficulty)
     task.pop("reward")  # the environment scores the answer itself
     return {**task, "id": f"retry-{index}", "env": "retry", "attempts": 3}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.compat.python import no_last_resort
 from common.explorer import static_decode
 from common.lora import LoraSpec, adapter_tensors, inject_lora
 from common.vlm import is_frozen, is_vlm, stack_images
@@ -51,6 +51,14 @@ class RolloutEngine(ABC):
     busy_s = 0.0  # seconds spent generating so far (rollout/engine_busy_frac)
     streams = False
     accepts: tuple[type, ...] = (Buffers, Folder)  # the weight sources `load_weights` takes
+
+    def describe(self) -> str:
+        """One line for the run's first lines: which generation path this engine takes ("": none to say)."""
+        return ""
+
+    def warm_up(self, prompt: list[int]) -> float:
+        """Compile and capture what the first rollout would, before it; the seconds it took (0: nothing to do)."""
+        return 0.0
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Generation]]:
@@ -423,14 +431,11 @@ def vllm_available() -> tuple[bool, str]:
     Where vLLM is not imported yet (the launcher, which only checks), the warnings its import prints (e.g. "Triton
     is installed, but doesn't include CPU backend") are dropped, so they do not come before the run's first line.
     """
-    first = "vllm" not in sys.modules
-    last_resort, logging.lastResort = logging.lastResort, (None if first else logging.lastResort)
     try:
-        import vllm
+        with no_last_resort(drop="vllm" not in sys.modules):
+            import vllm
     except Exception as e:  # ImportError, or a broken torchvision next to a CPU torch
         return False, f"vllm not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    finally:
-        logging.lastResort = last_resort
     return True, vllm.__version__
 
 

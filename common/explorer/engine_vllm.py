@@ -49,6 +49,7 @@ from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, d
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.lora import LoraSpec, adapter_tensors, inject_lora
 from common.model import DTYPES
+from common.runtime import cpu_tuning
 from common.weight_sync.base import Buffers, Folder, SharedFile, WeightSource
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads (its own worker is forked on
@@ -123,9 +124,10 @@ class VLLMEngine(RolloutEngine):
             # bench/multiturn.py --block-size).
             llm_kwargs.setdefault("block_size", 32)
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine
-                from common.explorer.vllm_worker import TandemExecutor  # core (vllm_worker.py: Process start)
+                from common.compat.vllm import ForkedExecutor, TandemExecutor  # core (vllm_worker.py: Process start)
 
-                llm_kwargs.setdefault("distributed_executor_backend", TandemExecutor)
+                llm_kwargs.setdefault("distributed_executor_backend",
+                                      TandemExecutor if cpu_tuning.enabled() else ForkedExecutor)
         # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
         # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
         if lora is not None:  # one LoRA adapter per weights version (`_load_adapter`)

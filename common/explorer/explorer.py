@@ -7,7 +7,7 @@ name an environment), all advanced together by `Rollouts`. Two ways to run them:
   end, then scored together. Single-turn responses are partial rollouts (common/explorer/groups.py): with
   --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are
   continued in later steps (Kimi k1.5 partial rollouts).
-- streaming (`Explorer.stream`, common/explorer/streaming.py: train_async.py): --inflight-groups held at once, a new
+- streaming (`Stream`, common/explorer/streaming.py: train_async.py): --inflight-groups held at once, a new
   group started the moment one ends, each ended group scored at once, the first --tasks-per-step scored sent as a
   batch.
 """
@@ -19,16 +19,16 @@ import torch
 
 from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, StaticCacheSize, resolve_engine,
                                     use_static_cache)
-from common.experience import Experience, zero_signal_groups
+from common.experience import Experience, RolloutBatch, zero_signal_groups
 from common.lora import LoraSpec, sync_mode
 from common.tasks.hub import DatasetOptions
+from common.runtime import cores
 from common.runtime.metrics import Timeline, peak_gpu_memory
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
 from common.explorer.evaluation import Evaluation
 from common.explorer.rollouts import Rollouts
 from common.explorer.scoring import ScoreFuture, rollout_metrics, turn_credit
-from common.explorer.streaming import Stream
 from common.explorer.workflow import Context
 from common.tasks.processors import apply_task_processors
 from common.vlm import is_vlm, load_processor
@@ -80,15 +80,17 @@ def build_processor(args, tokenizer):
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
         self.args, self.timeline, self.index, self.device = args, timeline, index, device
+        cores.record_to(timeline)
+        cores.widen()  # no trainer computes before the first batch: their cores too, for what this builds and starts
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
         self.engine, self.tokenizer = build_engine(args, device)
-        if isinstance(self.engine, HFEngine):
+        if self.engine.describe():
             print(f"[tandem] explorer{index}: {self.engine.describe()}", flush=True)
-            start = time.time()  # compiles the decode step, where there is one to compile, before the first rollout
-            if self.engine.warm_up(chat_prompt_ids(self.tokenizer, {"prompt": "warm up"})):
-                self.timeline.record("warm-up", start, time.time())
-                print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
-                      flush=True)
+        start = time.time()  # compiles the decode step, where there is one to compile, before the first rollout
+        if self.engine.warm_up(chat_prompt_ids(self.tokenizer, {"prompt": "warm up"})):
+            self.timeline.record("warm-up", start, time.time())
+            print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
+                  flush=True)
         self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
                                                            args.eval_size, args.seed + 1000 * index,
                                                            args.task_sampling, args.curriculum,
@@ -107,7 +109,6 @@ class Explorer:
         self.weights = None  # the weight sync (`connect`)
         self.next_group = 0
         self.first_step = 1
-        self.stream = Stream(self)  # train_async.py's way to generate
 
     # ------------------------------------------------------------------ weights: the explorer's version is its sync's
     def connect(self, weights) -> None:
@@ -120,10 +121,7 @@ class Explorer:
         return self.version
 
     def poll(self, step: int) -> bool:
-        """Take new weights if some are waiting, without waiting; whether any were taken. None are taken while the
-        stream's held-out evaluation runs: it measures the weights it started with."""
-        if self.stream.evaluation is not None:
-            return False
+        """Take new weights if some are waiting, without waiting; whether any were taken."""
         took = self.weights.poll(step)
         self.version = self.weights.version
         return took
@@ -253,8 +251,17 @@ class Explorer:
         every = self.args.eval_every
         return bool(every) and (step == self.first_step or (step - 1) % every == 0)
 
+    def hand_over(self, queue, batch: RolloutBatch) -> None:
+        """Put a round's batch in the queue (it waits while the queue is full), the trainers' cores given back first:
+        they compute as soon as they have it."""
+        cores.narrow(self.engine)
+        with self.timeline.phase("wait", put=f"{self.index}-{batch.step}"):
+            queue.put(batch, self.args.timeout_s)
+
     def final_evaluation(self, step: int) -> dict:
-        """The evaluation after the last step ({} with --eval-every 0: no evaluation at all)."""
+        """The evaluation after the last step ({} with --eval-every 0: no evaluation at all), on the trainers' cores
+        too: they have finished."""
+        cores.widen(self.engine)
         return self.evaluate(step) if self.args.eval_every else {}
 
     def evaluate(self, step: int) -> dict:

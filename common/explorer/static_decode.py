@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+from common.compat.transformers import attention_implementation, attention_implementation_set
+
 CHECK_EVERY = 8  # decode steps between the host's "has every row stopped?" reads on CUDA (each one a sync)
 GROUPED = "tandem_grouped_sdpa"  # the attention this loop's forwards use (registered with transformers)
 
@@ -54,14 +56,14 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def supported(model) -> bool:
     """A text model whose attention takes the explicit 4-D mask this loop builds."""
-    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager") and not hasattr(
-        model.config, "vision_config")
+    return attention_implementation(model.config) in ("sdpa", "eager") and not hasattr(model.config, "vision_config")
 
 
 class SlotCache:
     """Keys and values of `slots` rows x `tokens` columns per layer, written where the decoder says: every row at
     `columns` (a decode step, or a whole batch's prefill), or only `rows` (a prefill of joining requests; their
-    rows come back for attention). transformers' attention calls `update` with each layer's new keys and values."""
+    rows come back for attention). transformers' attention calls `update` with each layer's new keys and values
+    (the protocol common/compat/transformers.py checks)."""
 
     def __init__(self, slots: int, tokens: int, layers: int):
         self.slots, self.tokens, self.keys, self.values = slots, tokens, [None] * layers, [None] * layers
@@ -130,13 +132,8 @@ class StaticDecoder:
     def _model(self, forward, *inputs) -> torch.Tensor:
         """`forward` with the model's attention set to `grouped_attention` for the call (every forward of this loop;
         the model keeps its own attention for anyone else)."""
-        config = self.model.config
-        before = config._attn_implementation
-        config._attn_implementation = GROUPED
-        try:
+        with attention_implementation_set(self.model.config, GROUPED):
             return forward(*inputs)
-        finally:
-            config._attn_implementation = before
 
     # ------------------------------------------------------------------ one step: fixed tensors in, fixed tensors out
     def _pick(self, logits: torch.Tensor, temperature, top_p, greedy, sample: bool, nucleus: bool):

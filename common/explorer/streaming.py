@@ -2,45 +2,57 @@
 one ends, each ended group scored at once, the first --tasks-per-step scored sent as a batch. A group starts only
 within --max-staleness versions of the explorer's weights (AReaL's admission rule).
 
-`Stream` holds the streaming state of one explorer (`Explorer.stream`) and generates with that explorer's engine,
-workflows in flight, reward pool and weights version; the rounds of train_sync.py and train_offpolicy.py are
-`Explorer.rollout`. A held-out evaluation runs inside the stream (`start_evaluation`): its greedy requests join the
-groups' running batch instead of stopping them.
+`Stream` holds the streaming state of one explorer and generates with that explorer's engine, workflows in flight,
+reward pool and weights version; the rounds of train_sync.py and train_offpolicy.py are `Explorer.rollout`. Its
+stream positions are common/tasks/stream.py's `StreamPositions`. A held-out evaluation runs inside the stream
+(`start_evaluation`): its greedy requests join the groups' running batch instead of stopping them. What happens at a
+hand-over is the stream's too (`hand_over`): the trainers' cores given back, the put that takes pending weights
+while the queue is full.
 """
 
 from __future__ import annotations
 
 import time
 
-from common.experience import Experience, zero_signal_groups
+from common.experience import RolloutBatch, zero_signal_groups
 from common.explorer.evaluation import Evaluation
 from common.explorer.scoring import ScoreFuture
+from common.runtime import cores
 from common.tasks.processors import apply_task_processors
+from common.tasks.stream import StreamPositions
 
 
 class Stream:
-    def __init__(self, explorer):
+    def __init__(self, explorer, positions: StreamPositions | None = None, store=None, control=None):
+        """`positions`: where the stream starts (default: a fresh run's); `store`: the run's (the trainers lend their
+        cores while they wait, common/runtime/cores.py); `control`: evaluations go to the trainer there (explorer 0
+        only: one measures held-out accuracy for the run)."""
         self.explorer, self.args = explorer, explorer.args
+        self.positions, self.store, self.control = positions or StreamPositions(self.args), store, control
+        explorer.train_tasks.position = self.positions.start
         # tasks drawn and not started, groups being scored and scored, the stream position and start time of every
         # group in flight, what happened since the last batch
         self.drawn: list[tuple[int, dict]] = []
-        self.trained_before: set[int] = set()
         self.scoring: list = []
         self.scored: list = []
         self.position_of: dict[int, tuple[int, float]] = {}
-        self.used: list[int] = []
         self.task_counts: dict = {}
         self.groups_seen: list[int] = []
         self.busy_span: tuple[float, float] | None = None
         self.batch_started: float | None = None  # the clock of rollout/engine_busy_frac starts with the stream
         self.batch_tokens, self.batch_busy = 0, 0.0
-        self.replaced, self.batch_replaced = 0, 0  # zero-signal groups replaced (--refill-rounds): in all, this batch
-        # The stream position after the run's last batch, were this explorer to make every batch left: positions
-        # used without a batch (replaced groups, tasks a processor dropped) and batches the trainer had to drop
-        # whole (`redo`, from the trainer) move it on.
-        self.end = self.args.steps * self.args.tasks_per_step
-        self.dropped, self.redo = 0, 0  # tasks a processor dropped, in all
+        self.batch_replaced = 0  # zero-signal groups replaced (--refill-rounds) for this batch
         self.evaluation: Evaluation | None = None  # the held-out evaluation in flight
+        self.undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
+        self.sent = 0  # batches handed over
+
+    def evaluate_when_due(self) -> None:
+        """With the control channel: start the held-out evaluation due before a trainer step these weights may
+        reach (--eval-every)."""
+        ex = self.explorer
+        if self.control is not None and any(ex.eval_due(s) for s in range(self.undecided, ex.version + 2)):
+            self.start_evaluation(self.sent)
+        self.undecided = ex.version + 2
 
     def start_evaluation(self, step: int) -> None:
         """Start the held-out evaluation before trainer step `step`; it advances with every `step` from now on,
@@ -48,55 +60,52 @@ class Stream:
         self.evaluation = Evaluation(self.explorer, step)
 
     def take_evaluation(self, wait: bool = False) -> dict | None:
-        """The evaluation's metrics once it is generated and scored (then it is over); None before, or without one.
-        `wait`: step until it is generated (the groups in flight step along), then wait for its scores."""
+        """The evaluation's metrics once it is generated and scored (then it is over; with the control channel they
+        go to the trainer); None before, or without one. `wait`: step until it is generated (the groups in flight
+        step along), then wait for its scores."""
         while wait and self.evaluation is not None and self.evaluation.future is None:
-            self.step()
+            self._advance()
         if self.evaluation is None or not (wait or self.evaluation.done()):
             return None
         result, self.evaluation = self.evaluation.result(), None
+        if self.control is not None:
+            self.control.send("eval", result, self.explorer.index)
         return result
+
+    def poll(self) -> None:
+        """New weights, if some are waiting; none while the held-out evaluation runs (it measures the weights it
+        started with)."""
+        if self.evaluation is None:
+            self.explorer.poll(self.sent)
+
+    def idle(self) -> bool:
+        """No group generating or being scored: nothing that new weights would interrupt."""
+        return not (self.explorer.in_flight.workflows or self.scoring)
 
     def start_groups(self) -> None:
         """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
         --tasks-per-step at a time (the draws a round would make) and started one by one; stream positions already
-        trained before a resume (`resume`) are skipped; a task a processor drops counts as used."""
+        trained before a resume (`StreamPositions.skip`) are skipped; a task a processor drops counts as used. A group
+        starts only where `StreamPositions.admits`: scored groups not yet in the queue count too, so while the
+        queue is full the explorer does not run ahead (it would only make what it holds older)."""
         args, ex = self.args, self.explorer
         if self.batch_started is None:
             self.batch_started, self.batch_tokens, self.batch_busy = time.time(), ex.in_flight.tokens, ex.engine.busy_s
-        # Scored groups not yet in the queue count too: while the queue is full the explorer does not run ahead,
-        # it would only make what it holds older. And a group starts only while its stream position is less than
-        # (version + --max-staleness + 1) batches in (AReaL's admission rule): groups are trained roughly in stream
-        # order, so one started now is at most --max-staleness versions old when its batch is trained.
-        # Zero-signal groups replaced under --refill-rounds took stream positions that no batch trains: they move the
-        # window on as far.
-        # Nor past the run's last batch: what it would make is never trained, and on shared cores it slows the
-        # trainer's last steps.
-        window = min((ex.version + args.max_staleness + 1) * args.tasks_per_step + self.replaced, self.end_position())
         while len(ex.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
-                and self.next_position() < window:
+                and self.positions.admits(self.next_position(), ex.version):
             if not self.drawn:
                 start = ex.train_tasks.position
                 tasks = ex.train_tasks.next_batch(args.tasks_per_step, progress=ex.version / args.steps)
-                self.drawn = [(start + i, t) for i, t in enumerate(tasks) if start + i not in self.trained_before]
+                self.drawn = [(start + i, t) for i, t in enumerate(tasks) if start + i not in self.positions.skip]
                 continue
             position, task = self.drawn.pop(0)
             kept, counts = apply_task_processors([task], args.task_processors, args)
             for name, dropped in counts.items():
                 self.task_counts[name] = self.task_counts.get(name, 0) + dropped
             if not kept:
-                self.used.append(position)
-                self.dropped += 1
+                self.positions.spend(position, replaced=False)
                 continue
             self.position_of[ex.start_group(kept[0])] = (position, time.time())
-
-    def end_position(self) -> int:
-        """The stream position after the groups of the run's last batch."""
-        return self.end + self.replaced + self.dropped + self.redo * self.args.tasks_per_step
-
-    def past_the_end(self) -> bool:
-        """Every group the run's remaining batches need is started."""
-        return self.next_position() >= self.end_position()
 
     def next_position(self) -> int:
         """The task stream position of the next group to start."""
@@ -105,8 +114,15 @@ class Stream:
     def step(self) -> None:
         """One engine step over every group in flight (Rollouts.step: waits only while no request is ready,
         at most a second, for an environment); the groups that ended go to the reward pool at once, and groups
-        whose scoring is done join `scored`."""
+        whose scoring is done join `scored`; with the control channel, an evaluation that is over goes to the
+        trainer. First, the cores: the trainers' too while every trainer waits (common/runtime/cores.py `follow`)."""
+        self._advance()
+        if self.control is not None:
+            self.take_evaluation()
+
+    def _advance(self) -> None:
         ex = self.explorer
+        cores.follow(self.store, ex.engine)
         busy = ex.engine.busy_s
         t0 = time.time()
         evaluating = self.evaluation.rollouts if self.evaluation is not None else None  # its workflows in flight
@@ -145,9 +161,8 @@ class Stream:
             return False
         if len({reward for reward, _ in self.explorer.shaped([(group, r) for r in group.responses], scores)}) > 1:
             return False
-        self.used.append(self.position_of.pop(group.group_id)[0])
+        self.positions.spend(self.position_of.pop(group.group_id)[0], replaced=True)
         self.batch_replaced += 1
-        self.replaced += 1
         return True
 
     def _flush_busy_span(self) -> None:
@@ -155,10 +170,10 @@ class Stream:
             self.explorer.timeline.record("generate", *self.busy_span)
         self.busy_span = None
 
-    def take_batch(self) -> tuple[list[Experience], dict, list[int]] | None:
-        """The first --tasks-per-step scored groups (in the order their scoring finished) as experiences, their
-        metrics since the last batch, and the stream positions they used (tasks dropped by a processor included);
-        None while fewer are scored."""
+    def take_batch(self) -> RolloutBatch | None:
+        """The first --tasks-per-step scored groups (in the order their scoring finished) as the next batch: their
+        experiences, the metrics since the last batch, and the stream positions they used (tasks dropped by a
+        processor and groups replaced included); None while fewer are scored."""
         ex, n = self.explorer, self.args.tasks_per_step
         if len(self.scored) < n:
             return None
@@ -183,26 +198,34 @@ class Stream:
             metrics.update({"rollout/zero_signal_frac": uniform / (self.batch_replaced + n),
                             "rollout/refill_rounds": self.batch_replaced / n})
             self.batch_replaced = 0
-        positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.used
-        self.used, self.task_counts, self.groups_seen = [], {}, []
+        positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.positions.take_used()
+        self.task_counts, self.groups_seen = {}, []
         self.batch_started, self.batch_tokens, self.batch_busy = now, ex.in_flight.tokens, ex.engine.busy_s
-        return experiences, metrics, positions
+        self.sent += 1
+        return RolloutBatch(self.sent, experiences, metrics, ex.index, positions)
+
+    def hand_over(self, queue, batch: RolloutBatch, stop) -> None:
+        """Put `batch` in the queue, with backpressure; the trainers' cores go back first (they compute as soon as
+        they have it). While the queue is full the trainer may be waiting for this explorer to join a weight
+        broadcast (one collective for all explorers), so a pending one is taken meanwhile, once an evaluation in
+        flight (which holds the weights) has ended; the batch keeps the versions it was made with. Given up once
+        the trainer has finished (`stop`): it would never be trained."""
+        cores.handing_over(self.store, self.explorer.engine)
+        with self.explorer.timeline.phase("wait", put=f"{batch.explorer}-{batch.step}"):
+            for _ in range(int(self.args.timeout_s / 0.5)):
+                if stop.is_set():
+                    return
+                try:
+                    return queue.put(batch, timeout=0.5)
+                except TimeoutError:
+                    self.take_evaluation(wait=True)
+                    self.poll()
+        raise TimeoutError(f"explorer: experience queue stayed full for {self.args.timeout_s:.0f}s (trainer stalled?)")
 
     def stop(self) -> None:
-        """Give up the groups in flight (their requests leave the engine)."""
+        """Give up the groups in flight (their requests leave the engine; a resumed run starts them again); an
+        evaluation in flight ends with the weights it started with."""
         ex = self.explorer
         if ex.engine.streams:
             ex.engine.abort(ex.in_flight)
-
-    def resume(self, trained: tuple[int, list[int]] | None, step: int) -> None:
-        """On resume: start where the trainer's ledger says (every position below trained[0] and those in
-        trained[1] were trained); without a ledger, where the trainer's step count says."""
-        ex = self.explorer
-        if trained is None:
-            return ex.skip_to(step)
-        below, beyond = trained
-        n = self.args.tasks_per_step
-        ex.train_tasks.position = below // n * n  # draws start at multiples of --tasks-per-step, as they did
-        self.trained_before = set(range(ex.train_tasks.position, below)) | set(beyond)
-        self.end = below + len(beyond) + (self.args.steps - step) * n
-        ex.first_step = step + 1
+        self.take_evaluation(wait=True)

@@ -20,7 +20,7 @@ matrix (exact: every output is one weight times 1 plus zeros).
 Arguments and results of the extension's methods are plain data (strings, numbers, lists), so they cross vLLM's
 engine-core process boundary; tensors travel through the shared-memory file or a checkpoint folder.
 
-Process start (CPU). `TandemExecutor` is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
+Process start (CPU). `TandemExecutor` (common/compat/vllm.py) is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
 forked from the engine core, vLLM's own default there: the engine core has imported vLLM already, so the worker does
 not import it again (~4 CPU seconds per engine start), and a forked multiprocessing child ends with os._exit after
 vLLM's explicit shutdown instead of a spawned interpreter's finalization (full cyclic-GC scans of the ~670k objects
@@ -31,22 +31,22 @@ Waiting (CPU). The readers of vLLM's shared-memory queues between the engine cor
 (os.sched_yield) for a second after every message before they block on the writer's notification, so the engine
 core spins through each whole forward pass of its worker. On the CPU it spins on a core one of the worker's OpenMP
 threads computes on; that thread loses slices and its team waits for it at every barrier. `TandemExecutor` bounds
-the spin to `SPIN_S` (the engine core's quick replies between two steps), then the reader sleeps until notified:
-vLLM on 2 cores ~200 -> ~290 tokens/s, on 1 core about the same (bench/engines.py --arith --max-new-tokens 48).
+the spin to `SPIN_S` (the engine core's quick replies between two steps; with the CPU tuning on, the default), then
+the reader sleeps until notified: vLLM on 2 cores ~200 -> ~290 tokens/s, on 1 core about the same
+(bench/engines.py --arith --max-new-tokens 48).
 """
 
 from __future__ import annotations
 
 import glob
-import inspect
 import math
 import os
 import time
 
 import torch
-from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from common.buckets import flat_views, map_shared_file
+from common.compat.torch import set_threads_below_vllm
 from common.explorer.vllm_logits import NormalizerProcessor
 from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
@@ -212,34 +212,6 @@ def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
     return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
 
 
-SPIN_S = 0.01  # how long a reader of the engine core <-> worker queues spins before it sleeps (module docstring)
-
-
-def bound_spin(seconds: float = SPIN_S) -> None:
-    """Make vLLM's shared-memory queue readers created from now on in this process (and the processes it forks)
-    spin at most `seconds` after a message (vLLM: 1 s), then wait for the writer's notification."""
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    defaults = SpinCondition.__init__.__defaults__
-    if list(inspect.signature(SpinCondition.__init__).parameters)[-1:] != ["busy_loop_s"] or len(defaults) != 1:
-        raise RuntimeError("vLLM's SpinCondition no longer ends with busy_loop_s: update bound_spin "
-                           "(common/explorer/vllm_worker.py)")
-    SpinCondition.__init__.__defaults__ = (seconds,)
-
-
-class TandemExecutor(MultiprocExecutor):
-    """vLLM's multiprocess executor whose worker is forked from the engine core and whose queues spin briefly (see
-    the module docstring)."""
-
-    def _init_executor(self) -> None:
-        # The engine core inherited tandem's VLLM_WORKER_MULTIPROC_METHOD=spawn (common/explorer/engine_vllm.py),
-        # meant for the engine core only; this process has no gloo/NCCL threads, and vLLM forces spawn again where
-        # CUDA is initialised.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        bound_spin()  # before the queues (and the worker, which inherits it) are made
-        super()._init_executor()
-
-
 class TandemWorkerExtension:
     """Methods added to vLLM's worker class (`worker_extension_cls`), called by name with LLM.collective_rpc.
 
@@ -366,7 +338,7 @@ class TandemWorkerExtension:
         VLLM_CPU_OMP_THREADS_BIND) and disabled `torch.set_num_threads` afterwards; a pool thread that starts now is
         bound the same way. So: set the count, run one parallel region (the pool grows now), then bind every thread
         of this process. Returns each thread's cores."""
-        torch._C.set_num_threads(threads)  # what vLLM's disabled torch.set_num_threads calls
+        set_threads_below_vllm(threads)
         torch.ones(threads << 16).add_(1)  # one parallel region: OpenMP starts the threads it lacks
         bind_threads(os.getpid(), cores)
         bound = {}

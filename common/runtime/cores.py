@@ -6,23 +6,22 @@ run's first lines and applied by every rank as it starts (common/run.py `launch`
   many torch / OpenMP threads as it has cores. vLLM's CPU worker binds its OpenMP threads to the same cores
   (common/explorer/engine_vllm.py). Left to the OS, two processes that each assume every core (or spin on any core
   while they wait, as vLLM's engine core and worker do for a second after every message unless
-  common/explorer/vllm_worker.py bounds it) preempt each other's threads mid-matmul, and the overlap the
+  common/compat/vllm.py bounds it) preempt each other's threads mid-matmul, and the overlap the
   asynchronous schedules exist for turns into contention.
 - Workers that take turns (train_sync.py: the explorer idles while the trainers step) each use every core: they are
   not bound. Data-parallel trainers step at the same time, so they still split the cores among themselves.
 - Workers on a GPU compute there: they keep every core and take none from the split.
 - More CPU workers than cores: each gets one core, shared round-robin (said in the plan's line).
-- While every trainer of a node waits for a batch (the explorer's start-up, the evaluation before step 1 and the
-  first batch; each wait of train_async.py's trainer after that) an explorer that splits the node's cores with them
-  computes on the trainers' cores too (`CoreShare.wide`: the node's explorers divide the trainers' cores among
-  them). In train_async.py the trainers say in the run's store how many batches they have taken when they begin to
-  wait (`lending`), the explorers count the batches they hand over (`handing_over`, which first gives the cores
-  back: the trainer computes as soon as it has the batch) and look between two engine steps (`follow`).
-  train_offpolicy.py's explorer widens for its first batch only (`widen()` / `narrow()`). Both re-bind every
-  thread of the process and of what it started (vLLM's engine core and worker, reward workers) and set the torch
-  threads, the vLLM worker's included (its OpenMP threads: `RolloutEngine.use_cores`). The other way round, the
-  trainers' last step takes the explorers' cores too: every batch is handed over then, and the explorers wait for
-  the final weights (the trainer loops of train_async.py and train_sync.py, which train_offpolicy.py runs).
+- Lending (with the CPU tuning, common/runtime/cpu_tuning.py): while the trainers of a node have nothing to compute
+  an explorer that splits the node's cores with them computes on theirs too (`CoreShare.wide`: the node's explorers
+  divide the trainers' cores), and the other way round for the trainers' last step. The hand-overs do it: a
+  trainer lends while it waits for a batch (`lending`, in the run's store: how many batches it has taken), an
+  explorer widens until its first hand-over and for the final evaluation, gives the cores back as it hands a batch
+  over (`handing_over`, `narrow`) and, streaming, looks between two engine steps whether every trainer waits having
+  taken every batch handed over (`follow`). Each change re-binds every thread of the process and of what it started
+  (vLLM's engine core and worker, reward workers) and sets the torch threads, the vLLM worker's included
+  (`RolloutEngine.use_cores`), and is recorded in the process's timeline (`record_to`: a "cores" event with each
+  thread's cores as the OS then has them).
 
 `--num-threads N` sets every worker's thread count; `--no-bind-cores` leaves the affinity to the OS.
 """
@@ -45,9 +44,10 @@ class CoreShare:
 
 
 def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: list[int], num_threads: int = 0,
-               bind: bool = True) -> dict[str, CoreShare]:
+               bind: bool = True, lend: bool = True) -> dict[str, CoreShare]:
     """`workers`: (name, role, device) of this node's ranks, trainers first; `together`: explorers and trainers
-    compute at the same time (every schedule but train_sync.py); `available`: this node's cores."""
+    compute at the same time (every schedule but train_sync.py); `available`: this node's cores; `lend`: the idle
+    side's cores go to the busy side (`widened`; common/runtime/cpu_tuning.py)."""
     available = sorted(available)
     cpu = [(name, role) for name, role, device in workers if device == "cpu"]
     splitting = [name for name, role in cpu if together or role == "trainer"]
@@ -68,6 +68,8 @@ def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: l
             shares[name] = CoreShare(tuple(available), num_threads or max(1, len(available) // len(splitting)), False)
     for name, _, _ in workers:
         shares.setdefault(name, CoreShare(tuple(available), num_threads or len(available), False))
+    if not lend:
+        return shares
     return widened(shares, [name for name, role in cpu if name in splitting and role == "explorer"], num_threads)
 
 
@@ -120,6 +122,7 @@ _taken: CoreShare | None = None  # the share it computes on now: its own or its 
 _name = ""  # this worker's name (the launcher's trainer<i> / explorer<i>)
 _lenders: list[str] = []  # the trainers whose cores this node's explorers take while they wait
 _looked = 0.0  # when `follow` last read the store
+_timeline = None  # where changes of share are recorded (`record_to`)
 PUT_KEY = "cores/put"  # in the run's store: batches the explorers have handed over (`handing_over`)
 
 
@@ -142,6 +145,12 @@ def apply(share: CoreShare, shares: dict[str, CoreShare] | None = None, name: st
     shares = shares or {}
     lenders = [n for n, s in shares.items() if n.startswith("trainer") and s.bound]
     _name, _lenders = name, lenders if any(n.startswith("explorer") and s.wide for n, s in shares.items()) else []
+
+
+def record_to(timeline) -> None:
+    """Record every change of share from now on in `timeline` (common/runtime/metrics.py)."""
+    global _timeline
+    _timeline = timeline
 
 
 def widen(engine=None) -> bool:
@@ -206,6 +215,10 @@ def _take(share: CoreShare | None, engine) -> bool:
     if engine is not None:
         engine.use_cores(share.cores, share.threads)
     _taken = share
+    if _timeline is not None:
+        now = time.time()
+        _timeline.record("cores", now, now, cores=list(share.cores), threads=share.threads,
+                         bound=sorted(map(list, thread_cores(os.getpid()))))
     return True
 
 
@@ -220,6 +233,17 @@ def bind_threads(pid: int, cores) -> None:
             os.sched_setaffinity(int(tid), cores)
         except (ProcessLookupError, PermissionError):  # ended meanwhile / not ours
             pass
+
+
+def thread_cores(pid: int) -> set[tuple[int, ...]]:
+    """The cores each thread of `pid` may run on now, as a set."""
+    seen = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            seen.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except (ProcessLookupError, PermissionError):  # ended meanwhile / not ours
+            pass
+    return seen
 
 
 def descendants(pid: int) -> list[int]:

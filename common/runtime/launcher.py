@@ -17,6 +17,7 @@ import uuid
 
 import torch
 
+from common.compat import python
 from common.runtime.worker import join_world, plan_world, run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -31,12 +32,6 @@ def _free_port() -> int:
 # What every worker imports (~3 CPU-s on a fresh interpreter): the launcher imports it once, then forks the server.
 FORKSERVER_PRELOAD = ["torch", "transformers.modeling_utils", "common.trainer.trainer", "common.explorer.explorer"]
 _forkserver_env: dict[str, str] | None = None  # this process's environment when the forkserver started
-FORKSERVER_PYTHONS = {(3, 11)}
-"""The Python versions the forked server was checked on: `start_forkserver` sets multiprocessing's forkserver client
-state (the address, alive fd and pid `ForkServer.ensure_running` sets after spawning a server; `stop_forkserver`
-clears it with `ForkServer._stop`) and `_forked_rank` resets three pieces of CPython's private state
-(multiprocessing's resource tracker, weakref's finalizers, atexit's handlers) that another version may hold
-differently. Elsewhere every rank is a fresh interpreter, as on a GPU."""
 
 
 def start_forkserver(devices: list[str]) -> bool:
@@ -47,16 +42,15 @@ def start_forkserver(devices: list[str]) -> bool:
     checks (tokenizers, progress bars and vLLM's import may start threads, which a fork must not copy). A placement
     with a GPU, or a machine with CUDA, keeps fresh interpreters: CUDA must never be initialised before a fork, and
     importing transformers may call torch.cuda.is_available(), which initialises the driver. Returns whether it
-    started."""
+    started (never on a Python whose private state common/compat/python.py was not checked on)."""
     global _forkserver_env
     import importlib
     from multiprocessing import connection, forkserver, resource_tracker
 
-    if any(d != "cpu" for d in devices) or torch.cuda.is_available() or sys.version_info[:2] not in FORKSERVER_PYTHONS:
+    if any(d != "cpu" for d in devices) or torch.cuda.is_available() or not python.forking_works():
         return False
     stop_forkserver()  # one an earlier launch in this process left (tests launch in theirs) holds that launch's
     # descriptors and state: this launch forks its own
-    server = forkserver._forkserver
     for name in FORKSERVER_PRELOAD:
         importlib.import_module(name)
     resource_tracker.ensure_running()  # the server and its workers inherit this process's tracker, as a spawned
@@ -87,7 +81,7 @@ def start_forkserver(devices: list[str]) -> bool:
                 os._exit(code)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         os.close(alive_r)
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    python.adopt_forkserver(address, alive_w, pid)
     _forkserver_env = dict(os.environ)
     return True
 
@@ -97,16 +91,14 @@ def stop_forkserver() -> None:
     holds its alive pipe (a worker's own children may), holding the run's stdout open. Its workers are processes of
     their own and have ended or been stopped by then. A later launch in this process forks a new one."""
     global _forkserver_env
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    if _forkserver_env is None or server._forkserver_pid is None:
+    pid = python.forkserver_pid()
+    if _forkserver_env is None or pid is None:
         return
     try:
-        os.kill(server._forkserver_pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    server._stop()  # multiprocessing's own: closes the alive pipe, reaps the server, removes its socket
+    python.forget_forkserver()
     _forkserver_env = None
 
 
@@ -115,12 +107,9 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
     it is now (torch elastic has set the rank's own variables), then `python -u *command` as a fresh interpreter
     would run it (an entry script, or run_function's `-m common.runtime.launcher`), so the worker's code path is the
     same."""
-    import atexit
     import io
     import multiprocessing
     import runpy
-    import weakref
-    from multiprocessing import resource_tracker
 
     os.setsid()  # as torch elastic starts binary workers: a session of their own (Ctrl-C reaches the launcher only)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -129,22 +118,11 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=like.encoding,
                                                errors=like.errors, write_through=True)
                               for fd, like in ((1, sys.__stdout__), (2, sys.__stderr__)))
-    # A resource tracker of its own, started on first use in this worker's process group, as a fresh interpreter's
-    # is: the launcher's, inherited through the forkserver, would outlive a killed worker and warn about the
-    # semaphores and shared memory the worker's guard already removed.
-    tracker = resource_tracker._resource_tracker
-    if tracker._fd is not None:
-        os.close(tracker._fd)
-        tracker._fd = tracker._pid = None
     multiprocessing.set_start_method(None, force=True)  # the platform's default, not the launcher's forkserver
-    # The exit handlers and finalizers registered before the fork (wandb's media folder, made and registered for
-    # removal when it is imported) are the launcher's: run at this worker's exit they would delete what the launcher
-    # and the other workers still use. The worker runs those it registers itself at its exit (below), as a fresh
-    # interpreter would; multiprocessing's own exit function runs as for any of its children.
-    atexit._clear()
-    for finalizer in list(weakref.finalize._registry):
-        finalizer.detach()
-    weakref.finalize._registered_with_atexit = False  # the worker's first finalizer registers weakref's again
+    # A resource tracker of its own, as a fresh interpreter's; none of the launcher's exit handlers and finalizers
+    # (wandb's media folder, registered for removal when it is imported). The worker runs those it registers itself
+    # at its exit (below), as a fresh interpreter would.
+    python.forget_inherited_state()
     for name in unset:
         os.environ.pop(name, None)
     os.environ.update(env)
@@ -155,7 +133,7 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
             sys.argv = list(command)
             runpy.run_path(command[0], run_name="__main__")
     finally:
-        atexit._run_exitfuncs()  # as the script's interpreter would at exit (a multiprocessing child never does)
+        python.run_exit_handlers()  # as the script's interpreter would at exit (a multiprocessing child never does)
 
 
 def launch_local(command: list[str], names: list[str], shutdown_s: float = 10.0) -> None:

@@ -115,7 +115,7 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
     y = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
     seen = set()
     for e in events:
-        if e["process"] not in y:
+        if e["process"] not in y or e["start"] == e["end"]:  # an instant (the cores' changes): in the trace only
             continue
         lane = y[e["process"]]
         height, base = 0.8, lane - 0.4

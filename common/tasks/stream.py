@@ -1,8 +1,14 @@
-"""The training side of a taskset: a seeded, resumable stream of tasks (Kimi k1.5 samplers included)."""
+"""The training side of a taskset: a seeded, resumable stream of tasks (Kimi k1.5 samplers included), and who owns
+its positions in train_async.py (`TrainedPositions` on the trainer's side, `StreamPositions` on an explorer's)."""
 
 from __future__ import annotations
 
+import json
 import random
+
+from common.experience import too_stale
+
+TRAINED_KEY, OWED_KEY = "stream/trained", "stream/owed"  # in the run's store (`TrainedPositions`)
 
 
 class TaskStream:
@@ -90,3 +96,63 @@ def mark_trained(ledger: list | None, positions: list[int]) -> list:
         seen.discard(below)
         below += 1
     return [below, sorted(p for p in seen if p > below)]
+
+
+class TrainedPositions:
+    """The trainer's side: per explorer, the stream positions its batches used (trained, or dropped as too stale:
+    used once either way), kept in every checkpoint and published in the run's store before the first weights (the
+    explorers wait for those); a batch the trainer drops whole is owed again, one batch more for the explorers."""
+
+    def __init__(self, saved: dict, store, main: bool):
+        self.ledgers, self.store, self.main = saved, store, main  # explorer index (str) -> mark_trained's ledger
+        if main:
+            store.set(TRAINED_KEY, json.dumps(saved))
+
+    def record(self, batch) -> None:
+        """After the staleness rule: `batch` (a RolloutBatch) used its positions; with nothing left, it is owed."""
+        if batch.positions:
+            self.ledgers[str(batch.explorer)] = mark_trained(self.ledgers.get(str(batch.explorer)), batch.positions)
+            if not batch.experiences and self.main:
+                self.store.add(OWED_KEY, 1)
+
+
+class StreamPositions:
+    """An explorer's side: which position may start a group now (`admits`), which were spent without a batch
+    (`spend`: a task a processor dropped, a zero-signal group replaced) and go out with the next one (`take_used`),
+    and after a resume (`trained`: that explorer's ledger) which are trained already (`skip`) and where draws
+    start (`start`)."""
+
+    def __init__(self, args, trained: list | None = None, step: int = 0, store=None):
+        self.n, self.max_staleness, self.store = args.tasks_per_step, args.max_staleness, store
+        below, beyond = trained or [step * self.n, []]
+        self.start = below // self.n * self.n  # draws start at multiples of --tasks-per-step, as they did
+        self.skip = set(range(self.start, below)) | set(beyond)
+        self.end = below + len(beyond) + (args.steps - step) * self.n  # after the run's last batch, were every
+        self.replaced = self.dropped = self.owed = 0  # batch made from here; what was spent or owed moves it on
+        self.used: list[int] = []
+
+    @classmethod
+    def published(cls, args, store, index: int, step: int) -> StreamPositions:
+        """As `TrainedPositions` published them for explorer `index` (None: the run starts fresh)."""
+        return cls(args, json.loads(store.get(TRAINED_KEY)).get(str(index)), step, store)
+
+    def admits(self, position: int, version: int) -> bool:
+        """A group may start at `position` with weights `version`: groups are trained roughly in stream order, so it
+        trains at about trainer version (position - replaced) // --tasks-per-step, and must not be too stale then
+        (AReaL's admission rule); nor may it start past the run's last batch (it would never be trained)."""
+        if position >= self.end_position() and self.store is not None:
+            self.owed = int(self.store.add(OWED_KEY, 0))  # the trainer may have dropped a batch whole since
+        return position < self.end_position() and \
+            not too_stale(version, (position - self.replaced) // self.n, self.max_staleness)
+
+    def end_position(self) -> int:
+        return self.end + self.replaced + self.dropped + self.owed * self.n
+
+    def spend(self, position: int, replaced: bool) -> None:
+        self.used.append(position)
+        self.replaced += replaced
+        self.dropped += not replaced
+
+    def take_used(self) -> list[int]:
+        used, self.used = self.used, []
+        return used

@@ -46,7 +46,7 @@ class Critic:
         name = args.critic_model or args.model
         self.model = ValueModel(name, device, dtype, args.seed, "--critic-model" if args.critic_model else "--model")
         self.model.train()
-        self.model = prepare_model(self.model, args, self.dp)  # checkpointing, FSDP2 (common/trainer/fsdp.py)
+        self.model = prepare_model(self.model, args, self.dp, value_body=self.model.body)  # common/trainer/fsdp.py
         if self.model.vocab_size != policy_vocab_size:
             raise SystemExit(f"error: --critic-model {name}: vocabulary size {self.model.vocab_size} differs from the "
                              f"policy's {policy_vocab_size} (the critic must share the policy's tokenizer)")

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from common.experience import Experience, zero_signal_groups
+from common.experience import Experience, too_stale, zero_signal_groups
 from common.runtime.plugins import load_object
 from common.trainer.losses import ALGOS
 
@@ -44,14 +44,15 @@ def drop_stale(experiences: list[Experience], args, version: int) -> tuple[list[
     """--max-staleness: samples whose trained tokens are more than K versions behind `version` (the weights the next
     step updates) are dropped and counted; the kept ones' staleness goes into the metrics, and the dropped ones'
     youngest age."""
+    stale = [too_stale(trained_version(e), version, args.max_staleness) for e in experiences]
     ages = [version - trained_version(e) for e in experiences]
-    kept = [e for e, a in zip(experiences, ages) if a <= args.max_staleness]
+    kept = [e for e, s in zip(experiences, stale) if not s]
     counts = {"filter/stale_dropped": len(experiences) - len(kept)}
     if kept:
-        kept_ages = [a for a in ages if a <= args.max_staleness]
+        kept_ages = [a for a, s in zip(ages, stale) if not s]
         counts.update({"staleness/mean": sum(kept_ages) / len(kept_ages), "staleness/max": max(kept_ages)})
     if len(kept) < len(experiences):
-        counts["staleness/dropped_min"] = min(a for a in ages if a > args.max_staleness)
+        counts["staleness/dropped_min"] = min(a for a, s in zip(ages, stale) if s)
     return kept, counts
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import common.vlm as vlm
+from common.compat.transformers import attention_implementation
 from common.experience import Batch
 from common.trainer.parallel import DataParallel
 
@@ -57,7 +58,7 @@ def hidden_states(body, input_ids, attention_mask, packed: bool = False, mask=No
     real = attention_mask.bool()
     inputs = dict(input_ids=input_ids[real][None], attention_mask=None, position_ids=position_ids[real][None],
                   use_cache=False)
-    if getattr(getattr(body, "config", None), "_attn_implementation", None) not in (PACKED, PACKED_SPLIT):
+    if attention_implementation(getattr(body, "config", None)) not in (PACKED, PACKED_SPLIT):
         flat = body(**inputs).last_hidden_state[0]  # flash attention: varlen from the position ids; eager: a mask
     else:
         lengths = tuple(attention_mask.sum(-1).tolist())
@@ -80,15 +81,14 @@ Both are sdpa in a padded forward. In a packed forward `PACKED` runs flash atten
 runs per sequence (bench/train_step.py --packed-attention split, to compare)."""
 
 
-def use_packed_attention(model, split: bool = False) -> None:
+def use_packed_attention(hf_model, split: bool = False) -> None:
     """Give an sdpa model tandem's packed attention (`packed_attention`), under its own name: the same as sdpa in a
     padded forward, causal within each sequence in a packed one. Other implementations keep theirs (flash attention
     packs from the position ids itself; eager packs nothing: `hidden_states` runs it as a block-diagonal mask)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    hf_model = model.body if hasattr(model, "body") else model  # the critic: its LM body
-    if hf_model.config._attn_implementation not in ("sdpa", PACKED, PACKED_SPLIT):
+    if attention_implementation(hf_model.config) not in ("sdpa", PACKED, PACKED_SPLIT):
         return
     for name, varlen in ((PACKED, True), (PACKED_SPLIT, False)):
         AttentionInterface.register(name, functools.partial(packed_attention, varlen=varlen))
@@ -168,7 +168,7 @@ def shared_prompt_layout(body, input_ids, attention_mask, mask):
     be right-padded. Returns (ids [N], position ids [N], attention mask [1, 1, N, N] as the attention implementation
     wants it, index [B, T] of each padded position in the N tokens).
     """
-    implementation = getattr(getattr(body, "config", None), "_attn_implementation", None)
+    implementation = attention_implementation(getattr(body, "config", None))
     if (SHARED_PROMPT_MAX_TOKENS <= 0 or implementation not in ("sdpa", "eager", PACKED, PACKED_SPLIT)
             or len(input_ids) < 2):
         return None

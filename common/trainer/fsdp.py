@@ -30,32 +30,31 @@ from common.trainer.forward import logprobs_forward, lm_body, use_packed_attenti
 from common.vlm import freeze
 
 
-def enable_gradient_checkpointing(model) -> None:
+def enable_gradient_checkpointing(hf_model) -> None:
     """Recompute every decoder layer in the backward (HF's per-layer torch.utils.checkpoint, non-reentrant: works
     under FSDP2 and with inputs that need no grad)."""
-    hf_model = model if hasattr(model, "gradient_checkpointing_enable") else model.body  # the critic: its LM body
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
+def decoder_layers(hf_model) -> list[torch.nn.Module]:
     """The transformer blocks of a causal LM (or of the critic's body): one FSDP unit each."""
-    body = model.body if hasattr(model, "body") else lm_body(model)
+    body = lm_body(hf_model)
     for attr in ("layers", "h", "blocks"):
         if isinstance(getattr(body, attr, None), torch.nn.ModuleList):
             return list(getattr(body, attr))
     raise SystemExit(f"error: --trainer-shard fsdp: cannot find the decoder layers of {type(body).__name__}")
 
 
-def shard(model, dp, dtype: torch.dtype | None, cpu_offload: bool = False):
-    """FSDP2 over the trainers' process group: each decoder layer, then the root. `dtype`: the parameters' compute
-    dtype (None: each its own)."""
+def shard(model, dp, dtype: torch.dtype | None, cpu_offload: bool = False, hf_model=None):
+    """FSDP2 over the trainers' process group: each decoder layer (of `hf_model`, the causal LM inside `model`; by
+    default `model` itself), then the root. `dtype`: the parameters' compute dtype (None: each its own)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(dp.group, dp.device.type)
     mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # bf16: fp32 gradient reduction
     options = dict(mesh=mesh, mp_policy=mixed, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(hf_model or model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
     for module in model.modules():
@@ -72,18 +71,20 @@ def shard(model, dp, dtype: torch.dtype | None, cpu_offload: bool = False):
     return model
 
 
-def prepare_model(model, args, dp=None, trainable: bool = True, shard_it: bool = True):
+def prepare_model(model, args, dp=None, trainable: bool = True, shard_it: bool = True, value_body=None):
     """The model as the trainer uses it: packed attention when --max-tokens-per-micro-batch (common/trainer/forward.py
     `use_packed_attention`), checkpointed when --gradient-checkpointing and with LoRA adapters when --lora-rank
     (trainable models only), sharded over the trainers when --trainer-shard fsdp (and `shard_it`: not a model on a
-    device of its own)."""
+    device of its own). `value_body`: `model` is a value model (the critic) over this causal LM body, trained in
+    full (no LoRA)."""
+    hf_model = model if value_body is None else value_body
     if args.max_tokens_per_micro_batch > 0:
-        use_packed_attention(model)
+        use_packed_attention(hf_model)
     if trainable and args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(hf_model)
     if trainable and args.freeze != "none":
         freeze(model, args.freeze)
-    if trainable and args.lora_rank and not hasattr(model, "body"):  # the critic is trained in full
+    if trainable and args.lora_rank and value_body is None:  # the critic is trained in full
         model = add_lora(model, LoraSpec.from_args(args))
     if args.trainer_shard == "fsdp" and shard_it:
         if dp is None or dp.group is None:
@@ -91,7 +92,7 @@ def prepare_model(model, args, dp=None, trainable: bool = True, shard_it: bool =
         # LoRA: each parameter computes in its own dtype (fp32 adapters next to the frozen base in --dtype), as
         # the replicas and the engines do; one FSDP unit per layer holds both and gathers them one unit at a time
         dtype = None if args.lora_rank else next(model.parameters()).dtype
-        model = shard(model, dp, dtype, args.fsdp_cpu_offload)
+        model = shard(model, dp, dtype, args.fsdp_cpu_offload, hf_model)
     return model
 
 

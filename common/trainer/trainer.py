@@ -29,6 +29,7 @@ import torch
 from common.trainer import checkpoints as ckpt
 from common.trainer.critic import Critic
 from common.experience import Experience, collate
+from common.runtime import cores
 from common.runtime.worker import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
 from common.trainer.correction import behaviour_weights, mismatch_stats
@@ -43,6 +44,7 @@ from common.trainer.parallel import DataParallel
 from common.trainer.replay import ReplayBuffer
 from common.trainer.teacher import load_teacher, teacher_logprobs
 from common.trainer.samples import SamplesLog, sample_rows, samples_due
+from common.tasks.stream import TrainedPositions
 from common.weight_sync import full_tensor, weights_hash
 from common.runtime.plugins import load_object
 from common.vlm import is_frozen
@@ -272,6 +274,7 @@ class TrainerRun:
         self.ctx, self.args = ctx, args
         self.control = control  # ControlChannel (common/runtime/control.py): evaluations and the end of the run
         self.timeline = Timeline(args.out_dir, ctx.name)
+        cores.record_to(self.timeline)
         self.trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
         self.is_main = ctx.index == 0  # trainer rank 0: the queue, the weight sync, metrics and checkpoints
         self.last_batch: dict[int, tuple[float, int]] = {}  # explorer -> (time, step) of its newest batch
@@ -282,6 +285,8 @@ class TrainerRun:
                         "dropped_stale": state.get("dropped_stale", 0),
                         "evals": state.get("evals", []),  # every evaluation's metrics, in the order they came
                         "trained_tasks": state.get("trained_tasks", {})}  # train_async.py: explorer -> ledger
+        # the streams' positions, published before the first weights (common/tasks/stream.py)
+        self.positions = TrainedPositions(self.summary["trained_tasks"], ctx.store, self.is_main)
         self.start_time = time.time() - state.get("elapsed", 0.0)
         self.logged_step = self.trainer.step
         self.stale_counts: dict = {}  # the staleness processor's counts since the last metrics row
@@ -314,9 +319,12 @@ class TrainerRun:
               f"{self.args.timeout_s:.0f}s", file=sys.stderr, flush=True)
 
     def get(self, queue):
+        """The next batch, after the staleness rule; meanwhile this trainer's cores are the explorers' (they
+        compute while it waits: common/runtime/cores.py). Its stream positions are used, trained or not."""
         start = time.time()
-        batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s, on_stall=lambda waited: self.log_stall(
-            start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
+        with cores.lending(self.ctx.store, self.taken):
+            batch = self.trainer.dp.share_batch(queue.get(self.args.timeout_s, on_stall=lambda waited: self.log_stall(
+                start, waited), stall_every=self.args.stall_log_s) if self.is_main else None)
         self.last_batch[batch.explorer] = (time.time(), batch.step)
         self.taken += 1
         self.timeline.record("wait", start, time.time(), get=f"{batch.explorer}-{batch.step}")
@@ -330,10 +338,13 @@ class TrainerRun:
             counts["staleness/dropped_min"] = min(since["staleness/dropped_min"],
                                                   counts.get("staleness/dropped_min", since["staleness/dropped_min"]))
         self.stale_counts = counts
+        self.positions.record(batch)
         return batch
 
     def train(self, batch, step: int) -> dict:
         in_step.set()  # from here to the end of `log`, a stop signal waits for the step to finish
+        if step == self.args.steps:  # every batch is handed over: the explorers' cores are ours (they wait)
+            cores.widen()
         experiences, replay_metrics = batch.experiences, {}
         if self.replay is not None:
             experiences, replay_metrics = self.replay.mix(experiences, self.trainer.version)
