@@ -184,12 +184,13 @@ def vllm_serves_adapters(model_path: str, spec: LoraSpec) -> tuple[bool, str]:
     import json
     import os
 
-    from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
+
+    from common.compat.vllm import model_class
 
     archs = json.load(open(os.path.join(model_path, "config.json"))).get("architectures") or []
     for arch in archs:
-        cls = ModelRegistry._try_load_model_cls(arch)
+        cls = model_class(arch)
         if cls is not None and not supports_lora(cls):
             return False, f"vLLM's {arch} takes no LoRA adapters"
     if spec.rank > 512:

@@ -1,13 +1,17 @@
-"""vLLM's internals tandem uses, on the CPU only: its multiprocess executor's `_init_executor` (to fork the worker
+"""vLLM's internals tandem uses. On the CPU only: its multiprocess executor's `_init_executor` (to fork the worker
 from the engine core and bound the queues' spin before they are made) and `SpinCondition`'s default spin (the module
-docstring of common/explorer/vllm_worker.py says why both pay)."""
+docstring of common/explorer/vllm_worker.py says why both pay). With LoRA: the worker's LoRA model manager (adapters
+built from in-memory tensors, common/explorer/vllm_worker.py) and the model registry's class lookup (whether an
+architecture takes adapters, common/lora.py)."""
 
 from __future__ import annotations
 
 import inspect
 import os
 
+from vllm import ModelRegistry
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.lora.worker_manager import WorkerLoRAManager
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from common.compat import missing
@@ -19,10 +23,24 @@ SPIN_S = 0.01  # how long a reader of the engine core <-> worker queues spins be
 def check() -> list[str]:
     """The internals this module uses that this vLLM lacks or changed (empty: all there)."""
     moved = missing(MultiprocExecutor, ("_init_executor",), "MultiprocExecutor")
+    moved += missing(ModelRegistry, ("_try_load_model_cls",), "ModelRegistry")
+    if "_adapter_manager" not in inspect.getsource(WorkerLoRAManager.create_lora_manager):
+        moved.append("WorkerLoRAManager._adapter_manager")
     parameters = list(inspect.signature(SpinCondition.__init__).parameters)
     if parameters[-1:] != ["busy_loop_s"] or len(SpinCondition.__init__.__defaults__ or ()) != 1:
         moved.append("SpinCondition.__init__(..., busy_loop_s=1.0)")
     return moved
+
+
+def lora_model_manager(worker):
+    """The LoRA model manager inside a worker's (LRU) WorkerLoRAManager: it adds, lists and removes adapters built
+    from tensors, and holds the stacked buffers vLLM computes with."""
+    return worker.model_runner.lora_manager._adapter_manager
+
+
+def model_class(arch: str):
+    """vLLM's implementation of architecture `arch` (None: vLLM has none)."""
+    return ModelRegistry._try_load_model_cls(arch)
 
 
 def bound_spin(seconds: float = SPIN_S) -> None:

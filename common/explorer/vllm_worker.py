@@ -47,6 +47,7 @@ import torch
 
 from common.buckets import flat_views, map_shared_file
 from common.compat.torch import set_threads_below_vllm
+from common.compat.vllm import lora_model_manager
 from common.explorer.vllm_logits import NormalizerProcessor
 from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
@@ -293,7 +294,7 @@ class TandemWorkerExtension:
             digests = self._tandem_lora_digests = {}
         digests[lora_id] = tensor_digest(views)[0]  # what arrived, for --verify-sync
         worker_manager = self.model_runner.lora_manager
-        manager = worker_manager._adapter_manager
+        manager = lora_model_manager(self)
         helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": alpha, "target_modules": targets})
         helper.validate_legal(worker_manager.lora_config)
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
@@ -317,7 +318,7 @@ class TandemWorkerExtension:
         must be active (a request has used it). Returns the names."""
         from safetensors.torch import save_file
 
-        manager = self.model_runner.lora_manager._adapter_manager
+        manager = lora_model_manager(self)
         slot = manager.lora_index_to_id.index(lora_id)
         packed = manager.packed_modules_mapping
         out = {}
