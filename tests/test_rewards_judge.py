@@ -118,8 +118,8 @@ def test_judge_tasks_without_a_judge_stop_before_the_run():
     from common.preflight import check_reward_models
 
     args = SimpleNamespace(rm_model=None, reward_fn=None, judge_model=None)
-    with pytest.raises(ConfigError, match="examples/x.jsonl:3: reward 'judge' needs a judge: pass --judge-url"):
-        check_reward_models(args, [MATH, {**TASK, "_where": "examples/x.jsonl:3"}])
+    with pytest.raises(ConfigError, match="tasks.jsonl:3: reward 'judge' needs a judge: pass --judge-url"):
+        check_reward_models(args, [MATH, {**TASK, "_where": "tasks.jsonl:3"}])
     check_reward_models(SimpleNamespace(**{**vars(args), "judge_model": "m"}), [TASK])
 
 
