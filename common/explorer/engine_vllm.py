@@ -67,6 +67,68 @@ def hf_parameter_layout(model_path: str, dtype: torch.dtype) -> list[tuple[str, 
     return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 
+# ----------------------------------------------------------------------------- how vLLM is started
+LOGITS_PROCESSOR = "common.explorer.vllm_logits:NormalizerProcessor"
+WORKER_EXTENSION = "common.explorer.vllm_worker.TandemWorkerExtension"
+
+
+def llm_settings(model: str, device: str, *, dtype: str = "float32", seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
+                 enforce_eager: bool = False, **extra) -> tuple[dict, dict[str, str]]:
+    """(the keyword arguments of vLLM's `LLM(...)`, the environment set while it starts) for an engine on `device`:
+    the one place they are decided (tests/test_engine_vllm.py runs vLLM's own runner selection and validation on
+    them). `extra`: more LLM arguments (they win over the defaults here).
+
+    Model runner V1, on every device: vLLM 0.32 picks its V2 runner wherever Triton runs (CUDA), whose loader
+    refuses NormalizerProcessor (a V1 logits processor: vllm/v1/worker/gpu/sample/logits_processor/loader.py), so
+    `LLM()` would fail. V1 is the runner vLLM's CPU build uses (its CPUModelRunner subclasses the V1 GPUModelRunner),
+    i.e. the code every CPU test runs: mid-generation pause / reset / version labels and the top-p correction's
+    step index (`len(output_ids)`) were checked there. VLLM_USE_V2_MODEL_RUNNER is forced, a user's value too: the
+    processor cannot run under V2.
+
+    No async scheduling, on every device: vLLM turns it on by default on CUDA (off on the CPU), where a step's
+    outputs arrive one step late and the V1 runner fills `output_ids` lazily; the top-p correction keys its record
+    by the output length and a weight update pauses the scheduler between two steps, both checked only without it.
+
+    CUDA graphs and compilation on CUDA unless `enforce_eager` (--vllm-enforce-eager); the CPU runs eager (compiling
+    the CPU model costs minutes per start). `max_model_len`: the run's longest prompt + response (planned before
+    any model loads: common/preflight.py), not the model's whole context (131k tokens for Llama-3.1-8B, whose KV
+    cache would not fit vLLM's share of a 40-48 GB GPU)."""
+    on_cpu = torch.device(device).type == "cpu"
+    kwargs = dict(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                  enforce_eager=enforce_eager or on_cpu,
+                  async_scheduling=False, logprobs_mode="processed_logprobs", generation_config="vllm",
+                  enable_prefix_caching=True, logits_processors=[LOGITS_PROCESSOR],
+                  worker_extension_cls=WORKER_EXTENSION)
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        # vLLM's CPU default block is 128 tokens: longer than a chat prompt or a short conversation, so the prefix
+        # cache could never share one between a prompt's samples or an episode's turns. 32 (the CPU kernels want
+        # multiples of 32): arith rollouts 1.35x, multi-turn 1.4x the tokens/s (bench/engines.py, bench/multiturn.py
+        # --block-size).
+        kwargs["block_size"] = 32
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine core
+            from common.explorer.vllm_worker import TandemExecutor  # (vllm_worker.py: Process start)
+
+            kwargs["distributed_executor_backend"] = TandemExecutor
+        # vLLM's automatic binding ("auto") reserves one core for its scheduler process and binds its worker's
+        # OpenMP threads to the rest: on 2 cores, 1 of 2, where HF generate uses both. The worker gets the cores
+        # this process may use, as many as its torch threads (VLLM_CPU_OMP_THREADS_BIND set by the user wins).
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        index = torch.device(device).index
+        if index is not None:  # the engine core child uses its cuda:0: show it only our device, for the spawn only
+            # (this process keeps its own view; initialise CUDA here first, e.g. torch.cuda.set_device)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+    kwargs.update(extra)
+    return kwargs, env
+
+
 # ----------------------------------------------------------------------------- the engine
 class VLLMEngine(RolloutEngine):
     """`RolloutEngine` on a vLLM `LLM` (engine core in a child process; see the module docstring).
@@ -79,6 +141,8 @@ class VLLMEngine(RolloutEngine):
         shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
         of the whole machine's memory).
     max_model_len: longest prompt + response (default: the model's max_position_embeddings).
+    enforce_eager: CUDA: no CUDA graphs or compilation (the CPU always runs eagerly). `llm_settings` says why the
+        rest of vLLM's arguments are what they are; `llm_kwargs` add to them.
     stop_token_ids: end a response at these (default: the tokenizer's eos and the folder's generation config's),
         like the HF engine.
     """
@@ -88,7 +152,7 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
-                 stop_token_ids: list[int] | None = None, enforce_eager: bool = True, **llm_kwargs):
+                 stop_token_ids: list[int] | None = None, enforce_eager: bool = False, **llm_kwargs):
         ok, why = vllm_available()
         if not ok:
             raise RuntimeError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
@@ -112,50 +176,27 @@ class VLLMEngine(RolloutEngine):
 
             tokenizer = AutoTokenizer.from_pretrained(model)
         self.stop_ids = list(stop_token_ids or default_stop_ids(tokenizer, folder_generation_config(model)))
-        on_cpu = self.device.type == "cpu"
-        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30))} if on_cpu else \
-            {"gpu_memory_utilization": gpu_memory_utilization}
-        if on_cpu:  # vLLM's CPU default block is 128 tokens: longer than a chat prompt or a short conversation, so
-            # the prefix cache could never share one between a prompt's samples or an episode's turns. 32 (the CPU
-            # kernels want multiples of 32): arith rollouts 1.35x, multi-turn 1.4x the tokens/s (bench/engines.py,
-            # bench/multiturn.py --block-size).
-            llm_kwargs.setdefault("block_size", 32)
-            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine
-                from common.explorer.vllm_worker import TandemExecutor  # core (vllm_worker.py: Process start)
-
-                llm_kwargs.setdefault("distributed_executor_backend", TandemExecutor)
-        # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
-        # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
-        saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if not on_cpu and self.device.index is not None:
-            visible = saved_visible.split(",") if saved_visible else None
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible[self.device.index] if visible else str(self.device.index)
-        # CPU: vLLM's automatic binding ("auto") reserves one core for its scheduler process and binds its worker's
-        # OpenMP threads to the rest: on 2 cores, 1 of 2, where HF generate uses both. The worker gets the cores
-        # this process may use, as many as its torch threads (VLLM_CPU_OMP_THREADS_BIND set by the user wins).
-        bind = on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-        if bind:
-            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        if on_cpu:  # vLLM's sampler is compiled to C++ by inductor, which precompiles torch's header first: at
-            # every engine start it runs g++'s preprocessor over that header to compute the cache key (~7 CPU-s in
-            # the first generate), and the key often misses (a new 155 MB file in the inductor cache; torch 2.11).
-            # Without it the compiled kernel itself is cached and reused across runs.
+        kwargs, env = llm_settings(model, device, dtype=dtype, seed=seed,
+                                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+                                   max_model_len=max_model_len, enforce_eager=enforce_eager, **llm_kwargs)
+        if self.device.type == "cpu":  # vLLM's sampler is compiled to C++ by inductor, which precompiles torch's
+            # header first: at every engine start it runs g++'s preprocessor over that header to compute the cache
+            # key (~7 CPU-s in the first generate), and the key often misses (a new 155 MB file in the inductor
+            # cache; torch 2.11). Without it the compiled kernel itself is cached and reused across runs.
             os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # read by vLLM's frontend here and inherited by the engine core it spawns
         start = time.time()
         try:
-            self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                           enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
-                           enable_prefix_caching=True, logits_processors=["common.explorer.vllm_logits:NormalizerProcessor"],
-                           worker_extension_cls="common.explorer.vllm_worker.TandemWorkerExtension", **memory, **llm_kwargs)
+            self.llm = LLM(**kwargs)
         finally:
-            if bind:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
-            if saved_visible is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self.startup_s = time.time() - start
+        self.max_model_len = self.llm.model_config.max_model_len  # what vLLM made of ours (or the model's context)
         self.layout = hf_parameter_layout(model, self.dtype)
         self._shm_path: str | None = None
         self._shm_layout: list | None = None
@@ -187,6 +228,9 @@ class VLLMEngine(RolloutEngine):
         carries per-token weight versions (weights may change while it runs)."""
         from vllm.inputs import TokensPrompt
 
+        if len(prompt) + max_new_tokens > self.max_model_len:  # vLLM would silently end it short of max_new_tokens
+            raise ValueError(f"vLLM: a request of {len(prompt)} prompt + {max_new_tokens} new tokens is longer "
+                             f"than its max_model_len {self.max_model_len} (--vllm-max-model-len)")
         request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
         truncated = self._truncated(sampling)
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)),

@@ -61,7 +61,8 @@ def build_vllm_engine(args, device, tokenizer):
     tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
     path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
     engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb)
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
+                        max_model_len=args.vllm_max_model_len or None, enforce_eager=args.vllm_enforce_eager)
     engine.model_dir = tiny_dir  # removed when the engine goes
     return engine
 
