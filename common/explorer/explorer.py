@@ -39,7 +39,7 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model, args.chat_template)
     if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
-        args.engine = resolve_engine(args.engine, resolve_model(args.model))[0]
+        args.engine = resolve_engine(args.engine, resolve_model(args.model), [str(device)])[0]
     if args.engine == "vllm":
         return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
