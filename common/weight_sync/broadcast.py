@@ -16,6 +16,8 @@ gathered weights on its device; the other trainers join those gathers in the sam
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 
@@ -27,6 +29,25 @@ from common.runtime.channel import StoreValue
 from common.weight_sync.base import Buffers, WeightSync, full_tensor, has_dtensors
 
 
+def tensor_layout(named_tensors) -> list[list]:
+    """[name, shape, dtype] of every tensor, in order: what sender and receivers must agree on (a DTensor: its
+    global shape)."""
+    return [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in named_tensors]
+
+
+def layout_hash(layout: list) -> int:
+    """64 bits of the sha256 of a `tensor_layout`, as a signed int64 for the broadcast header."""
+    return int.from_bytes(hashlib.sha256(json.dumps(layout).encode()).digest()[:8], "little", signed=True)
+
+
+def first_difference(mine: list, sent: list) -> str:
+    """The first tensor where this rank's `tensor_layout` and the sender's differ, in words."""
+    for i, (a, b) in enumerate(zip(mine, sent)):
+        if a != b:
+            return f"tensor {i}: trainer0 sends {b[0]} {b[1]} {b[2]}, this rank expects {a[0]} {a[1]} {a[2]}"
+    return f"trainer0 sends {len(sent)} tensors, this rank expects {len(mine)}"
+
+
 @torch.no_grad()
 def broadcast_weights(named_tensors: list[tuple[str, torch.Tensor]], version: int, src: int, group=None,
                       device: str | torch.device = "cpu", bucket_mb: int = 256) -> tuple[int, float]:
@@ -35,17 +56,28 @@ def broadcast_weights(named_tensors: list[tuple[str, torch.Tensor]], version: in
     Returns (version, time the header arrived): before that a receiver was waiting for the sender, after it the
     weights were moving.
 
-    Collective: every rank of the group calls it with tensors of the same shapes and order. `device` is where the
-    flat buffers live (cuda for nccl, cpu for gloo).
+    Collective: every rank of the group calls it with tensors of the same names, shapes, dtypes and order. The
+    header carries a hash of the sender's (name, shape, dtype) list and every rank says whether its own differs
+    (one small all-reduce) before any bucket moves: a difference is an error on every rank, the receiver's naming
+    the first differing tensor, where buckets of different sizes would hang or fill tensors with the wrong bytes.
+    `device` is where the flat buffers live (cuda for nccl, cpu for gloo).
     """
-    head = torch.tensor([version, len(named_tensors)], dtype=torch.long, device=device)
+    layout = tensor_layout(named_tensors)
+    head = torch.tensor([version, layout_hash(layout)], dtype=torch.long, device=device)
     dist.broadcast(head, src=src, group=group)
     header_time = time.time()
-    if head[1].item() != len(named_tensors):
-        raise RuntimeError(f"weight sync: sender has {head[1].item()} tensors, this rank {len(named_tensors)}")
+    sender = dist.get_rank() == src
+    differs = torch.tensor([int(head[1].item() != layout_hash(layout))], dtype=torch.long, device=device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+    if differs.item():
+        sent = [layout if sender else None]
+        dist.broadcast_object_list(sent, src=src, group=group, device=device)
+        if sent[0] == layout:  # the sender, or a receiver that agrees with it
+            raise RuntimeError("weight sync: an explorer's (name, shape, dtype) list differs from trainer0's (that "
+                               "explorer's error names the first tensor)")
+        raise RuntimeError(f"weight sync: {first_difference(layout, sent[0])}")
     tensors = [t.detach() for _, t in named_tensors]
     for bucket in tensor_buckets(tensors, bucket_mb << 20):
-        sender = dist.get_rank() == src
         flat = (pack([full_tensor(t).detach() for t in bucket], device) if sender  # sharded: gathered bucket by bucket
                 else torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=device))
         dist.broadcast(flat, src=src, group=group)
