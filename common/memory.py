@@ -311,7 +311,36 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         free, _ = memory[key]
         budget = (free - taken.get(key, 0.0)) / (cpu_trainers if key == "cpu" else 1)
         notes += _fit_trainer(shape, critic, args, key, budget, free, taken.get(key, 0.0), sequence, given, teacher)
+    check_shared_memory(args, shape, trainers, explorers)
     return notes
+
+
+def shared_memory_need(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> tuple[float, str]:
+    """(bytes, what for) the run lays out in shared memory (common/buckets.py `shared_memory_dir`), each a whole model
+    in --dtype: trainer0's colocated slot when it trains on the CPU (common/weight_sync/colocated.py), and every vLLM
+    explorer's receive buffers (engine_vllm.py `weight_buffers`) unless it loads from checkpoints or straight from
+    that slot."""
+    cpu_slot = trainers[0] == "cpu" and args.sync_method in ("auto", "colocated") and set(explorers) == {"cpu"}
+    buffers = 0 if args.engine != "vllm" or args.sync_method == "checkpoint" or cpu_slot else len(explorers)
+    what = ([f"{buffers} vLLM explorer(s)' receive buffers"] if buffers else []) + \
+        (["trainer0's colocated slot"] if cpu_slot else [])
+    return (buffers + cpu_slot) * shape.params * dtype_bytes(args.dtype), " and ".join(what)
+
+
+def check_shared_memory(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> None:
+    """The shared memory the weight hand-off needs is free, or one line naming --shm-size (a container's /dev/shm
+    is 64 MB unless it is given more)."""
+    import shutil
+
+    from common.buckets import shared_memory_dir
+
+    need, what = shared_memory_need(args, shape, trainers, explorers)
+    where = shared_memory_dir()
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ConfigError(f"{where} has {gib(free)} free and the weight hand-off lays out {gib(need)} there ({what}, "
+                          f"--model {args.model} in {args.dtype}): enlarge it (docker run --shm-size="
+                          f"{-(-int(need) // GIB) + 1}g; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
 
 
 def _where(key: str, free: float, explorers: float) -> str:

@@ -44,7 +44,7 @@ import uuid
 
 import torch
 
-from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
+from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file, shared_memory_dir
 from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.model import DTYPES
@@ -304,7 +304,7 @@ class VLLMEngine(RolloutEngine):
         """CPU receive buffers in the HF named_parameters() order and shapes, in a shared-memory file that the
         vLLM worker maps too (allocated once). broadcast_weights copies into them from any comm device."""
         if self._buffers is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+            shm = shared_memory_dir()
             path = os.path.join(shm, f"tandem-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self._shm_layout, size = flat_layout(self.layout)
             self._shm_path = path

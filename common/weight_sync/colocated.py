@@ -39,7 +39,7 @@ import uuid
 
 import torch
 
-from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
+from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file, shared_memory_dir
 from common.runtime.channel import StoreValue
 from common.weight_sync.base import Buffers, SharedFile, WeightSync, full_tensor
 
@@ -116,7 +116,7 @@ class ColocatedSync(WeightSync):
         if device.type == "cuda":
             self.slot = torch.empty(size, dtype=torch.uint8, device=device)
         else:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+            shm = shared_memory_dir()
             self.path = os.path.join(shm, f"tandem-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             atexit.register(self._unlink)
             self.slot = map_shared_file(self.path, size, create=True)
