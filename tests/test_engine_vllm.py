@@ -7,6 +7,7 @@ One engine serves the whole module (vLLM's CPU start-up takes tens of seconds).
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ from common.weight_sync.base import Buffers, Folder, SharedFile
 ok, why = vllm_available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
 
+DEVICE = os.environ.get("TANDEM_VLLM_TEST_DEVICE", "cpu")  # bench/gpu_check.py runs the device-free ones on cuda:0
 LOGPROB_TOL = 1e-4  # fp32; measured max |vLLM - trainer| is ~1e-6 (see test_behaviour_logprobs_match_trainer)
 
 
@@ -33,7 +35,8 @@ def folder(tmp_path_factory):
 def engine(folder):
     from common.explorer.engine_vllm import VLLMEngine
 
-    eng = VLLMEngine(folder, dtype="float32", device="cpu", seed=0, kv_cache_gb=0.25, max_model_len=512)
+    eng = VLLMEngine(folder, dtype="float32", device=DEVICE, seed=0, kv_cache_gb=0.25, gpu_memory_utilization=0.2,
+                     max_model_len=512)
     yield eng
     eng.close()
 
