@@ -318,6 +318,50 @@ def test_gloo_broadcast_from_trainer_process(engine, folder):
     assert trainer.exitcode == 0
 
 
+def _group_trainer(folder, port, result):
+    """trainer0 of a weights group with one vLLM worker: perturbed weights, broadcast twice (versions 1, 2) as
+    BroadcastSync does for --engine vllm; reports its hashes."""
+    from common.weight_sync import weights_hash
+    from common.weight_sync.broadcast import broadcast_weights, weights_group
+
+    group = weights_group("127.0.0.1", port, 0, 2, "gloo", 120)
+    hf = load_hf(folder)
+    hashes = []
+    for version in (1, 2):
+        perturb(hf, seed=20 + version)
+        broadcast_weights(list(hf.named_parameters()), version, group=group, group_src=0, bucket_mb=1)
+        hashes.append(weights_hash(hf.named_parameters()))
+    result.put(hashes)
+
+
+def test_broadcast_straight_into_the_vllm_worker(engine, folder):
+    """--engine vllm's broadcast: the engine's worker joins a weights group with a real trainer process (gloo here,
+    NCCL between GPUs) and receives bucket by bucket (1 MB buckets: several) straight into vLLM's parameters, the
+    (name, shape, dtype) list checked first; nothing passes through this process. The worker's checksum equals the
+    trainer's after each version, by the direct copy and by vLLM's reload."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port, result = _free_port(), ctx.Queue()
+    trainer = ctx.Process(target=_group_trainer, args=(folder, port, result))
+    trainer.start()
+    try:
+        engine.join_weights_group("127.0.0.1", port, 1, 2, "gloo", 120)
+        seen = []
+        for expected, fast in ((1, True), (2, False)):
+            engine.fast_sync = fast
+            version, arrived = engine.receive_broadcast(1)
+            assert version == expected and arrived > 0
+            seen.append(engine.weights_checksum())
+        assert seen == result.get(timeout=120) and seen[0] != seen[1]
+    finally:
+        engine.fast_sync = True
+        trainer.join(timeout=60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
+
+
 def test_rejects_unknown_weight_sources_and_tiny(engine):
     from common.explorer.engine_vllm import VLLMEngine
 

@@ -204,6 +204,7 @@ class VLLMEngine(RolloutEngine):
         self.last_update_s = 0.0        # seconds of the last weight load, as seen here
         self.last_reload_s = 0.0        # of which the worker's load (copy / re-pack, or reload_weights)
         self.fast_sync = True           # False: load through vLLM's reload_weights (the reference path)
+        self.joined = False             # its worker is in trainer0's weights group (`join_weights_group`)
         self._live: dict[str, tuple] = {}  # vLLM request id -> (owner, key, prompt, top-p corrected, stepwise)
         self._done: dict[int, list] = {}  # id(owner) -> finished (key, Generation) not yet taken
 
@@ -330,21 +331,25 @@ class VLLMEngine(RolloutEngine):
                 raise TypeError(f"VLLMEngine loads weights from Buffers, SharedFile or Folder, not from "
                                 f"{type(source).__name__}")
 
-    def _update(self, version: int | None, method: str, *args) -> None:
+    def _update(self, version: int | None, method: str, *args) -> tuple[int | None, float | None]:
         """Run the worker's load `method`, empty the prefix cache, label later tokens `version`.
 
         Mid-generation (requests are running) the scheduler is paused first ("keep": running requests
         stay, the step in progress finishes and its tokens reach this process labelled with the old version), so
         load, cache reset and new label all fall between the same two decode steps. Running requests are then
         preempted by the reset and resume with their KV cache recomputed under the new weights (vLLM re-prefills
-        prompt + tokens so far); the tokens they already have keep the old label and behaviour log-probs."""
+        prompt + tokens so far); the tokens they already have keep the old label and behaviour log-probs.
+        A method that learns the version itself (a broadcast's header) returns [seconds, version, arrival time];
+        returns (version, arrival time)."""
         start = time.time()
         core = self.llm.llm_engine.engine_core
         generating = bool(self._live)
         if generating:
             core.call_utility("pause_scheduler", "keep", False)
         try:
-            self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
+            result = self.llm.collective_rpc(method, args=args)[0]
+            self.last_reload_s, version, arrived = result if isinstance(result, (list, tuple)) else \
+                (result, version, None)
             if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=generating):
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
             if version is not None:
@@ -353,6 +358,20 @@ class VLLMEngine(RolloutEngine):
             if generating:
                 core.call_utility("resume_scheduler")
         self.last_update_s = time.time() - start
+        return version, arrived
+
+    def join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str, timeout_s: float) -> None:
+        """Have the worker join trainer0's weights group (common/weight_sync/broadcast.py `weights_group`; waits
+        until every member has joined)."""
+        self.llm.collective_rpc("tandem_join_weights_group", args=(host, port, rank, size, backend, timeout_s))
+        self.joined = True
+
+    def receive_broadcast(self, bucket_mb: int) -> tuple[int, float]:
+        """Trainer0's next broadcast on the weights group, received by the worker straight into the parameters
+        vLLM computes with (between two decode steps when requests run, as `load_weights`); later tokens are
+        labelled with its version. Returns (version, time its header arrived)."""
+        layout = [[n, list(shape), str(dtype).removeprefix("torch.")] for n, shape, dtype in self.layout]
+        return self._update(None, "tandem_receive_broadcast", layout, bucket_mb, self.fast_sync)
 
     def use_cores(self, cores: tuple[int, ...], threads: int) -> None:
         """CPU: the worker's OpenMP threads were bound when it started (VLLM_CPU_OMP_THREADS_BIND, above); it

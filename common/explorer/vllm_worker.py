@@ -265,6 +265,50 @@ class TandemWorkerExtension:
         _worker_copy_weights(self.get_model(), plan)
         return time.time() - start
 
+    def tandem_join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str,
+                                  timeout_s: float) -> None:
+        """Join trainer0's weights group (common/weight_sync/broadcast.py `weights_group`) as `rank`."""
+        from common.weight_sync.broadcast import weights_group
+
+        self._tandem_group = weights_group(host, port, rank, size, backend, timeout_s)
+        self._tandem_group_device = self.device if backend == "nccl" else torch.device("cpu")
+
+    def tandem_receive_broadcast(self, layout: list, bucket_mb: int, fast: bool = True) -> list:
+        """Receive trainer0's next broadcast on the weights group (the HF (name, shape, dtype) `layout` checked
+        against the sender's first) and load it: each bucket is copied into the parameters vLLM computes with as it
+        arrives (`_worker_copy_plan`), so only one bucket is held at a time; layers vLLM re-packs (CPU) are
+        re-packed once every bucket is in, and where the plan does not apply (or fast is False) the whole update
+        goes through vLLM's reload. Returns [seconds spent loading, version, time the header arrived]."""
+        from common.weight_sync.broadcast import broadcast_weights
+
+        model = self.get_model()
+        shapes = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")) for name, shape, dtype in layout]
+        direct = fast and _worker_copy_plan(model, shapes) is not None
+        held, loading = [], [0.0]
+
+        def on_bucket(views):
+            plan = _worker_copy_plan(model, views) if direct else None
+            if plan is None:  # the reference path: every tensor kept for vLLM's reload at the end
+                held.extend(views)
+                return
+            start = time.time()
+            now = [entry for entry in plan if not entry[3]]
+            _worker_copy_weights(model, now)
+            held.extend((name, view) for name, view in views if any(  # pieces of a layer re-packed at the end
+                v is view for entry in plan if entry[3] for _, v in entry[2]))
+            loading[0] += time.time() - start
+
+        version, arrived = broadcast_weights(shapes, 0, group=self._tandem_group, group_src=0,
+                                             device=self._tandem_group_device, bucket_mb=bucket_mb,
+                                             on_bucket=on_bucket)
+        if held and not direct:
+            loading[0] += self._tandem_reload(iter(held))
+        elif held:
+            start = time.time()
+            _worker_copy_weights(model, _worker_copy_plan(model, held))
+            loading[0] += time.time() - start
+        return [loading[0], version, arrived]
+
     def tandem_load_checkpoint(self, path: str, fast: bool = True) -> float:
         """Load a safetensors folder: by the same direct copy as the shared buffers where it applies."""
         if not fast:
