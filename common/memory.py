@@ -315,16 +315,12 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     return notes
 
 
-def shared_memory_need(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> tuple[float, str]:
-    """(bytes, what for) the run lays out in shared memory (common/buckets.py `shared_memory_dir`), each a whole model
-    in --dtype: trainer0's colocated slot when it trains on the CPU (common/weight_sync/colocated.py), and every vLLM
-    explorer's receive buffers (engine_vllm.py `weight_buffers`) unless it loads from checkpoints or straight from
-    that slot."""
+def shared_memory_need(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> float:
+    """Bytes the run lays out in shared memory (common/buckets.py `shared_memory_dir`): trainer0's colocated slot
+    when it trains on the CPU (common/weight_sync/colocated.py), the whole model in --dtype. (A vLLM explorer takes
+    the slot, a broadcast or a checkpoint in its worker: nothing in /dev/shm; a GPU slot is GPU memory.)"""
     cpu_slot = trainers[0] == "cpu" and args.sync_method in ("auto", "colocated") and set(explorers) == {"cpu"}
-    buffers = 0 if args.engine != "vllm" or args.sync_method == "checkpoint" or cpu_slot else len(explorers)
-    what = ([f"{buffers} vLLM explorer(s)' receive buffers"] if buffers else []) + \
-        (["trainer0's colocated slot"] if cpu_slot else [])
-    return (buffers + cpu_slot) * shape.params * dtype_bytes(args.dtype), " and ".join(what)
+    return shape.params * dtype_bytes(args.dtype) if cpu_slot else 0.0
 
 
 def check_shared_memory(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> None:
@@ -334,12 +330,12 @@ def check_shared_memory(args, shape: ModelShape, trainers: list[str], explorers:
 
     from common.buckets import shared_memory_dir
 
-    need, what = shared_memory_need(args, shape, trainers, explorers)
+    need = shared_memory_need(args, shape, trainers, explorers)
     where = shared_memory_dir()
     free = shutil.disk_usage(where).free
     if need > free:
-        raise ConfigError(f"{where} has {gib(free)} free and the weight hand-off lays out {gib(need)} there ({what}, "
-                          f"--model {args.model} in {args.dtype}): enlarge it (docker run --shm-size="
+        raise ConfigError(f"{where} has {gib(free)} free and the colocated weight hand-off lays out {gib(need)} there "
+                          f"(--model {args.model} in {args.dtype}): enlarge it (docker run --shm-size="
                           f"{-(-int(need) // GIB) + 1}g; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
 
 

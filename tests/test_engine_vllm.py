@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.explorer.engine_vllm import vllm_available
-from common.weight_sync.base import Buffers, Folder, SharedFile
+from common.weight_sync.base import Buffers, Folder, Slot
 
 ok, why = vllm_available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -239,9 +239,11 @@ def test_checkpoint_sync(engine, folder, tmp_path):
 
 def test_load_from_another_processs_shared_file(engine, folder, tmp_path):
     """The colocated weight sync's CPU slot: weights laid out in a shared-memory file (common.buckets.flat_layout)
-    load straight into the vLLM worker, twice from the same file (mapped once), bit-identical each time."""
+    load straight into the vLLM worker, which opens the slot itself (on a GPU: its CUDA IPC handle), twice from the
+    same file (mapped once), bit-identical each time."""
     from common.buckets import flat_layout, flat_views, map_shared_file
     from common.weight_sync import weights_hash
+    from common.weight_sync.colocated import shared_file
 
     hf = load_hf(folder)
     layout, size = flat_layout([(n, tuple(p.shape), p.dtype) for n, p in hf.named_parameters()])
@@ -252,7 +254,7 @@ def test_load_from_another_processs_shared_file(engine, folder, tmp_path):
         with torch.no_grad():
             for name, p in hf.named_parameters():
                 slot[name].copy_(p)
-        engine.load_weights(SharedFile(path, layout), version=seed)
+        engine.load_weights(Slot(shared_file(path, size), layout), version=seed)
         assert engine.weights_checksum() == weights_hash(hf.named_parameters())
     engine.load_weights(Folder(folder))
 

@@ -13,9 +13,11 @@ Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory fi
 `common.buckets.flat_layout`); the worker maps the same file once, so what lands there is in memory the worker reads
 without any transfer between processes. A load runs the worker's (common/explorer/vllm_worker.py: a direct
 copy into the parameters vLLM computes with, or vLLM's `reload_weights` where that does not apply; `engine.fast_sync
-= False` forces the latter, bench/weight_update.py compares both). Another process's shared-memory file
-(`SharedFile`: the colocated sync's slot) and a checkpoint folder (`Folder`) are copied the same way, by the worker,
-from the file itself. The prefix cache is reset after every update, and vLLM's
+= False` forces the latter, bench/weight_update.py compares both). Another process's flat buffer (`Slot`: the
+colocated sync's slot, a /dev/shm file or, on a GPU, a CUDA IPC handle the worker opens on its own GPU: a
+device-to-device copy) and a checkpoint folder (`Folder`) are copied the same way, by the worker, from the buffer or
+file itself. The broadcast sync goes around this process: the worker joins trainer0's weights group and receives
+into vLLM's parameters itself (`join_weights_group`, `receive_broadcast`). The prefix cache is reset after every update, and vLLM's
 weight-version label is set to the new version.
 
 Mid-generation updates. `generate(..., between_steps=f)` drives vLLM's step loop here and calls f() after every
@@ -48,7 +50,8 @@ from common.buckets import flat_layout, flat_views, map_shared_file, remove_shar
 from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.model import DTYPES
-from common.weight_sync.base import Buffers, Folder, SharedFile, WeightSource
+from common.weight_sync.base import Buffers, Folder, Slot, WeightSource
+from common.weight_sync.colocated import shared_file
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads (its own worker is forked on
 # CPU: common/explorer/vllm_worker.py, TandemExecutor).
@@ -148,7 +151,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     streams = True  # add / step / running / abort: requests join the running batch
-    accepts = (Buffers, SharedFile, Folder)  # its worker maps the colocated sync's /dev/shm slot itself
+    accepts = (Buffers, Slot, Folder)  # its worker opens the colocated sync's slot itself (file or CUDA IPC)
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
@@ -308,27 +311,28 @@ class VLLMEngine(RolloutEngine):
             shm = shared_memory_dir()
             path = os.path.join(shm, f"tandem-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self._shm_layout, size = flat_layout(self.layout)
-            self._shm_path = path
+            self._shm_path, self._shm_size = path, size
             self._buffers = flat_views(map_shared_file(path, size, create=True), self._shm_layout)
         return self._buffers
 
     def load_weights(self, source: WeightSource, version: int | None = None) -> None:
         """Load `source` into the vLLM model (the worker copies it into its parameters), reset the prefix cache;
-        label later tokens `version`. `Buffers`: `weight_buffers()`, written; `SharedFile`: another process's
-        (the colocated sync's CPU slot), mapped by the worker, no copy through this process; `Folder`: its
-        safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
+        label later tokens `version`. `Buffers`: `weight_buffers()`, written; `Slot`: another process's flat
+        buffer (the colocated sync's slot: a /dev/shm file, or a GPU tensor's CUDA IPC handle), opened by the
+        worker, no copy through this process; `Folder`: its safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
         weights between two decode steps (see `_update`)."""
         match source:
             case Buffers():
                 if self._buffers is None:
                     raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
-                self._update(version, "tandem_load_shared", self._shm_path, self._shm_layout, self.fast_sync)
-            case SharedFile(path, layout):
-                self._update(version, "tandem_load_shared", path, layout, self.fast_sync)
+                self._update(version, "tandem_load_slot", shared_file(self._shm_path, self._shm_size),
+                             self._shm_layout, self.fast_sync)
+            case Slot(shared, layout):
+                self._update(version, "tandem_load_slot", shared, layout, self.fast_sync)
             case Folder(path):
                 self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
             case _:
-                raise TypeError(f"VLLMEngine loads weights from Buffers, SharedFile or Folder, not from "
+                raise TypeError(f"VLLMEngine loads weights from Buffers, Slot or Folder, not from "
                                 f"{type(source).__name__}")
 
     def _update(self, version: int | None, method: str, *args) -> tuple[int | None, float | None]:

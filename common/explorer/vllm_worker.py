@@ -46,15 +46,10 @@ import time
 import torch
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-from common.buckets import flat_views, map_shared_file
+from common.buckets import flat_views
 from common.explorer.vllm_logits import NormalizerProcessor
 from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
-
-
-def layout_bytes(layout: list) -> int:
-    """The size of a `common.buckets.flat_layout`'s buffer (its last tensor's end)."""
-    return max((off + math.prod(shape) * getattr(torch, dt).itemsize for _, shape, dt, off in layout), default=0)
 
 
 def _safetensors_iter(path: str):
@@ -247,23 +242,31 @@ class TandemWorkerExtension:
     boundary; tensors travel through the shared-memory file or a checkpoint folder.
     """
 
-    def tandem_load_shared(self, path: str, layout: list, fast: bool = True) -> float:
-        """Load the weights in a shared-memory file (the engine's buffers, or a colocated trainer's slot): copied
-        straight into the parameters vLLM computes with (fused slices, CPU re-pack; `_worker_copy_plan`), or through
-        vLLM's reload where that plan does not apply (or fast is False: the reference path). Each file is mapped
-        once and stays mapped (its owner may unlink it)."""
-        mapped = getattr(self, "_tandem_shared", None)
-        if mapped is None:
-            mapped = self._tandem_shared = {}
-        if path not in mapped:
-            views = flat_views(map_shared_file(path, layout_bytes(layout)), layout)
-            mapped[path] = (views, _worker_copy_plan(self.get_model(), views))
-        views, plan = mapped[path]
+    def tandem_load_slot(self, shared: bytes, layout: list, fast: bool = True) -> float:
+        """Load the weights in a flat buffer another process laid out (the engine's /dev/shm buffers, or a colocated
+        trainer's slot: a /dev/shm file or a GPU tensor's CUDA IPC handle, opened on this worker's device by
+        common/weight_sync/colocated.py `open_slot`): copied straight into the parameters vLLM computes with
+        (fused slices, CPU re-pack; `_worker_copy_plan`), or through vLLM's reload where that plan does not apply
+        (or fast is False: the reference path). Each buffer is opened once and stays open (its owner may unlink
+        its file); on a GPU the copy has finished reading it when this returns (its owner may write it next)."""
+        from common.weight_sync.colocated import open_slot
+
+        opened = getattr(self, "_tandem_slots", None)
+        if opened is None:
+            opened = self._tandem_slots = {}
+        if shared not in opened:
+            views = flat_views(open_slot(shared, self.device), layout)
+            opened[shared] = (views, _worker_copy_plan(self.get_model(), views))
+        views, plan = opened[shared]
         if not fast or plan is None:
-            return self._tandem_reload(iter(views))
-        start = time.time()
-        _worker_copy_weights(self.get_model(), plan)
-        return time.time() - start
+            seconds = self._tandem_reload(iter(views))
+        else:
+            start = time.time()
+            _worker_copy_weights(self.get_model(), plan)
+            seconds = time.time() - start
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return seconds
 
     def tandem_join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str,
                                   timeout_s: float) -> None:
