@@ -3,13 +3,14 @@
 Process layout. vLLM's V1 engine core runs in its own child process (vLLM's default,
 VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world; on
 CPU its worker is forked from it (common/explorer/vllm_worker.py, TandemExecutor).
-The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) writes
-into `weight_buffers()`, then `load_weights(Buffers())` tells the vLLM worker to load them. An in-process engine
+The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) tells
+the vLLM worker where the new weights are (`load_weights`, `receive_broadcast`), and the worker loads them. An
+in-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its parallel groups from
 the already-initialised default group, which is a collective over every rank (trainer included) and hangs; it is
 still allowed when torch.distributed is not initialised (benchmarks).
 
-Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory file (/dev/shm,
+Weight sync. `weight_buffers()` (benchmarks and tests) are CPU tensors laid out in one shared-memory file (/dev/shm,
 `common.buckets.flat_layout`); the worker maps the same file once, so what lands there is in memory the worker reads
 without any transfer between processes. A load runs the worker's (common/explorer/vllm_worker.py: a direct
 copy into the parameters vLLM computes with, or vLLM's `reload_weights` where that does not apply; `engine.fast_sync
