@@ -61,8 +61,9 @@ CUDA_TESTS = ["tests/test_scale_logprobs.py::test_varlen_packed_attention_equals
               "tests/test_engine_hf.py::test_compiled_static_cache_on_cuda_equals_dynamic",
               "tests/test_weight_sync_methods.py::test_colocated_cuda_slot_opens_in_another_process",
               "tests/test_data_parallel.py::test_colocated_on_one_gpu"]  # the suite's tests that skip on a CPU
+# tests/test_engine_vllm.py's tests that run on any device (TANDEM_VLLM_TEST_DEVICE)
 VLLM_TESTS = ("generate_n_samples or behaviour_logprobs or load_weights_checksum or weights_change_between_decode_steps"
-              " or checkpoint_sync or runner_vllm_picks")  # tests/test_engine_vllm.py's that run on any device
+              " or checkpoint_sync or load_from_another or straight_into or runner_vllm_picks")
 HARD_END = [float("inf")]  # no subprocess runs past this (set from --budget-s): the whole check ends in time
 
 
@@ -118,6 +119,11 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
                                                        "--max-turns", "3", "--episode-token-budget", "400"]),
         Check("vLLM engine", ["train_sync.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15"],
               "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),
+        Check("vLLM on a second GPU, NCCL broadcast into its worker",
+              ["train_async.py", "--explorer-devices", "cuda:1", "--trainer-devices", "cuda:0", "--engine", "vllm",
+               "--sync-method", "broadcast", "--vllm-gpu-memory-utilization", "0.3", "--verify-sync"],
+              f"vLLM: {vllm[1]}" if not vllm[0] else "" if gpus >= 2 else f"needs 2 GPUs ({gpus} here)",
+              timeout_s=300),
         Check("vLLM, async, top-p 0.9, updates between decode steps",
               ["train_async.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15", "--top-p", "0.9",
                "--verify-sync"], "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),

@@ -45,8 +45,8 @@ def check_devices(args) -> None:
     for flag, d in named:
         if d.startswith("cuda"):
             if not torch.cuda.is_available():
-                built = f" (torch {torch.__version__} is built for CUDA {torch.version.cuda}: its NVIDIA driver must " \
-                    f"support that CUDA, >= 580 for CUDA 13; nvidia-smi shows the driver's)" if torch.version.cuda else ""
+                built = (f" (torch {torch.__version__} is built for CUDA {torch.version.cuda}: the NVIDIA driver must "
+                         "support it, >= 580 for CUDA 13; nvidia-smi shows the driver's)") if torch.version.cuda else ""
                 raise ConfigError(f"device {d} in {flag}: CUDA is not available here{built}")
             if (torch.device(d).index or 0) >= torch.cuda.device_count():
                 raise ConfigError(f"device {d} in {flag} does not exist here ({torch.cuda.device_count()} GPU(s))")

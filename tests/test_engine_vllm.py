@@ -439,7 +439,7 @@ if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))
 
 
-# ----------------------------------------------------------------------------- vLLM's own decisions on tandem's arguments
+# ------------------------------------------------------------------------- vLLM's own decisions on tandem's arguments
 def _cuda_engine_config(folder, monkeypatch, **settings):
     """vLLM's VllmConfig for the exact `LLM(...)` arguments and environment tandem starts a CUDA engine with
     (common/explorer/engine_vllm.py `llm_settings`), built here by vLLM's own EngineArgs, as `LLM()` builds it, with

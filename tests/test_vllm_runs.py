@@ -124,7 +124,7 @@ def test_an_explorer_is_never_handed_a_vllm_built_for_another_device(tmp_path, m
     assert resolve_engine("auto", str(tmp_path), ["cpu", "cpu"])[0] == "vllm"
     assert resolve_engine("auto", str(tmp_path), ["cpu", "cuda:1"]) == \
         ("hf", f"--engine auto: the vLLM installed here ({why}) runs on cpu, not on explorer device cuda:1")
-    with pytest.raises(ConfigError, match=r"^error: --engine vllm: .* runs on cpu, not on explorer device cuda:0 \(use"):
+    with pytest.raises(ConfigError, match=r"^error: --engine vllm: .* runs on cpu, not on explorer device cuda:0 "):
         resolve_engine("vllm", str(tmp_path), ["cuda:0"])
 
     class GPUBuild(Platform):

@@ -5,10 +5,9 @@ VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private o
 CPU its worker is forked from it (common/explorer/vllm_worker.py, TandemExecutor).
 The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) tells
 the vLLM worker where the new weights are (`load_weights`, `receive_broadcast`), and the worker loads them. An
-in-process engine
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its parallel groups from
-the already-initialised default group, which is a collective over every rank (trainer included) and hangs; it is
-still allowed when torch.distributed is not initialised (benchmarks).
+in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its
+parallel groups from the already-initialised default group, which is a collective over every rank (trainer
+included) and hangs; it is still allowed when torch.distributed is not initialised (benchmarks).
 
 Weight sync. `weight_buffers()` (benchmarks and tests) are CPU tensors laid out in one shared-memory file (/dev/shm,
 `common.buckets.flat_layout`); the worker maps the same file once, so what lands there is in memory the worker reads
@@ -18,8 +17,8 @@ copy into the parameters vLLM computes with, or vLLM's `reload_weights` where th
 colocated sync's slot, a /dev/shm file or, on a GPU, a CUDA IPC handle the worker opens on its own GPU: a
 device-to-device copy) and a checkpoint folder (`Folder`) are copied the same way, by the worker, from the buffer or
 file itself. The broadcast sync goes around this process: the worker joins trainer0's weights group and receives
-into vLLM's parameters itself (`join_weights_group`, `receive_broadcast`). The prefix cache is reset after every update, and vLLM's
-weight-version label is set to the new version.
+into vLLM's parameters itself (`join_weights_group`, `receive_broadcast`). The prefix cache is reset after every
+update, and vLLM's weight-version label is set to the new version.
 
 Mid-generation updates. `generate(..., between_steps=f)` drives vLLM's step loop here and calls f() after every
 engine step; f may load new weights (train_async.py's explorer polls its weight-sync method there). Such a load
@@ -320,8 +319,8 @@ class VLLMEngine(RolloutEngine):
         """Load `source` into the vLLM model (the worker copies it into its parameters), reset the prefix cache;
         label later tokens `version`. `Buffers`: `weight_buffers()`, written; `Slot`: another process's flat
         buffer (the colocated sync's slot: a /dev/shm file, or a GPU tensor's CUDA IPC handle), opened by the
-        worker, no copy through this process; `Folder`: its safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
-        weights between two decode steps (see `_update`)."""
+        worker, no copy through this process; `Folder`: its safetensors files, read by the worker. Called from
+        `between_steps` during a stepwise generate, it swaps the weights between two decode steps (see `_update`)."""
         match source:
             case Buffers():
                 if self._buffers is None:

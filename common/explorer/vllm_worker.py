@@ -1,15 +1,18 @@
 """What runs inside vLLM's worker process (`worker_extension_cls`): weights loaded into the running vLLM model and
 read back from it, for common/explorer/engine_vllm.py.
 
-Load. `TandemWorkerExtension.tandem_load_shared` maps the engine's shared-memory file once and copies each tensor
-straight into the parameter vLLM computes with (`_worker_copy_plan`): 1:1 names as they are, q/k/v_proj into their
+Load. `TandemWorkerExtension.tandem_load_slot` opens a flat buffer once (the engine's shared-memory file, or the
+colocated trainer's slot: its file, or on a GPU its CUDA IPC handle) and copies each tensor straight into the
+parameter vLLM computes with (`_worker_copy_plan`): 1:1 names as they are, q/k/v_proj into their
 rows of the fused qkv_proj and gate/up_proj into gate_up_proj (by the fused layer's `output_sizes`), the vocabulary
 into the leading rows of a padded embedding. On GPU that is the whole update. On CPU vLLM multiplies with a packed
 copy of each linear weight (oneDNN / sgl kernels) and drops the plain tensor, so those layers are handed the new
 weight (a view of the shared file: q/k/v and gate/up lie back to back there) and re-packed by vLLM's own
 `process_weights_after_loading`; a tied lm_head (which keeps its plain weight, shared with the embedding) is
 re-packed too. Where some name has no such home the update goes through vLLM's `reload_weights` instead (the
-reference path; `fast=False` forces it). A safetensors folder (`tandem_load_checkpoint`) is copied the same way.
+reference path; `fast=False` forces it). A safetensors folder (`tandem_load_checkpoint`) is copied the same way,
+and so is each bucket of trainer0's broadcast, received here on the weights group the worker joined
+(`tandem_join_weights_group`, `tandem_receive_broadcast`: NCCL from the trainer's GPU, gloo on the CPU).
 
 Read back. `tandem_weights_digest` reads the worker's weights, un-fuses qkv_proj / gate_up_proj into the HF names,
 drops vocabulary padding and hashes them with `common.weight_sync.base.tensor_digest`, so the checksum equals
@@ -17,8 +20,9 @@ drops vocabulary padding and hashes them with `common.weight_sync.base.tensor_di
 linear weights exist only packed inside oneDNN; they are read by running each layer's own GEMM on an identity
 matrix (exact: every output is one weight times 1 plus zeros).
 
-Arguments and results of the extension's methods are plain data (strings, numbers, lists), so they cross vLLM's
-engine-core process boundary; tensors travel through the shared-memory file or a checkpoint folder.
+Arguments and results of the extension's methods are plain data (strings, bytes, numbers, lists), so they cross
+vLLM's engine-core process boundary; tensors travel through a shared buffer, a checkpoint folder or the weights
+group.
 
 Process start (CPU). `TandemExecutor` is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
 forked from the engine core, vLLM's own default there: the engine core has imported vLLM already, so the worker does
@@ -238,8 +242,8 @@ class TandemExecutor(MultiprocExecutor):
 class TandemWorkerExtension:
     """Methods added to vLLM's worker class (`worker_extension_cls`), called by name with LLM.collective_rpc.
 
-    Arguments and results are plain data (strings, numbers, lists), so they cross vLLM's engine-core process
-    boundary; tensors travel through the shared-memory file or a checkpoint folder.
+    Arguments and results are plain data (strings, bytes, numbers, lists), so they cross vLLM's engine-core process
+    boundary; tensors travel through a shared buffer, a checkpoint folder or the weights group.
     """
 
     def tandem_load_slot(self, shared: bytes, layout: list, fast: bool = True) -> float:
@@ -285,7 +289,7 @@ class TandemWorkerExtension:
         from common.weight_sync.broadcast import broadcast_weights
 
         model = self.get_model()
-        shapes = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")) for name, shape, dtype in layout]
+        shapes = [(name, torch.empty(shape, dtype=getattr(torch, dt), device="meta")) for name, shape, dt in layout]
         direct = fast and _worker_copy_plan(model, shapes) is not None
         held, loading = [], [0.0]
 

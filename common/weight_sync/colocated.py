@@ -6,10 +6,11 @@ The buffer (the slot) is one flat byte buffer in trainer 0's memory holding ever
 - CPU: a file in /dev/shm that trainer and explorers map (torch.from_file, shared);
 - CUDA: a tensor on trainer 0's GPU whose CUDA IPC handle (torch.multiprocessing's reduction, the one its
   Queue uses) explorers on that same GPU open; their copy out of it is a device-to-device copy.
-Both take the same code path; only opening the slot differs (`open_slot`). An engine that accepts the slot's file
-itself (`Slot`: vLLM, whose worker maps the file or opens the CUDA IPC handle) loads straight from it; others get the weights copied
-into their `weight_buffers()` and load those (`Buffers`). The file's name is removed once every explorer has mapped
-it (the memory lives as long as a mapping does), so a run that is killed later leaves nothing in /dev/shm.
+Both take the same code path; only opening the slot differs (`open_slot`). An engine that opens the slot itself
+(`Slot`: vLLM, whose worker maps the file or opens the CUDA IPC handle on its own GPU) loads straight from it;
+others get the weights copied into their `weight_buffers()` and load those (`Buffers`). The file's name is removed
+once every explorer has mapped it (the memory lives as long as a mapping does), so a run that is killed later leaves
+nothing in /dev/shm.
 
 One slot, guarded by a handshake in the run's store (each key written by one side only):
 - `writing` (trainer 0) is set before it writes and cleared after the new version is published;
