@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import glob
 import inspect
-import math
 import os
 import time
 
