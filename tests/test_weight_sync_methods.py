@@ -170,7 +170,7 @@ def test_colocated_cuda_slot_opens_in_another_process():
 
 
 def _cuda_reader(shared, device, result):
-    from common.weight_sync.colocated import _open_slot
+    from common.weight_sync.colocated import open_slot
 
     torch.cuda.set_device(torch.device(device))
-    result.put(int(_open_slot(shared, torch.device(device)).sum()))
+    result.put(int(open_slot(shared, torch.device(device)).sum()))

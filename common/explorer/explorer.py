@@ -40,7 +40,7 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model, args.chat_template)
     if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
-        args.engine = resolve_engine(args.engine, resolve_model(args.model))[0]
+        args.engine = resolve_engine(args.engine, resolve_model(args.model), [str(device)])[0]
     if args.engine == "vllm":
         return build_vllm_engine(args, device, tokenizer), tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
@@ -66,7 +66,8 @@ def build_vllm_engine(args, device, tokenizer):
     adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None
     engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
-                        lora=adapters, lora_versions=args.max_staleness + 1)
+                        lora=adapters, lora_versions=args.max_staleness + 1,
+                        max_model_len=args.vllm_max_model_len or None, enforce_eager=args.vllm_enforce_eager)
     engine.model_dir = tiny_dir  # removed when the engine goes
     return engine
 

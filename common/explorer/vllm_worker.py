@@ -1,15 +1,18 @@
 """What runs inside vLLM's worker process (`worker_extension_cls`): weights loaded into the running vLLM model and
 read back from it, for common/explorer/engine_vllm.py.
 
-Load. `TandemWorkerExtension.tandem_load_shared` maps the engine's shared-memory file once and copies each tensor
-straight into the parameter vLLM computes with (`_worker_copy_plan`): 1:1 names as they are, q/k/v_proj into their
+Load. `TandemWorkerExtension.tandem_load_slot` opens a flat buffer once (the engine's shared-memory file, or the
+colocated trainer's slot: its file, or on a GPU its CUDA IPC handle) and copies each tensor straight into the
+parameter vLLM computes with (`_worker_copy_plan`): 1:1 names as they are, q/k/v_proj into their
 rows of the fused qkv_proj and gate/up_proj into gate_up_proj (by the fused layer's `output_sizes`), the vocabulary
 into the leading rows of a padded embedding. On GPU that is the whole update. On CPU vLLM multiplies with a packed
 copy of each linear weight (oneDNN / sgl kernels) and drops the plain tensor, so those layers are handed the new
 weight (a view of the shared file: q/k/v and gate/up lie back to back there) and re-packed by vLLM's own
 `process_weights_after_loading`; a tied lm_head (which keeps its plain weight, shared with the embedding) is
 re-packed too. Where some name has no such home the update goes through vLLM's `reload_weights` instead (the
-reference path; `fast=False` forces it). A safetensors folder (`tandem_load_checkpoint`) is copied the same way.
+reference path; `fast=False` forces it). A safetensors folder (`tandem_load_checkpoint`) is copied the same way,
+and so is each bucket of trainer0's broadcast, received here on the weights group the worker joined
+(`tandem_join_weights_group`, `tandem_receive_broadcast`: NCCL from the trainer's GPU, gloo on the CPU).
 
 Read back. `tandem_weights_digest` reads the worker's weights, un-fuses qkv_proj / gate_up_proj into the HF names,
 drops vocabulary padding and hashes them with `common.weight_sync.base.tensor_digest`, so the checksum equals
@@ -17,8 +20,9 @@ drops vocabulary padding and hashes them with `common.weight_sync.base.tensor_di
 linear weights exist only packed inside oneDNN; they are read by running each layer's own GEMM on an identity
 matrix (exact: every output is one weight times 1 plus zeros).
 
-Arguments and results of the extension's methods are plain data (strings, numbers, lists), so they cross vLLM's
-engine-core process boundary; tensors travel through the shared-memory file or a checkpoint folder.
+Arguments and results of the extension's methods are plain data (strings, bytes, numbers, lists), so they cross
+vLLM's engine-core process boundary; tensors travel through a shared buffer, a checkpoint folder or the weights
+group.
 
 Process start (CPU). `TandemExecutor` (common/compat/vllm.py) is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
 forked from the engine core, vLLM's own default there: the engine core has imported vLLM already, so the worker does
@@ -39,23 +43,17 @@ the reader sleeps until notified: vLLM on 2 cores ~200 -> ~290 tokens/s, on 1 co
 from __future__ import annotations
 
 import glob
-import math
 import os
 import time
 
 import torch
 
-from common.buckets import flat_views, map_shared_file
+from common.buckets import flat_views
 from common.compat.torch import set_threads_below_vllm
 from common.compat.vllm import lora_model_manager
 from common.explorer.vllm_logits import NormalizerProcessor
 from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
-
-
-def layout_bytes(layout: list) -> int:
-    """The size of a `common.buckets.flat_layout`'s buffer (its last tensor's end)."""
-    return max((off + math.prod(shape) * getattr(torch, dt).itemsize for _, shape, dt, off in layout), default=0)
 
 
 def _safetensors_iter(path: str):
@@ -216,27 +214,79 @@ def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
 class TandemWorkerExtension:
     """Methods added to vLLM's worker class (`worker_extension_cls`), called by name with LLM.collective_rpc.
 
-    Arguments and results are plain data (strings, numbers, lists), so they cross vLLM's engine-core process
-    boundary; tensors travel through the shared-memory file or a checkpoint folder.
+    Arguments and results are plain data (strings, bytes, numbers, lists), so they cross vLLM's engine-core process
+    boundary; tensors travel through a shared buffer, a checkpoint folder or the weights group.
     """
 
-    def tandem_load_shared(self, path: str, layout: list, fast: bool = True) -> float:
-        """Load the weights in a shared-memory file (the engine's buffers, or a colocated trainer's slot): copied
-        straight into the parameters vLLM computes with (fused slices, CPU re-pack; `_worker_copy_plan`), or through
-        vLLM's reload where that plan does not apply (or fast is False: the reference path). Each file is mapped
-        once and stays mapped (its owner may unlink it)."""
-        mapped = getattr(self, "_tandem_shared", None)
-        if mapped is None:
-            mapped = self._tandem_shared = {}
-        if path not in mapped:
-            views = flat_views(map_shared_file(path, layout_bytes(layout)), layout)
-            mapped[path] = (views, _worker_copy_plan(self.get_model(), views))
-        views, plan = mapped[path]
+    def tandem_load_slot(self, shared: bytes, layout: list, fast: bool = True) -> float:
+        """Load the weights in a flat buffer another process laid out (the engine's /dev/shm buffers, or a colocated
+        trainer's slot: a /dev/shm file or a GPU tensor's CUDA IPC handle, opened on this worker's device by
+        common/weight_sync/colocated.py `open_slot`): copied straight into the parameters vLLM computes with
+        (fused slices, CPU re-pack; `_worker_copy_plan`), or through vLLM's reload where that plan does not apply
+        (or fast is False: the reference path). Each buffer is opened once and stays open (its owner may unlink
+        its file); on a GPU the copy has finished reading it when this returns (its owner may write it next)."""
+        from common.weight_sync.colocated import open_slot
+
+        opened = getattr(self, "_tandem_slots", None)
+        if opened is None:
+            opened = self._tandem_slots = {}
+        if shared not in opened:
+            views = flat_views(open_slot(shared, self.device), layout)
+            opened[shared] = (views, _worker_copy_plan(self.get_model(), views))
+        views, plan = opened[shared]
         if not fast or plan is None:
-            return self._tandem_reload(iter(views))
-        start = time.time()
-        _worker_copy_weights(self.get_model(), plan)
-        return time.time() - start
+            seconds = self._tandem_reload(iter(views))
+        else:
+            start = time.time()
+            _worker_copy_weights(self.get_model(), plan)
+            seconds = time.time() - start
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return seconds
+
+    def tandem_join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str,
+                                  timeout_s: float) -> None:
+        """Join trainer0's weights group (common/weight_sync/broadcast.py `weights_group`) as `rank`."""
+        from common.weight_sync.broadcast import weights_group
+
+        self._tandem_group = weights_group(host, port, rank, size, backend, timeout_s)
+        self._tandem_group_device = self.device if backend == "nccl" else torch.device("cpu")
+
+    def tandem_receive_broadcast(self, layout: list, bucket_mb: int, fast: bool = True) -> list:
+        """Receive trainer0's next broadcast on the weights group (the HF (name, shape, dtype) `layout` checked
+        against the sender's first) and load it: each bucket is copied into the parameters vLLM computes with as it
+        arrives (`_worker_copy_plan`), so only one bucket is held at a time; layers vLLM re-packs (CPU) are
+        re-packed once every bucket is in, and where the plan does not apply (or fast is False) the whole update
+        goes through vLLM's reload. Returns [seconds spent loading, version, time the header arrived]."""
+        from common.weight_sync.broadcast import broadcast_weights
+
+        model = self.get_model()
+        shapes = [(name, torch.empty(shape, dtype=getattr(torch, dt), device="meta")) for name, shape, dt in layout]
+        direct = fast and _worker_copy_plan(model, shapes) is not None
+        held, loading = [], [0.0]
+
+        def on_bucket(views):
+            plan = _worker_copy_plan(model, views) if direct else None
+            if plan is None:  # the reference path: every tensor kept for vLLM's reload at the end
+                held.extend(views)
+                return
+            start = time.time()
+            now = [entry for entry in plan if not entry[3]]
+            _worker_copy_weights(model, now)
+            held.extend((name, view) for name, view in views if any(  # pieces of a layer re-packed at the end
+                v is view for entry in plan if entry[3] for _, v in entry[2]))
+            loading[0] += time.time() - start
+
+        version, arrived = broadcast_weights(shapes, 0, group=self._tandem_group, group_src=0,
+                                             device=self._tandem_group_device, bucket_mb=bucket_mb,
+                                             on_bucket=on_bucket)
+        if held and not direct:
+            loading[0] += self._tandem_reload(iter(held))
+        elif held:
+            start = time.time()
+            _worker_copy_weights(model, _worker_copy_plan(model, held))
+            loading[0] += time.time() - start
+        return [loading[0], version, arrived]
 
     def tandem_load_checkpoint(self, path: str, fast: bool = True) -> float:
         """Load a safetensors folder: by the same direct copy as the shared buffers where it applies."""
@@ -273,22 +323,25 @@ class TandemWorkerExtension:
         return tensor_digest((name, weights[name]) for name, _ in layout)
 
     # ------------------------------------------------------------------ LoRA: one adapter per weights version
-    def tandem_add_lora(self, lora_id: int, path: str, layout: list, rank: int, alpha: float, targets: list[str],
-                        keep: list[int]) -> float:
-        """Build adapter `lora_id` from the fp32 adapter tensors in a shared-memory file (common/lora.py
+    def tandem_add_lora(self, lora_id: int, shared: bytes, layout: list, rank: int, alpha: float,
+                        targets: list[str], keep: list[int]) -> float:
+        """Build adapter `lora_id` from the fp32 adapter tensors in a flat buffer another process laid out (opened
+        as `tandem_load_slot` opens one: a /dev/shm file or a CUDA IPC handle; common/lora.py
         `adapter_tensors` names) and register it in vLLM's adapter cache, where requests naming that id find it
         (common/explorer/engine_vllm.py `lora_request`); every other registered adapter not in `keep` goes. vLLM
         packs q/k/v and gate/up, casts to its LoRA dtype and folds the scale alpha / rank into B."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
+        from common.weight_sync.colocated import open_slot
+
         start = time.time()
         mapped = getattr(self, "_tandem_lora_files", None)
         if mapped is None:
             mapped = self._tandem_lora_files = {}
-        if path not in mapped:
-            mapped[path] = flat_views(map_shared_file(path, layout_bytes(layout)), layout)
-        views = mapped[path]
+        if shared not in mapped:
+            mapped[shared] = flat_views(open_slot(shared, self.device), layout)
+        views = mapped[shared]
         digests = getattr(self, "_tandem_lora_digests", None)
         if digests is None:
             digests = self._tandem_lora_digests = {}

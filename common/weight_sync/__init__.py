@@ -4,7 +4,7 @@ chosen once by `--sync-method` from `METHODS`. A new method is one file plus one
 from __future__ import annotations
 
 from common.runtime.worker import ENGINE_READY
-from common.weight_sync.base import (Buffers, Folder, SharedFile, WeightSource, WeightSync,  # noqa: F401
+from common.weight_sync.base import (Buffers, Folder, Slot, WeightSource, WeightSync,  # noqa: F401
                                      full_tensor, weights_hash)  # (the shared helpers and weight sources)
 from common.weight_sync.broadcast import BroadcastSync
 from common.weight_sync.checkpoint import CheckpointSync

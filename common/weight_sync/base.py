@@ -4,7 +4,7 @@ version handshake of the asynchronous schedule's end, whole tensors from sharded
 A method subclasses `WeightSync` and writes `_send` (trainer rank 0) and `pull` / `poll` (an explorer); the rest
 (data-parallel trainers joining the gathers of sharded weights, `--verify-sync` hashes, the final handshake) is
 here. Sender and receiver exchange HF `named_parameters()` order and shapes; the receiver hands the engine one
-weight source (`Buffers`, `SharedFile`, `Folder`) through its `load_weights`.
+weight source (`Buffers`, `Slot`, `Folder`) through its `load_weights`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ class Buffers:
 
 
 @dataclass(frozen=True)
-class SharedFile:
-    """A shared-memory file another process laid out (`common.buckets.flat_layout`, HF names), which the engine
-    maps itself: no copy through the explorer's process."""
-    path: str
+class Slot:
+    """A flat buffer another process laid out (`common.buckets.flat_layout`, HF names: the colocated sync's slot),
+    which the engine opens itself where it computes (vLLM: in its worker): `shared` says how
+    (common/weight_sync/colocated.py `open_slot`: a /dev/shm file on the CPU, a CUDA IPC handle on a GPU); no copy
+    through the explorer's process."""
+    shared: bytes
     layout: list
 
 
@@ -38,7 +40,7 @@ class Folder:
     path: str
 
 
-WeightSource = Buffers | SharedFile | Folder
+WeightSource = Buffers | Slot | Folder
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,11 @@ The buffer (the slot) is one flat byte buffer in trainer 0's memory holding ever
 - CPU: a file in /dev/shm that trainer and explorers map (torch.from_file, shared);
 - CUDA: a tensor on trainer 0's GPU whose CUDA IPC handle (torch.multiprocessing's reduction, the one its
   Queue uses) explorers on that same GPU open; their copy out of it is a device-to-device copy.
-Both take the same code path; only opening the slot differs (`_open_slot`). An engine that accepts the slot's file
-itself (`SharedFile`: vLLM on CPU, its worker maps the file) loads straight from it; others get the weights copied
-into their `weight_buffers()` and load those (`Buffers`). The file's name is removed once every explorer has mapped
-it (the memory lives as long as a mapping does), so a run that is killed later leaves nothing in /dev/shm.
+Both take the same code path; only opening the slot differs (`open_slot`). An engine that opens the slot itself
+(`Slot`: vLLM, whose worker maps the file or opens the CUDA IPC handle on its own GPU) loads straight from it;
+others get the weights copied into their `weight_buffers()` and load those (`Buffers`). The file's name is removed
+once every explorer has mapped it (the memory lives as long as a mapping does), so a run that is killed later leaves
+nothing in /dev/shm.
 
 One slot, guarded by a handshake in the run's store (each key written by one side only):
 - `writing` (trainer 0) is set before it writes and cleared after the new version is published;
@@ -38,9 +39,9 @@ import uuid
 
 import torch
 
-from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file
+from common.buckets import flat_layout, flat_views, map_shared_file, remove_shared_file, shared_memory_dir
 from common.runtime.channel import StoreValue
-from common.weight_sync.base import Buffers, SharedFile, WeightSync, full_tensor
+from common.weight_sync.base import Buffers, Slot, WeightSync, full_tensor
 
 
 def colocated(ctx) -> tuple[bool, str]:
@@ -56,10 +57,15 @@ def colocated(ctx) -> tuple[bool, str]:
     return True, ""
 
 
+def shared_file(path: str, size: int) -> bytes:
+    """How another process opens a flat buffer in a /dev/shm file (`open_slot`)."""
+    return pickle.dumps({"path": path, "size": size})
+
+
 def _share(slot: torch.Tensor, path: str | None) -> bytes:
     """How another process opens the slot: the /dev/shm file, or the CUDA IPC handle of the GPU tensor."""
     if slot.device.type == "cpu":
-        return pickle.dumps({"path": path, "size": slot.numel()})
+        return shared_file(path, slot.numel())
     from torch.multiprocessing.reductions import reduce_tensor
 
     buf = io.BytesIO()
@@ -67,13 +73,15 @@ def _share(slot: torch.Tensor, path: str | None) -> bytes:
     return buf.getvalue()
 
 
-def _open_slot(shared: bytes, device: torch.device) -> torch.Tensor:
-    """The trainer's slot in this process: the same memory, no copy (CPU: mapped file; CUDA: IPC handle)."""
+def open_slot(shared: bytes, device: torch.device) -> torch.Tensor:
+    """The trainer's slot in this process: the same memory, no copy (CPU: mapped file; CUDA: IPC handle, opened on
+    `device`, this process's number for the slot's GPU: a vLLM worker sees only its own GPU, as cuda:0)."""
     desc = pickle.loads(shared)
     if "path" in desc:
         return map_shared_file(desc["path"], desc["size"])
     rebuild, args = desc["cuda"]
-    slot = rebuild(*args)
+    args = (*args[:6], device.index if device.index is not None else args[6], *args[7:])  # rebuild_cuda_tensor's
+    slot = rebuild(*args)  # storage_device
     if slot.device != device:
         raise RuntimeError(f"colocated weight sync: trainer0's slot is on {slot.device}, this explorer on {device}")
     return slot
@@ -93,6 +101,7 @@ class ColocatedSync(WeightSync):
         self.views: dict[str, torch.Tensor] = {}
         self.path: str | None = None  # CPU: the slot's /dev/shm file, removed once every explorer has mapped it
         self.layout: list = []
+        self.shared: bytes | None = None  # an explorer: how the slot is opened (`open_slot`)
 
     @classmethod
     def check(cls, ctx, args):
@@ -108,7 +117,7 @@ class ColocatedSync(WeightSync):
         if device.type == "cuda":
             self.slot = torch.empty(size, dtype=torch.uint8, device=device)
         else:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+            shm = shared_memory_dir()
             self.path = os.path.join(shm, f"tandem-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             atexit.register(self._unlink)
             self.slot = map_shared_file(self.path, size, create=True)
@@ -151,12 +160,14 @@ class ColocatedSync(WeightSync):
 
     # ------------------------------------------------------------------ an explorer
     def _attach(self) -> None:
-        shared = self.ctx.wait_key("weight_sync/colocated/slot", self.args.timeout_s, "trainer0's weight slot")
+        """Where the slot is; opened here only for an engine that cannot open it itself."""
+        self.shared = self.ctx.wait_key("weight_sync/colocated/slot", self.args.timeout_s, "trainer0's weight slot")
         self.layout = json.loads(self.ctx.wait_key("weight_sync/colocated/layout", self.args.timeout_s,
                                                    "trainer0's weight layout"))
-        self.slot = _open_slot(shared, self.ctx.device)
-        self.views = dict(flat_views(self.slot, self.layout))
-        self.path = pickle.loads(shared).get("path")
+        self.path = pickle.loads(self.shared).get("path")
+        if Slot not in self.engine.accepts:
+            self.slot = open_slot(self.shared, self.ctx.device)
+            self.views = dict(flat_views(self.slot, self.layout))
 
     @torch.no_grad()
     def _take(self, step: int) -> float | None:
@@ -164,11 +175,12 @@ class ColocatedSync(WeightSync):
         started, None when there was nothing to take."""
         if self.published.value <= self.version:
             return None
-        if self.slot is None:
+        if self.shared is None:
             self._attach()
-        # An engine that can read the slot's file itself (vLLM: its worker maps it) loads straight from it, within
-        # the reading window; others get the weights copied into their buffers, then load those.
-        direct = SharedFile(self.path, self.layout) if self.path and SharedFile in self.engine.accepts else None
+        # An engine that opens the slot itself (vLLM: its worker maps the file or opens the CUDA IPC handle) loads
+        # straight from it, within the reading window; others get the weights copied into their buffers, then load
+        # those.
+        direct = Slot(self.shared, self.layout) if Slot in self.engine.accepts else None
         mine = self.reading[self.ctx.index]
         mine.value = 1
         try:
