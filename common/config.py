@@ -107,9 +107,9 @@ class CommonArgs:
     longest prompt + --max-new-tokens (or --episode-token-budget). Longer calls take the dynamic cache."""
 
     # --- placement and its plan (common/placement.py): when no device flag is given ----------------------
-    explorer_gpus: int = -1
+    explorer_gpus: int | None = None
     """GPUs (or torchrun CPU ranks) given to explorers alone when the run is placed by itself (no --explorer-devices
-    / --trainer-devices), the trainers taking the rest: -1 = from the model's size and --rollout-train-ratio; 0 =
+    / --trainer-devices), the trainers taking the rest: None = from the model's size and --rollout-train-ratio; 0 =
     train_sync.py's explorer shares trainer0's GPU. The run's "placement:" line says what was chosen and why."""
     rollout_train_ratio: float = 0.77
     """Rollout time : train time of one step, each side on one GPU, that a self-placed train_async.py balances
@@ -524,7 +524,7 @@ class CommonArgs:
         "correction_k3_max": Range(gt=0), "critic_lr": Range(gt=0), "gamma": Range(ge=0, le=1),
         "lam": Range(ge=0, le=1), "sync_bucket_mb": Range(ge=1), "max_reuse": Range(ge=1, why="1 = no replay"),
         "lora_alpha": Range(gt=0),
-        "explorer_gpus": Range(ge=-1, why="-1 = chosen"), "rollout_train_ratio": Range(gt=0), "nnodes": Range(ge=1),
+        "explorer_gpus": Range(ge=0), "rollout_train_ratio": Range(gt=0), "nnodes": Range(ge=1),
     }
     SCHEDULE: ClassVar[str] = "sync"
     """How the entry script's rollout and training meet: sync (take turns), offpolicy (one explorer, at once),

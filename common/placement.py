@@ -187,16 +187,16 @@ def _explorer_count(args, schedule: str, world: int, torchrun: bool, shape, node
             raise ConfigError("a world of 1 rank holds no explorer beside its trainer: torchrun --nproc-per-node 2 "
                               "or more (two ranks may share one GPU)")
         return 1, "one GPU: explorer and trainer share it (colocated)"
-    explorer_gpus = args.explorer_gpus if "explorer_gpus" in given else -1
+    explorer_gpus = args.explorer_gpus if "explorer_gpus" in given else None
     if explorer_gpus == 0:
         raise ConfigError(f"--explorer-gpus 0 (explorers on the trainers' GPUs) with {world} ranks, one per GPU: "
                           "name the devices instead (--explorer-devices cuda:0 --trainer-devices ...)")
     least = _least_trainers(args, shape, world, node) if shape is not None else 1
     if schedule != "async":
         return 1, "one explorer (this schedule runs one), the trainers on the rest"
-    if explorer_gpus < 0 and "num_explorers" in given:
+    if explorer_gpus is None and "num_explorers" in given:
         explorer_gpus = args.num_explorers
-    if explorer_gpus > 0:
+    if explorer_gpus:
         if world - explorer_gpus < least:
             raise ConfigError(f"--explorer-gpus {explorer_gpus} leaves {world - explorer_gpus} of {world} GPUs to the "
                               f"trainers and --model {args.model} needs {least}")

@@ -80,12 +80,12 @@ def test_impossible_placements_are_one_line_errors():
     with pytest.raises(ConfigError, match="--explorer-devices and --trainer-devices each need"):
         check_placement([], ["cpu"])
     n = torch.cuda.device_count()
-    args = Namespace(explorer_device_list=["cpu"], trainer_device_list=["cpu"], teacher_device=f"cuda:{n}")
+    args = Namespace(explorer_device_list=["cpu"], trainer_device_list=["cpu"], teacher_device=f"cuda:{n}", judge_device="cpu")
     why = "CUDA is not available here" if not torch.cuda.is_available() else "does not exist here"
     with pytest.raises(ConfigError, match=f"cuda:{n} in --teacher-device.* {why}"):
         check_devices(args)
     with pytest.raises(ConfigError, match=f"cuda:{n} in --explorer-devices.* {why}"):
-        check_devices(Namespace(explorer_device_list=[f"cuda:{n}"], trainer_device_list=["cpu"], teacher_device=""))
+        check_devices(Namespace(explorer_device_list=[f"cuda:{n}"], trainer_device_list=["cpu"], teacher_device="", judge_device="cpu"))
 
 
 def test_bad_placement_fails_before_anything_starts(tmp_path):

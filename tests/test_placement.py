@@ -84,10 +84,8 @@ def test_plan_for_1_2_4_8_gpus_and_two_nodes(models, size):
             assert 0 < peak <= 80 * GIB, (key, devices[key])
         if world > 1:
             explorer_rows = [w for k in gpus_used for w in devices[k] if w[0].startswith("explorer")]
-            assert all("receive bucket" in w[2] and "/dev/shm" in w[2] for w in explorer_rows)
-            host = [w for k in devices if k.startswith("cpu") for w in devices[k]]
-            weights = 2 * (7.6e9 if size == "7B" else 1.5e9)
-            assert sum(b for _, b, _ in host) >= len(explorers) * weights  # a model copy in /dev/shm per explorer
+            # the weights go into vLLM's worker by broadcast: a bucket there, no model copy in host memory
+            assert all("receive bucket" in w[2] and "/dev/shm" not in w[2] for w in explorer_rows)
         if size == "7B" and world >= 4:  # 7B's weights, gradients and AdamW state do not fit one 80 GiB trainer
             assert len(trainers) >= 2
 
