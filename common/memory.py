@@ -331,15 +331,16 @@ def device_memory(devices: list[str]) -> dict[str, tuple[float, float]]:
 def worker_devices(args, gpus: int | None = None, local_world: int = 0) -> tuple[list[str], list[str]]:
     """The device of every trainer and explorer as the plan keys them: bare `cuda` resolved as the launcher does (the
     rank's own GPU: its local rank modulo the node's `gpus`, default this machine's), and on nodes after the first
-    the node appended (`cuda:3@node1`, a GPU of its own): ranks fill nodes in order, `local_world` each (torchrun's
-    LOCAL_WORLD_SIZE; default one node)."""
+    the node appended (`cuda:3@node1`, a GPU of its own): ranks fill nodes in order, `local_world` each (default:
+    this machine's torchrun LOCAL_WORLD_SIZE where `gpus` is this machine's, else one node)."""
     import torch
 
     from common.runtime.worker import plan_world
 
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    local_world = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or len(plan)
+    here = gpus is None  # this machine (its torchrun world), not a node planned by --plan
+    gpus = torch.cuda.device_count() if here else gpus
+    local_world = local_world or (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if here else 0) or len(plan)
     devices = []
     for rank, w in enumerate(plan):
         node, local = divmod(rank, local_world)

@@ -4,6 +4,7 @@ import sys
 import time
 import traceback
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -315,3 +316,11 @@ def pytest_collection_modifyitems(items):
         return SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
 
     items.sort(key=rank)  # stable: the order within a file is kept
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_variables(monkeypatch):
+    """Each test starts as a user's `python` does, outside torchrun: the variables torch elastic gives its workers
+    (which decide placement and the memory plan's nodes) never reach a test from an earlier test's in-process run."""
+    for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)

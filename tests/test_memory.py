@@ -204,8 +204,9 @@ def test_packed_gradients_equal_padded_with_gradient_checkpointing():
 
 def test_the_weight_hand_off_must_fit_the_real_shared_memory(tmp_path):
     """trainer0's colocated slot on the CPU holds the whole model in /dev/shm (a container's is 64 MB unless given
-    more): a model just larger than this machine's free /dev/shm is one line naming --shm-size before any model
-    loads; just smaller, or synced by checkpoints, it passes. The free space is /dev/shm's own (statvfs)."""
+    more): a model larger than this machine's free /dev/shm is one line naming --shm-size before any model loads;
+    smaller, or synced by checkpoints, it passes. The free space is /dev/shm's own (statvfs); the margins leave room
+    for what the other test worker writes there meanwhile."""
     import shutil
 
     from common.buckets import shared_memory_dir
@@ -213,7 +214,7 @@ def test_the_weight_hand_off_must_fit_the_real_shared_memory(tmp_path):
     free = shutil.disk_usage(shared_memory_dir()).free
     rows = lambda factor: int(factor * free / (64 * 2))  # a bf16 embedding of 64 columns (tied) ~ the whole model
     ample = {"cpu": (1e15, 1e15)}
-    for factor, method, fits in [(1.01, "auto", False), (0.9, "auto", True), (1.01, "checkpoint", True)]:
+    for factor, method, fits in [(1.5, "auto", False), (0.5, "auto", True), (1.5, "checkpoint", True)]:
         folder = _config_folder(tmp_path, f"wide{factor}{method}", hidden_size=64, intermediate_size=64,
                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                 vocab_size=rows(factor), tie_word_embeddings=True)
