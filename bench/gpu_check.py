@@ -263,6 +263,20 @@ def _json_line(text: str) -> dict:
     raise ValueError("no JSON line in its output")
 
 
+def run_logged(argv: list[str], timeout_s: float, log: str) -> tuple[str, int | None]:
+    """(its output, its exit code; None: timed out) of `python *argv` in the repository, written to `log` after the
+    command line."""
+    try:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_for(timeout_s))
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = (e.stderr or b"").decode(errors="replace"), None
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n\n" + text)
+    return text, rc
+
+
 def _sub(argv: list[str], timeout_s: float, log: str) -> tuple[dict | None, str]:
     """(the JSON its last such line printed, or None; an error line)."""
     try:
@@ -407,14 +421,7 @@ def size_table(work: str, logs: str, deadline: float) -> list[tuple[str, str, st
         out_dir = os.path.join(work, f"size-{method}")
         argv = ["train_sync.py", *run_flags, *size, "--sync-method", method, "--out-dir", out_dir]
         log = os.path.join(logs, f"size_{method}.log")
-        try:
-            proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=timeout_for(300))
-            text, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            text, rc = (e.stderr or b"").decode(errors="replace"), None
-        with open(log, "w") as f:
-            f.write(" ".join(argv) + "\n\n" + text)
+        text, rc = run_logged(argv, 300, log)
         metrics = read_metrics(out_dir)[1:]  # the first step warms up
         if rc != 0 or not metrics:
             rows.append((f"train_sync.py --sync-method {method}", "FAILED",
@@ -492,14 +499,7 @@ def lora_size_rows(work: str, logs: str, deadline: float) -> list[tuple[str, str
             "--taskset", "parity", "--tasks-per-step", "8", "--samples-per-task", "4", "--max-new-tokens", "256",
             "--micro-batch-size", "8", "--gradient-checkpointing", "--steps", "3", "--eval-size", "4",
             "--eval-every", "0", "--num-threads", "4", "--overwrite", "--out-dir", out_dir]
-    try:
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout_for(900))
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text, rc = (e.stderr or b"").decode(errors="replace"), None
-    with open(log, "w") as f:
-        f.write(" ".join(argv) + "\n\n" + text)
+    text, rc = run_logged(argv, 900, log)
     metrics = read_metrics(out_dir)[1:]  # the first step warms up
     what = f"7B LoRA rank {LORA_RANK} colocated ({made['params'] / 1e9:.2f} B params, bf16)"
     if rc != 0 or not metrics:
