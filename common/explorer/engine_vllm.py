@@ -343,14 +343,13 @@ class VLLMEngine(RolloutEngine):
         worker, no copy through this process; `Folder`: its safetensors files, read by the worker. Called from
         `between_steps` during a stepwise generate, it swaps the weights between two decode steps (see `_update`).
         With `lora`, the source holds adapters: `_load_adapter`."""
+        if isinstance(source, Buffers):  # the engine's own buffers: a slot its worker opens as any other
+            if self._buffers is None:
+                raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
+            source = Slot(shared_file(self._shm_path, self._shm_size), self._shm_layout)
         if self.lora is not None:
             return self._load_adapter(source, version)
         match source:
-            case Buffers():
-                if self._buffers is None:
-                    raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
-                self._update(version, "tandem_load_slot", shared_file(self._shm_path, self._shm_size),
-                             self._shm_layout, self.fast_sync)
             case Slot(shared, layout):
                 self._update(version, "tandem_load_slot", shared, layout, self.fast_sync)
             case Folder(path):
@@ -405,10 +404,6 @@ class VLLMEngine(RolloutEngine):
         """LoRA: the adapters in `source` become version `version`'s adapter, which new requests take; requests
         on adapters older than the `lora_versions` kept are restarted under it (module section "LoRA" below)."""
         match source:
-            case Buffers():
-                if self._buffers is None:
-                    raise ValueError("load_weights(Buffers()): write into weight_buffers() first")
-                shared, layout = shared_file(self._shm_path, self._shm_size), self._shm_layout
             case Slot(shared, layout):
                 pass
             case Folder():  # copied into the shared buffers first (the worker maps only shared memory)
