@@ -77,6 +77,9 @@ def main():
     p.add_argument("--run", action="append", required=True, metavar="LABEL=SCRIPT [FLAGS]",
                    help="one run: a label, '=', an entry script and its own flags")
     p.add_argument("--parallel", action="store_true", help="start every run at once (e.g. on one shared GPU)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a run whose folder already holds a finished run (summary.json) instead of re-running it: "
+                        "a long table can be built over several sittings")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out"), help="where the runs' folders go")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
     opts = p.parse_args(argv)
@@ -91,17 +94,19 @@ def main():
                                   "--overwrite"]))
     procs = []
     for label, out, cmd in runs:
+        if opts.reuse and os.path.exists(os.path.join(out, "summary.json")):
+            print(f"--- {label}: reusing the finished run in {out}", flush=True)
+            continue
         print(f"--- {label}: {' '.join(cmd[1:])}", flush=True)
         os.makedirs(out, exist_ok=True)
         log = open(os.path.join(out + ".log"), "w")
         procs.append((label, out, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), time.time()))
         if not opts.parallel:
             procs[-1][2].wait()
-    results = {}
     for label, out, proc, start in procs:
         if proc.wait() != 0:
             sys.exit(f"error: run {label!r} failed (exit {proc.returncode}); its log: {out}.log")
-        results[label] = curve(out)
+    results = {label: curve(out) for label, out, _ in runs}
     os.makedirs(opts.results, exist_ok=True)
     title = f"{opts.name}: {' '.join(shared)}"
     plot(results, title, os.path.join(opts.results, f"{opts.name}.png"))

@@ -19,9 +19,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {f"{name}, {dtype}": f"{flags} --dtype {dtype}".strip()
-        for dtype in ("float32", "bfloat16")
-        for name, flags in (("full", ""), ("lora-r1", "--lora-rank 1"), ("lora-r8", "--lora-rank 8"),
-                            ("lora-r32", "--lora-rank 32"))}
+        for name, flags in (("full", ""), ("lora-r8", "--lora-rank 8"), ("lora-r1", "--lora-rank 1"),
+                            ("lora-r32", "--lora-rank 32"))
+        for dtype in ("float32", "bfloat16")}
 RUNS["lora-r8, bfloat16, merged sync"] = "--lora-rank 8 --dtype bfloat16 --lora-sync merged"
 
 
@@ -31,12 +31,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None, help="run only the runs whose label contains one of these")
     parser.add_argument("--name", default="lora_learning", help="bench/results/<name>.png and .json")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already finished in bench/out/<name>/")
     opts = parser.parse_args(own)
     chosen = {label: flags for label, flags in RUNS.items()
               if opts.only is None or any(o in label for o in opts.only)}
     runs = [arg for label, flags in chosen.items()
             for arg in ("--run", f"{label}=train_sync.py --config configs/sync_default.yaml {flags}")]
-    subprocess.run([sys.executable, "bench/curves.py", "--name", opts.name, *runs, "--", "--eval-every", "10",
+    subprocess.run([sys.executable, "bench/curves.py", "--name", opts.name, *(["--reuse"] if opts.reuse else []),
+                    *runs, "--", "--eval-every", "10",
                     *shared], cwd=ROOT, check=True)
 
 
