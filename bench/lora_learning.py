@@ -22,7 +22,7 @@ RUNS = {f"{name}, {dtype}": f"{flags} --dtype {dtype}".strip()
         for name, flags in (("full", ""), ("lora-r8", "--lora-rank 8"), ("lora-r1", "--lora-rank 1"),
                             ("lora-r32", "--lora-rank 32"))
         for dtype in ("float32", "bfloat16")}
-RUNS["lora-r8, bfloat16, merged sync"] = "--lora-rank 8 --dtype bfloat16 --lora-sync merged"
+RUNS["lora-r8 merged sync, bfloat16"] = "--lora-rank 8 --dtype bfloat16 --lora-sync merged"
 
 
 def main():
