@@ -5,7 +5,7 @@
 
 1. The matrix of placements and features: the three schedules colocated, explorer and trainer on separate GPUs,
    a CPU explorer with a GPU trainer, torchrun, checkpoint sync, LoRA, PPO, FSDP2 + CPU offload + gradient
-   checkpointing + packing, a VLM, an agent, vLLM (synchronous; asynchronous with top-p, new weights between
+   checkpointing + packing, LoRA + FSDP2 + CPU offload, a VLM, an agent, vLLM (synchronous; asynchronous with top-p, new weights between
    decode steps and --verify-sync): each a real run of an entry script (tiny model, 2 steps, bf16 on
    a GPU) in its own process with a timeout; its verdict is one line: ok (trained: a step with loss != 0 and a
    gradient), FAILED (the error's last line; the whole log is kept) or skipped (why: no CUDA, one GPU, no vLLM).
@@ -122,6 +122,10 @@ def matrix(gpus: int, vllm: tuple[bool, str]) -> list[Check]:
         Check("FSDP2 + offload + checkpointing + packing" if gpu else "FSDP2 (2 trainers) + checkpointing + packing",
               ["train_sync.py", "--explorer-devices", d, *fsdp, "--trainer-shard", "fsdp", "--gradient-checkpointing",
                "--max-tokens-per-micro-batch", "64"]),
+        # the frozen base, the fp32 adapters and their AdamW state offloaded; the sync gathers the adapters from host
+        # memory (over gloo on the CPU in tests/test_fsdp.py, where offloading moves nothing)
+        Check("LoRA + FSDP2 + offload", ["train_sync.py", "--explorer-devices", d, "--trainer-devices", d,
+                                         "--trainer-shard", "fsdp", "--fsdp-cpu-offload", "--lora-rank", "4"], no_cuda),
         Check("VLM (tiny-vlm, shapes+parity)", ["train_sync.py", *on, "--model", "tiny-vlm", "--taskset",
                                                 "shapes+parity"]),
         Check("agent (guess_number+parity, 3 turns)", ["train_sync.py", *on, "--taskset", "guess_number+parity",

@@ -19,6 +19,9 @@ The accounting of one trainer (bytes; b = bytes of --dtype, S = trainers when --
 - the log-probs: one chunk of common.trainer.forward.LOGPROB_CHUNK_TOKENS positions' fp32 logits over the
   vocabulary, with their softmax, entropy and gradients (`head_bytes`);
 - the process itself: CUDA context, or on the CPU the interpreter with torch and transformers loaded.
+With --fsdp-cpu-offload (GPU trainers) the states are counted in the node's host memory instead; the GPU holds the
+activations and the gathered units, and, while it loads, the largest model whole (each trainer loads it on its
+device before sharding it), so offloading a frozen LoRA base frees the room its shards took, never more than that.
 An explorer: its weights (in --dtype) plus, with vLLM on a GPU, --vllm-gpu-memory-utilization x the GPU's memory in
 all; with vLLM on the CPU --vllm-kv-cache-gb; with HF generate the KV cache of every sample of a rollout batch.
 The weight sync, on top (`sync_bytes`; the method --sync-method auto will pick): trainer 0's broadcast bucket
@@ -159,10 +162,12 @@ class TrainerEstimate:
     activations: float   # one micro-batch (AdamW's fused step needs no temporaries: never the peak)
     process: float
     slack: float = SLACK  # on the activations: SLACK on a GPU, CPU_SLACK on a CPU
+    host: float = 0.0    # --fsdp-cpu-offload: the states, in host memory instead of `states`
+    load: float = 0.0    # --fsdp-cpu-offload: the largest model whole on the device while it loads
 
     @property
     def peak(self) -> float:
-        return self.states + self.slack * self.activations + self.process
+        return max(self.states + self.slack * self.activations, self.load) + self.process
 
 
 def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, trained_tokens: int,
@@ -184,9 +189,18 @@ def trainer_estimate(shape: ModelShape, args, device_type: str, tokens: int, tra
         acts = max(acts, activation_bytes(critic, b, tokens, 0, checkpointing))
     if args.trainer_shard == "fsdp":  # two gathered layers (the current one and the prefetched next)
         acts += 2 * b * shape.body_params / shape.layers
+    if device_type == "cuda" and args.fsdp_cpu_offload:
+        return TrainerEstimate(0.0, acts, CUDA_CONTEXT_BYTES, host=states, load=whole_model_bytes(b, shape, critic,
+                                                                                                   teacher))
     if device_type == "cuda":
         return TrainerEstimate(states, acts, CUDA_CONTEXT_BYTES)
     return TrainerEstimate(states, acts, CPU_PROCESS_BYTES, CPU_SLACK)
+
+
+def whole_model_bytes(b: int, *shapes: ModelShape | None) -> float:
+    """The largest of a trainer's models (policy, critic, teacher) whole: what it holds on its device while it
+    loads one, before FSDP2 shards it."""
+    return max(m.params for m in shapes if m is not None) * b
 
 
 # ----------------------------------------------------------------------------- LoRA (common/lora.py)
@@ -451,6 +465,7 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         report.setdefault(key, []).append(("judge", need, ""))
     # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers there)
     notes: list[str] = []
+    offloaded: dict[str, float] = {}  # --fsdp-cpu-offload: the GPU trainers' states, per node's host memory
     for key in sorted(set(trainers), key=trainers.index):
         free, _ = memory[key]
         first = trainers.index(key)
@@ -462,10 +477,12 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
                               sync, what)
         tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * sequence
         trained = tokens if args.max_tokens_per_micro_batch else args.micro_batch_size * args.max_new_tokens
-        peak = trainer_estimate(shape, args, "cpu" if local_device(key) == "cpu" else "cuda", tokens, trained,
-                                args.gradient_checkpointing, critic, teacher).peak + sync
+        estimate = trainer_estimate(shape, args, "cpu" if local_device(key) == "cpu" else "cuda", tokens, trained,
+                                    args.gradient_checkpointing, critic, teacher)
+        peak = estimate.peak + sync
         report.setdefault(key, []).append((f"trainer{first}" + (f" (x{share})" if share > 1 else ""), peak * share,
                                            what))
+        offloaded[host_of(key)] = offloaded.get(host_of(key), 0.0) + estimate.host
     for key, need in host.items():
         if not need:
             continue
@@ -475,6 +492,15 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
             raise ConfigError(f"the weight sync's host memory on {key} ({gib(need)}: a sharded trainer's in-flight "
                               f"snapshot) does not fit: "
                               f"{_where(key, memory[key][0], taken.get(key, 0.0) - host_explorers.get(key, 0.0))}")
+    for key, need in offloaded.items():
+        if not need:
+            continue
+        report.setdefault(key, []).append(("trainer states", need, "--fsdp-cpu-offload"))
+        used = taken.get(key, 0.0) - host_explorers.get(key, 0.0) + host.get(key, 0.0)
+        if key in memory and used + need > memory[key][0]:
+            raise ConfigError(f"--fsdp-cpu-offload: the trainers' shards, gradients and AdamW state need {gib(need)} "
+                              f"of host memory on {key}, whose available memory is {gib(memory[key][0])}, of which "
+                              f"the explorers and the weight sync there take {gib(used)}")
     check_shared_memory(args, shape, trainers, explorers)
     return notes
 
@@ -528,19 +554,23 @@ def _fit_trainer(shape, critic, args, key, budget, free, explorers, sequence, gi
     if peak(size, ckpt) <= budget:
         return []
     states = trainer_estimate(shape, args, device_type, 0, 0, True, critic, teacher)
-    if states.states + states.process + sync > budget:  # weights, gradients, optimizer state and the sync alone
+    offloading = device_type == "cuda" and args.fsdp_cpu_offload
+    resident = max(states.states, states.load) + states.process + sync  # before any micro-batch
+    if resident > budget:  # weights, gradients, optimizer state (or, offloaded, the model loading) and the sync
         fixes = []
         if args.trainer_shard != "fsdp" and not args.lora_rank:
             fixes += ["--trainer-shard fsdp over more --trainer-devices", "--lora-rank 16"]
         if args.dtype != "bfloat16":
             fixes.append("--dtype bfloat16")
-        if device_type == "cuda" and args.trainer_shard == "fsdp" and not args.fsdp_cpu_offload:
+        if device_type == "cuda" and args.trainer_shard == "fsdp" and not args.fsdp_cpu_offload and \
+                whole_model_bytes(dtype_bytes(args.dtype), shape, critic, teacher) + states.process + sync <= budget:
             fixes.append("--fsdp-cpu-offload")
         if explorers:
             fixes.append("the explorers on another device")
-        raise ConfigError(f"--model {args.model} does not fit a trainer on {key}: weights, gradients and AdamW "
-                          f"state of {shape.params / 1e9:.2f} B parameters in {args.dtype} need "
-                          f"{gib(states.states + states.process + sync)}"
+        what = ("the whole model (each trainer loads it there, then shards and offloads it):" if offloading else
+                "weights, gradients and AdamW state of")
+        raise ConfigError(f"--model {args.model} does not fit a trainer on {key}: {what} "
+                          f"{shape.params / 1e9:.2f} B parameters in {args.dtype} need {gib(resident)}"
                           f"{f' with the weight sync ({sync_what}: {gib(sync)})' if sync else ''} and "
                           f"{_where(key, free, explorers)}: use "
                           f"{' or '.join(fixes) or 'a device with more memory'}")

@@ -24,8 +24,21 @@ def _args(out_dir, *flags):
     from common.cli import parse_args
     from train_sync import Args
 
-    return parse_args(Args, [*TINY, "--minibatch-size", "8", "--micro-batch-size", "3", "--out-dir", str(out_dir),
-                             "--ppo-epochs", "2", *flags])
+    offload = "--fsdp-cpu-offload" in flags  # refused for CPU trainers (they hold everything in host memory
+    # already); set past the check so that FSDP2's offload paths run here (on the CPU no byte moves)
+    args = parse_args(Args, [*TINY, "--minibatch-size", "8", "--micro-batch-size", "3", "--out-dir", str(out_dir),
+                             "--ppo-epochs", "2", *(f for f in flags if f != "--fsdp-cpu-offload")])
+    args.fsdp_cpu_offload = offload
+    return args
+
+
+def offloaded(model) -> bool:
+    """Every FSDP unit of `model` keeps its shards, gradients and optimizer state in host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return bool(units) and all(isinstance(fully_shard.state(m)._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+                               for m in units if fully_shard.state(m)._fsdp_param_group is not None)
 
 
 def worker(ctx, out_dir, flags, resume):
@@ -57,6 +70,7 @@ def worker(ctx, out_dir, flags, resume):
             hashes[version] = engine.weights_checksum()
     else:
         trainer = Trainer(args, ctx.device, DataParallel.from_context(ctx))
+        assert offloaded(trainer.model) == args.fsdp_cpu_offload
         methods = {name: METHODS[name](ctx, args, timeline) for name in set(SYNC.values())} if ctx.explorer_ranks \
             else None
         if resume:
@@ -151,22 +165,50 @@ def test_resume_from_sharded_checkpoint_continues_exactly(fsdp_runs, tmp_path):
 
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--dtype", "bfloat16"]
+LORA_SHARDED = [*LORA, "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"]
 
 
-def test_lora_fsdp_trains_fp32_adapters_and_sends_only_them(tmp_path):
-    """LoRA + FSDP2 (2 trainers over gloo, bf16 base): one unit per layer holds the bf16 base and the fp32 adapters;
-    the trainers train the adapters as one trainer does, and the explorer gets exactly the adapters."""
-    run_workers(tmp_path / "fsdp", [*LORA, "--trainer-devices", "cpu,cpu", "--trainer-shard", "fsdp"])
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """LoRA + FSDP2 (2 trainers over gloo, bf16 base) and an explorer, and one trainer: shared by the tests below."""
+    tmp_path = tmp_path_factory.mktemp("lora")
+    run_workers(tmp_path / "fsdp", LORA_SHARDED)
     one_trainer(tmp_path / "one", LORA)
+    return tmp_path
+
+
+def _adapter(run_dir, step):
+    return load_file(run_dir / "checkpoints" / f"step_{step}" / "adapter" / "adapter_model.safetensors")
+
+
+def test_lora_fsdp_trains_fp32_adapters_and_sends_only_them(lora_run):
+    """One unit per layer holds the bf16 base and the fp32 adapters; the trainers train the adapters as one trainer
+    does, and the explorer gets exactly the adapters."""
+    tmp_path = lora_run
     sent = json.load(open(tmp_path / "fsdp" / "hashes-trainer0.json"))
     got = json.load(open(tmp_path / "fsdp" / "hashes-explorer0.json"))
     assert sorted(got, key=int) == ["0", "1", "2", "3"] and got == sent  # the adapters, bit for bit
 
-    def adapter(run, step):
-        return load_file(tmp_path / run / "checkpoints" / f"step_{step}" / "adapter" / "adapter_model.safetensors")
-    fsdp, one = adapter("fsdp", 3), adapter("one", 3)
+    fsdp, one = _adapter(tmp_path / "fsdp", 3), _adapter(tmp_path / "one", 3)
     assert {t.dtype for t in fsdp.values()} == {torch.float32} and any(".lora_B." in k for k in fsdp)
-    assert _max_diff(fsdp, adapter("fsdp", 2)) > 1e-4  # it trained
+    assert _max_diff(fsdp, _adapter(tmp_path / "fsdp", 2)) > 1e-4  # it trained
     assert _max_diff(fsdp, one) < 1e-3, _max_diff(fsdp, one)  # as one trainer (bf16 forward: not bit-equal)
     final = load_file(tmp_path / "fsdp" / "final" / "model.safetensors")  # a plain HF folder of merged weights
     assert final.keys() == load_file(tmp_path / "one" / "final" / "model.safetensors").keys()
+
+
+def test_lora_fsdp_resume_with_cpu_offload_continues_exactly(lora_run, tmp_path):
+    """The LoRA run's step-2 checkpoint resumed by 2 FSDP2 trainers with --fsdp-cpu-offload (frozen bf16 base, fp32
+    adapters and their AdamW moments sharded in host memory): the saved adapters and their optimizer state come
+    back, so the resumed run trains step 3 through the policy-gradient term (asserted in `worker`) to exactly the
+    uninterrupted run's adapters, and gathers and saves them from the offloaded shards."""
+    full_dir = lora_run / "fsdp"
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full_dir / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2")
+    run_workers(tmp_path / "resumed", [*LORA_SHARDED, "--fsdp-cpu-offload"], explorer=False, resume=True)
+    full = json.load(open(full_dir / "hashes-trainer0.json"))
+    resumed = json.load(open(tmp_path / "resumed" / "hashes-trainer0.json"))
+    assert sorted(resumed, key=int) == ["2", "3"] and full["3"] != full["2"]
+    assert resumed["2"] == full["2"]  # the saved adapters, not fresh ones ...
+    assert resumed["3"] == full["3"]  # ... and the same next step: their AdamW moments came back too
+    assert _max_diff(_adapter(full_dir, 3), _adapter(tmp_path / "resumed", 3)) == 0

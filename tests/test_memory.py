@@ -1,6 +1,9 @@
 """Memory decided before any model loads (common/memory.py): a run that cannot fit stops in one line naming the flag;
 what the user left open is chosen to fit; a packed micro-batch's activations grow linearly with its tokens."""
 
+import copy
+import re
+
 import pytest
 import torch
 
@@ -80,6 +83,48 @@ def _args(folder, *extra, trainers="cuda:0", explorers="cuda:1"):
     args = parse_args(Args, argv)
     args.trainer_devices, args.explorer_devices = trainers, explorers
     return args
+
+
+def test_cpu_offload_moves_the_states_to_host_memory_and_lora_gains_the_frozen_base_s_room(tmp_path):
+    """One FSDP2 trainer on an 80 GB GPU beside a vLLM explorer (35 %), Qwen2.5-7B-shaped in bf16. With
+    --fsdp-cpu-offload the trainer's states are host memory and the GPU keeps the activations, or, while the model
+    loads, the whole model: full fine-tuning (61 GB of states) does not fit without it, the error names it, and
+    with it the run fits; LoRA's frozen base leaves the GPU, so a micro-batch almost twice as large fits; a host too
+    small is one line naming --fsdp-cpu-offload."""
+    folder = _config_folder(tmp_path, "qwen7b", **QWEN_7B)
+    shape = ModelShape.from_config(model_config(folder))
+    gpu, host = {"cuda:0": (79 * GIB, 80 * GIB)}, {"cpu": (200 * GIB, 256 * GIB)}
+
+    parsed = {}
+
+    def one_gpu(*flags, offload=False):  # parsed with CPU trainers, which refuse --fsdp-cpu-offload: set after
+        if flags not in parsed:
+            parsed[flags] = _args(folder, "--vllm-gpu-memory-utilization", "0.35", "--trainer-shard", "fsdp", *flags,
+                                  explorers="cuda:0")
+        args = copy.copy(parsed[flags])  # the plan sets what was left open
+        args.engine, args.fsdp_cpu_offload = "vllm", offload
+        return args
+
+    with pytest.raises(ConfigError, match="does not fit a trainer on cuda:0: weights, gradients and AdamW state .*"
+                                          "use --fsdp-cpu-offload"):
+        plan_memory(one_gpu(), 576, frozenset(), gpu)
+    report = {}
+    plan_memory(one_gpu(offload=True), 576, frozenset(), {**gpu, **host}, report)
+    assert ("trainer states", 4 * shape.params * 2, "--fsdp-cpu-offload") in report["cpu"]  # bf16 AdamW, 1 shard
+    with pytest.raises(ConfigError, match=r"^error: --fsdp-cpu-offload: the trainers' shards, gradients and AdamW "
+                                          r"state need 56\.\d GiB of host memory on cpu"):
+        plan_memory(one_gpu(offload=True), 576, frozenset(), {**gpu, "cpu": (40 * GIB, 64 * GIB)})
+
+    lora = ["--lora-rank", "16", "--micro-batch-size", "16", "--no-gradient-checkpointing"]
+    fits = {}
+    for offload in (False, True):
+        with pytest.raises(ConfigError, match=r"--micro-batch-size 16: .*--micro-batch-size (\d+) fits") as e:
+            args = one_gpu(*lora, offload=offload)
+            plan_memory(args, 576, args.given_fields, {**gpu, **host})
+        fits[offload] = int(re.search(r"--micro-batch-size (\d+) fits", str(e.value)).group(1))
+    assert fits[True] >= fits[False] + 3, fits  # 7 sequences of 576 tokens where 4 fit
+    estimate = trainer_estimate(shape, one_gpu(*lora, offload=True), "cuda", 0, 0, True)
+    assert estimate.load == shape.params * 2 and estimate.host == lora_state_bytes(shape, one_gpu(*lora), 2)
 
 
 def test_what_was_left_open_is_chosen_to_fit_and_a_given_flag_is_named(tmp_path):

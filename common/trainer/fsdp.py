@@ -53,7 +53,9 @@ def shard(model, dp, dtype: torch.dtype | None, cpu_offload: bool = False, hf_mo
 
     mesh = DeviceMesh.from_group(dp.group, dp.device.type)
     mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # bf16: fp32 gradient reduction
-    options = dict(mesh=mesh, mp_policy=mixed, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    # pinned host memory needs an accelerator (CPU trainers offload only in tests: --fsdp-cpu-offload refuses them)
+    offload = CPUOffloadPolicy(pin_memory=dp.device.type == "cuda") if cpu_offload else OffloadPolicy()
+    options = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload)
     for layer in decoder_layers(hf_model or model):
         fully_shard(layer, **options)
     fully_shard(model, **options)
