@@ -15,9 +15,8 @@ import time
 
 from common.explorer import eval_metrics
 from common.explorer.engine import SamplingConfig
-from common.explorer.parts import Parts
+from common.explorer.parts import Parts, ScoreFuture, rollout_metrics
 from common.explorer.rollouts import Rollouts
-from common.explorer.scoring import ScoreFuture, rollout_metrics
 from common.tasks.processors import apply_task_processors
 
 

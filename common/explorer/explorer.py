@@ -79,7 +79,7 @@ def build_processor(args, tokenizer):
 
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
-        self.args, self.timeline, self.index, self.device = args, timeline, index, device
+        self.args, self.timeline, self.index = args, timeline, index
         cores.record_to(timeline)
         cores.widen()  # no trainer computes before the first batch: their cores too, for what this builds and starts
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly

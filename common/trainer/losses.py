@@ -1,5 +1,6 @@
 """Losses and advantages as small pure functions over tensors (hand-checkable; see tests/test_losses.py), and the
 registry of algorithms, `ALGOS` (at the end): each `--algo` is one loss function plus one advantage estimator.
+Also --off-policy-correction's weights (`behaviour_weights`) and the train-inference mismatch (`mismatch_stats`).
 
 Shapes: per-token tensors are [B, T] with a 0/1 `mask` of the same shape; padding and prompt tokens have mask 0
 and never count.
@@ -67,10 +68,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     raise ValueError(f"kl estimator must be k1, k2 or k3, got {kind!r}")
 
 
-# ---------------------------------------------------------------- ALGO LOGIC: off-policy correction
-# --off-policy-correction: importance weights pi_prox / mu for tokens sampled by other weights mu than the proximal
-# policy's (`behaviour_weights`, the menu `CORRECTIONS`; when to pick each: docs/USAGE.md "Rollout correction: the
-# menu"), and the train-inference mismatch the trainer reports (`mismatch_stats`).
+# ---------------------------------------------------------------- ALGO LOGIC: off-policy correction, the mismatch
 def behaviour_weights(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mode: str,
                       cap: float = 2.0, mask: torch.Tensor | None = None, floor: float = 0.5,
                       k3_max: float = 0.01) -> torch.Tensor:
