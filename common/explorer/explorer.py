@@ -2,14 +2,14 @@
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
 Generation goes through the tasks' workflows (common/explorer/workflow.py: single_turn, or multi_turn for tasks that
-name an environment), all advanced together by `Rollouts`. Two ways to run them:
+name an environment), all advanced together by `Rollouts`. What the explorer is built of is its `Parts`
+(common/explorer/parts.py, which also scores and packages). Two ways to run them:
 - in rounds (`rollout`: train_sync.py, train_offpolicy.py): --tasks-per-step groups started and generated to their
   end, then scored together. Single-turn responses are partial rollouts (common/explorer/groups.py): with
   --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are
   continued in later steps (Kimi k1.5 partial rollouts).
-- streaming (`Stream`, common/explorer/streaming.py: train_async.py): --inflight-groups held at once, a new
-  group started the moment one ends, each ended group scored at once, the first --tasks-per-step scored sent as a
-  batch.
+- streaming (`Stream`, common/explorer/streaming.py: train_async.py, given the parts and the weight sync):
+  --inflight-groups held at once, a new group started the moment one ends, each scored at once.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Explorer:
                              judge_device=args.judge_device, judge_timeout_s=args.judge_timeout_s,
                              judge_concurrency=args.judge_concurrency)
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
-        self.parts = Parts(args, index, device, self.engine, tokenizer, sampling, workflow_ctx, Rollouts(workflow_ctx),
+        self.parts = Parts(args, index, device, self.engine, sampling, workflow_ctx, Rollouts(workflow_ctx),
                            train_tasks, eval_tasks, rewards, timeline)  # what its stream and evaluations are given
         self.version = 0  # of the weights the engine holds: set by `pull` / `take_final` (a Stream keeps its own)
         self.weights = None  # the weight sync (`connect`)

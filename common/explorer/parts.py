@@ -32,9 +32,8 @@ class Parts:
     index: int  # explorer<index>
     device: object
     engine: RolloutEngine
-    tokenizer: object
     sampling: SamplingConfig  # the run's, for training samples
-    workflow_ctx: Context
+    workflow_ctx: Context  # with the tokenizer
     in_flight: Rollouts  # the tasks' workflows in flight
     train_tasks: TaskStream
     eval_tasks: list[dict]
@@ -50,7 +49,8 @@ class Parts:
 
     def score(self, flat: list) -> ScoreFuture:
         """Score (group, sample) pairs in the reward pool's processes; episodes add their environment's reward."""
-        return ScoreFuture(self.rewards, flat, self.tokenizer, self.args.env_reward, bool(self.args.reward_fn))
+        args = self.args
+        return ScoreFuture(self.rewards, flat, self.workflow_ctx.tokenizer, args.env_reward, bool(args.reward_fn))
 
     def package(self, groups: list, scores: list, generated: dict, generated_s: float, reward_s: float,
                 version: int):
