@@ -2,8 +2,8 @@
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
 Generation goes through the tasks' workflows (common/explorer/workflow.py: single_turn, or multi_turn for tasks that
-name an environment), all advanced together by `Rollouts`. What the explorer is built of is its `Parts`
-(common/explorer/parts.py, which also scores and packages). Two ways to run them:
+name an environment), all advanced together by `Rollouts`, one of the explorer's `Parts` (common/explorer/parts.py:
+what it is built of; they also score and package). Two ways to run them:
 - in rounds (`rollout`: train_sync.py, train_offpolicy.py): --tasks-per-step groups started and generated to their
   end, then scored together. Single-turn responses are partial rollouts (common/explorer/groups.py): with
   --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are
