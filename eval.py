@@ -112,7 +112,7 @@ def evaluate(args: Args, config: CommonArgs, tasksets: dict[str, list[dict]], ba
             torch.manual_seed(args.seed)  # the HF engine samples from torch's generator: the same draws for A and B
             correct, answers = [], []
             for start in range(0, len(tasks), per_call):
-                evaluation = Evaluation(explorer, step=0, tasks=tasks[start:start + per_call])
+                evaluation = Evaluation(explorer.parts, explorer.version, 0, tasks[start:start + per_call])
                 evaluation.generate()
                 c, a = evaluation.outcomes()
                 correct, answers = correct + c, answers + a

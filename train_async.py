@@ -87,9 +87,8 @@ def explorer_main(ctx: WorkerContext, args: Args, queue: ExperienceQueue, contro
     explorer = Explorer(args, ctx.device, Timeline(args.out_dir, ctx.name), index=ctx.index)
     explorer.connect(make_weight_sync(args, ctx, explorer.timeline, explorer.engine))
     explorer.pull(step=0)
-    explorer.skip_to(explorer.version)
     positions = StreamPositions.published(args, ctx.store, ctx.index, explorer.version)  # what the trainer trained
-    stream = Stream(explorer, positions, ctx.store, control if ctx.index == 0 else None)  # explorer 0 evaluates
+    stream = Stream(explorer.parts, explorer.weights, positions, ctx.store, control if ctx.index == 0 else None)
     while not stop.is_set():
         stream.evaluate_when_due()  # its requests join the groups' running batch
         stream.start_groups()  # up to --inflight-groups generating, none too stale to train (StreamPositions)

@@ -11,8 +11,7 @@ from typing import ClassVar, Literal
 import common.checks
 from common.knobs import Range, check_numeric_ranges
 from common.placement import place
-from common.trainer.correction import CORRECTIONS
-from common.trainer.losses import ALGOS
+from common.trainer.losses import ALGOS, CORRECTIONS
 from common.weight_sync import METHODS
 from rewards.base import KINDS
 

@@ -17,7 +17,7 @@ from common.experience import Experience, collate
 from common.explorer.chat import ChatRenderer, strip_reasoning
 from common.explorer.engine import Generation, HFEngine, RolloutEngine, SamplingConfig
 from common.explorer.rollouts import run_episodes
-from common.explorer.scoring import rollout_metrics
+from common.explorer.parts import rollout_metrics
 from common.explorer.workflow import Context
 from common.model import build_tiny_model, build_tiny_tokenizer
 from common.trainer.forward import sequence_logprobs
@@ -614,7 +614,7 @@ def test_gem_adapter_plays_a_gem_game():
 def test_reward_fn_gets_the_whole_trajectory_and_shaping_sees_episodes(tmp_path):
     from rewards import RewardPool, UserReward
     from rewards.shaping import shape_batch
-    from common.explorer.scoring import ScoreFuture
+    from common.explorer.parts import ScoreFuture
 
     fn = tmp_path / "traj_reward.py"
     fn.write_text("def score(response, task):\n"

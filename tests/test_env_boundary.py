@@ -23,7 +23,7 @@ from common.envs.tool_formats import FORMATS
 from common.envs.tools import ToolEnv, check_tools
 from common.explorer.engine import SamplingConfig
 from common.explorer.rollouts import run_episodes
-from common.explorer.scoring import rollout_metrics
+from common.explorer.parts import rollout_metrics
 from common.explorer.workflow import Context
 from tests.conftest import TINY, assert_trained, run_in_process
 from tests.test_agents import Scripted, scored, tiny_with

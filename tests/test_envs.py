@@ -11,7 +11,7 @@ from common.envs import ENVS, make_env
 from common.envs.tools import ToolEnv, parse_tool_calls
 from common.model import build_tiny_tokenizer
 from common.explorer.rollouts import run_episodes
-from common.explorer.scoring import rollout_metrics
+from common.explorer.parts import rollout_metrics
 from common.explorer.workflow import Context
 from tests.conftest import TINY, run_in_process
 

@@ -255,6 +255,17 @@ def test_entry_scripts_say_who_waits_for_whom_and_leave_the_machinery_to_the_han
     assert not named, f"entry scripts that import common.runtime.cores: {sorted(named)}"
 
 
+def test_the_stream_and_evaluations_are_given_the_explorers_parts_never_the_explorer():
+    """No pointer back to the Explorer: Stream and Evaluation are built from its `Parts` (common/explorer/parts.py),
+    so neither can read or write the fields of the explorer that made them."""
+    for name in ("streaming", "evaluation", "parts"):
+        tree = ast.parse(open(os.path.join(ROOT, "common", "explorer", f"{name}.py")).read())
+        held = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.arg) and n.arg == "explorer"
+                or isinstance(n, ast.Name) and n.id in ("explorer", "Explorer")
+                or isinstance(n, ast.Attribute) and n.attr == "explorer" and getattr(n.value, "id", "") == "self"]
+        assert not held, f"common/explorer/{name}.py holds the explorer at lines {held}"
+
+
 def test_docs_link_only_inside_the_repository():
     for doc in ("README.md", "rewards/THREATS.md", *(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")))):
         if not doc.endswith(".md"):

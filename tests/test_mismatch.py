@@ -56,7 +56,7 @@ def test_geo_mask_drops_whole_far_sequences_and_trains_on_the_rest():
 
 
 def test_geo_mask_weights():
-    from common.trainer.correction import behaviour_weights
+    from common.trainer.losses import behaviour_weights
 
     prox = torch.zeros(3, 4)
     behaviour = torch.tensor([[0.0, 0.0, 0.0, -2.0],   # one extreme token: geometric mean e^0.5, kept

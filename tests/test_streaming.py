@@ -65,7 +65,7 @@ def explorer(tmp_path):
         built.append(Explorer(args, "cpu", Timeline(str(tmp_path), "explorer0")))
         built[-1].engine.stop_ids = list(range(259))  # every token stops: each turn reaches its environment step
         if sleepy.slow_id is None:  # the task at stream position 0, read from a copy of the stream
-            sleepy.slow_id = copy.deepcopy(built[-1].train_tasks).next_batch(1)[0]["id"]
+            sleepy.slow_id = copy.deepcopy(built[-1].parts.train_tasks).next_batch(1)[0]["id"]
         return built[-1]
 
     yield make
@@ -94,7 +94,7 @@ def in_flight(s) -> list[int]:
 
 @pytest.mark.timeout(300)
 def test_a_slow_group_does_not_hold_back_the_groups_behind_it(explorer):
-    s = Stream(explorer())
+    s = Stream(explorer().parts)
     batches = stream(s, 4)  # while the slow group's tool is busy
     positions = [b.positions for b in batches]
     assert [0] not in positions, positions  # the groups started after it reached the buffer first
@@ -108,13 +108,13 @@ def test_a_slow_group_does_not_hold_back_the_groups_behind_it(explorer):
 
 @pytest.mark.timeout(300)
 def test_resume_uses_every_task_position_once(explorer):
-    first = Stream(explorer())
+    first = Stream(explorer().parts)
     trained = [p for b in stream(first, 3) for p in b.positions]  # three steps trained; more groups still in flight
     assert 0 not in trained and first.position_of  # the slow group was in flight when the "checkpoint" was taken
     ledger = mark_trained(None, trained)
     first.stop()
     e = explorer()
-    resumed = Stream(e, StreamPositions(e.args, ledger, step=3))
+    resumed = Stream(e.parts, positions=StreamPositions(e.args, ledger, step=3))
     again = [p for b in stream(resumed, 5) for p in b.positions]
     assert not set(again) & set(trained), (trained, again)  # nothing trained twice
     lost = set(range(max(trained))) - set(trained) - set(again) - set(in_flight(resumed))
@@ -126,12 +126,12 @@ def test_a_group_starts_only_within_max_staleness_of_the_weights(explorer):
     + 1) x --tasks-per-step, however many --inflight-groups are free; each new version admits one batch more."""
     e = explorer()
     e.args.max_staleness = 1  # at version 0: positions 0 and 1 (--inflight-groups 3 would start a third)
-    s = Stream(e)
+    s = Stream(e.parts)
     s.start_groups()
     assert in_flight(s) == [0, 1]
     s.start_groups()
     assert len(s.position_of) == 2  # no new version, no new group
-    e.version = 1
+    s.version = 1
     s.start_groups()
     assert in_flight(s) == [0, 1, 2]
 
@@ -147,8 +147,8 @@ def test_no_group_starts_past_the_runs_last_batch_until_the_trainer_drops_one(ex
     trainer = TrainedPositions({}, store, main=True)  # the trainer's side, published before the first weights
     e = explorer()
     e.args.steps = 2
-    s = Stream(e, StreamPositions.published(e.args, store, 0, step=0), store)
-    e.version = 5
+    s = Stream(e.parts, None, StreamPositions.published(e.args, store, 0, step=0), store)
+    s.version = 5
     s.start_groups()
     assert in_flight(s) == [0, 1]
     s.start_groups()
@@ -161,10 +161,10 @@ def test_no_group_starts_past_the_runs_last_batch_until_the_trainer_drops_one(ex
     trainer.record(RolloutBatch(2, ["trained"], {}, 0, [1, 2]))
     e.args.steps = 3
     resumed = explorer()
-    resumed.version = 5
     fresh = torch.distributed.HashStore()  # a resumed run's store: its trainer publishes the checkpoint's ledger
     TrainedPositions(trainer.ledgers, fresh, main=True)
-    s = Stream(resumed, StreamPositions.published(resumed.args, fresh, 0, step=2), fresh)
+    s = Stream(resumed.parts, None, StreamPositions.published(resumed.args, fresh, 0, step=2), fresh)
+    s.version = 5
     s.start_groups()
     assert in_flight(s) == [3]
 
@@ -182,24 +182,24 @@ def test_an_evaluation_runs_beside_the_groups_on_the_weights_it_started_with(exp
 
     e = explorer()
     sleepy = env_class("sleepy")
-    sleepy.slow_id = e.eval_tasks[0]["id"]  # the held-out episode waits in its environment until released
+    sleepy.slow_id = e.parts.eval_tasks[0]["id"]  # the held-out episode waits in its environment until released
     ctx = SimpleNamespace(store=torch.distributed.HashStore(), name="explorer0", index=0)
     e.connect(CheckpointSync(ctx, e.args, e.timeline, e.engine))
     named = [(n, p.detach().clone()) for n, p in e.engine.model.named_parameters()]
     write_sync_checkpoint(e.weights.sync_dir, named, 0)
     e.pull(step=0)
-    s = Stream(e)
+    s = Stream(e.parts, e.weights)
     s.start_evaluation(0)
     assert len(stream(s, 3)) == 3  # made while the evaluation's episode waits
     assert s.take_evaluation() is None and sleepy.started == 1
     write_sync_checkpoint(e.weights.sync_dir, [(n, t + 0.01) for n, t in named], 1)
     s.poll()
-    assert e.version == 0  # not while the evaluation runs
+    assert s.version == 0  # not while the evaluation runs
     sleepy.release.set()
     metrics = s.take_evaluation(wait=True)
     assert metrics["eval/version"] == 0 and metrics["eval/turns_mean"] == 1.0
     s.poll()
-    assert e.version == 1  # and once it is over
+    assert s.version == 1  # and once it is over
 
 
 def test_ledger_of_trained_positions():

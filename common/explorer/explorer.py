@@ -2,14 +2,14 @@
 reward models, and package the results as experiences. Also the held-out evaluation (greedy).
 
 Generation goes through the tasks' workflows (common/explorer/workflow.py: single_turn, or multi_turn for tasks that
-name an environment), all advanced together by `Rollouts`. Two ways to run them:
+name an environment), all advanced together by `Rollouts`, one of the explorer's `Parts` (common/explorer/parts.py:
+what it is built of; they also score and package). Two ways to run them:
 - in rounds (`rollout`: train_sync.py, train_offpolicy.py): --tasks-per-step groups started and generated to their
   end, then scored together. Single-turn responses are partial rollouts (common/explorer/groups.py): with
   --rollout-token-budget 0 every group ends in the step it started; with a budget, unfinished responses are
   continued in later steps (Kimi k1.5 partial rollouts).
-- streaming (`Stream`, common/explorer/streaming.py: train_async.py): --inflight-groups held at once, a new
-  group started the moment one ends, each ended group scored at once, the first --tasks-per-step scored sent as a
-  batch.
+- streaming (`Stream`, common/explorer/streaming.py: train_async.py, given the parts and the weight sync):
+  --inflight-groups held at once, a new group started the moment one ends, each scored at once.
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from common.experience import Experience, RolloutBatch, zero_signal_groups
 from common.lora import LoraSpec, sync_mode
 from common.tasks.hub import DatasetOptions
 from common.runtime import cores
-from common.runtime.metrics import Timeline, peak_gpu_memory
+from common.runtime.metrics import Timeline
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
 from common.tasks import build_tasksets
-from common.explorer.evaluation import Evaluation
+from common.explorer.evaluation import Evaluation, eval_due
+from common.explorer.parts import Parts
 from common.explorer.rollouts import Rollouts
-from common.explorer.scoring import ScoreFuture, rollout_metrics, turn_credit
 from common.explorer.workflow import Context
 from common.tasks.processors import apply_task_processors
 from common.vlm import is_vlm, load_processor
 from rewards import RewardPool, UserReward, score
-from rewards.shaping import shape_batch
 
 
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
@@ -80,35 +79,34 @@ def build_processor(args, tokenizer):
 
 class Explorer:
     def __init__(self, args, device, timeline: Timeline, index: int = 0):
-        self.args, self.timeline, self.index, self.device = args, timeline, index, device
+        self.args, self.timeline, self.index = args, timeline, index
         cores.record_to(timeline)
         cores.widen()  # no trainer computes before the first batch: their cores too, for what this builds and starts
         torch.manual_seed(args.seed + 1000 * index)  # explorers sample differently, reproducibly
-        self.engine, self.tokenizer = build_engine(args, device)
+        self.engine, tokenizer = build_engine(args, device)
         if self.engine.describe():
             print(f"[tandem] explorer{index}: {self.engine.describe()}", flush=True)
         start = time.time()  # compiles the decode step, where there is one to compile, before the first rollout
-        if self.engine.warm_up(chat_prompt_ids(self.tokenizer, {"prompt": "warm up"})):
+        if self.engine.warm_up(chat_prompt_ids(tokenizer, {"prompt": "warm up"})):
             self.timeline.record("warm-up", start, time.time())
             print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
                   flush=True)
-        self.train_tasks, self.eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty,
-                                                           args.eval_size, args.seed + 1000 * index,
-                                                           args.task_sampling, args.curriculum,
-                                                           DatasetOptions.from_args(args), args.dataset_split,
-                                                           args.eval_dataset_split)
-        self.workflow_ctx = Context.from_args(self.tokenizer, args, build_processor(args, self.tokenizer))
-        self.in_flight = Rollouts(self.workflow_ctx)  # the tasks' workflows in flight
-        self.rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
-                                  score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
-                                  rm_model=args.rm_model, judge_model=args.judge_model,
-                                  memory_mb=args.reward_memory_mb, judge_url=args.judge_url,
-                                  judge_api_key_env=args.judge_api_key_env, judge_device=args.judge_device,
-                                  judge_timeout_s=args.judge_timeout_s, judge_concurrency=args.judge_concurrency)
-        self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
-        self.version = 0  # of the weights the engine holds: set by `pull` / `poll` / `take_final`
+        train_tasks, eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size,
+                                                 args.seed + 1000 * index, args.task_sampling, args.curriculum,
+                                                 DatasetOptions.from_args(args), args.dataset_split,
+                                                 args.eval_dataset_split)
+        workflow_ctx = Context.from_args(tokenizer, args, build_processor(args, tokenizer))
+        rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
+                             score_fn=UserReward(args.reward_fn) if args.reward_fn else score,
+                             rm_model=args.rm_model, judge_model=args.judge_model, memory_mb=args.reward_memory_mb,
+                             judge_url=args.judge_url, judge_api_key_env=args.judge_api_key_env,
+                             judge_device=args.judge_device, judge_timeout_s=args.judge_timeout_s,
+                             judge_concurrency=args.judge_concurrency)
+        sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
+        self.parts = Parts(args, index, device, self.engine, sampling, workflow_ctx, Rollouts(workflow_ctx),
+                           train_tasks, eval_tasks, rewards, timeline)  # what its stream and evaluations are given
+        self.version = 0  # of the weights the engine holds: set by `pull` / `take_final` (a Stream keeps its own)
         self.weights = None  # the weight sync (`connect`)
-        self.next_group = 0
         self.first_step = 1
 
     # ------------------------------------------------------------------ weights: the explorer's version is its sync's
@@ -121,12 +119,6 @@ class Explorer:
         self.version = self.weights.pull(step)
         return self.version
 
-    def poll(self, step: int) -> bool:
-        """Take new weights if some are waiting, without waiting; whether any were taken."""
-        took = self.weights.poll(step)
-        self.version = self.weights.version
-        return took
-
     def take_final(self, step: int) -> int:
         """At the end of the run: every send still owed, up to the trainer's final weights."""
         self.version = self.weights.take_final(step)
@@ -134,7 +126,7 @@ class Explorer:
 
     def skip_to(self, step: int):
         """On resume: continue the task stream where the trainer's step count says it was."""
-        self.train_tasks.position = step * self.args.tasks_per_step
+        self.parts.train_tasks.position = step * self.args.tasks_per_step
         self.first_step = step + 1
 
     def rollout(self, step: int) -> tuple[list[Experience], dict]:
@@ -166,91 +158,29 @@ class Explorer:
 
     def _round(self, step: int, num_tasks: int) -> tuple[list[Experience], dict]:
         """`rollout`'s generation round over `num_tasks` new tasks."""
-        args = self.args
-        tasks = self.train_tasks.next_batch(num_tasks, progress=self.version / args.steps)
+        args, p = self.args, self.parts
+        tasks = p.train_tasks.next_batch(num_tasks, progress=self.version / args.steps)
         tasks, task_counts = apply_task_processors(tasks, args.task_processors, args)
         for task in tasks:
-            self.start_group(task)
+            p.start_group(task)
         t0 = time.time()
         with self.timeline.phase("rollout", step=step, version=self.version):
-            generated = self.in_flight.generate(self.engine, self.sampling, self.version)
+            generated = p.in_flight.generate(self.engine, p.sampling, self.version)
         generated_s = time.time() - t0
-        groups = self.in_flight.pop_finished()
-        flat = [(g, r) for g in groups for r in g.responses]
-        # verifiers run in the pool's worker processes; episodes add their environment's reward
-        future = ScoreFuture(self.rewards, flat, self.tokenizer, args.env_reward, bool(args.reward_fn))
+        groups = p.in_flight.pop_finished()
+        future = p.score([(g, r) for g in groups for r in g.responses])
         t1 = time.time()
         with self.timeline.phase("reward", step=step):
             scores = future.result(timeout=args.timeout_s)
         t2 = time.time()
         self.timeline.record("reward-in-flight", future.submitted_at, future.done_at, step=step)
         generated["tasks"] = task_counts
-        experiences, metrics = self.package(groups, scores, generated, generated_s, t2 - t1)
-        if args.rollout_token_budget:
-            metrics.update({
-                "rollout/partial_continued": generated["continued"],  # responses given another segment now
-                "rollout/partial_saved": len(self.in_flight.unfinished()),  # still unfinished: continued later
-                "rollout/partial_finished": sum(r.segments > 1 for _, r in flat),  # ended after 2+ segments
-                "rollout/groups_finished": len(groups), "rollout/groups_in_flight": len(self.in_flight.groups),
-            })
-        return experiences, metrics
-
-    def start_group(self, task: dict) -> int:
-        """Start `task`'s workflow in flight (--samples-per-task samples) as the next group; its group id."""
-        self.in_flight.start(task, self.next_group, self.args.samples_per_task)
-        self.next_group += 1
-        return self.next_group - 1
-
-    def package(self, groups: list, scores: list, generated: dict, generated_s: float, reward_s: float):
-        """Experiences and metrics of scored groups (scores: one Reward per sample, group by group)."""
-        args = self.args
-        flat = [(g, r) for g in groups for r in g.responses]
-        shaped = self.shaped(flat, scores)
-        experiences = [Experience(
-            prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
-            loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
-            group_id=g.group_id, task_id=str(g.task["id"]), policy_version=max(r.versions, default=self.version),
-            finish_reason=r.finish_reason, timings={"rollout": generated_s, "reward": reward_s},
-            segment_versions=r.versions, turn_ends=r.turn_ends,
-            turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=r.images,
-        ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
-        start = 0
-        for g in groups:  # prioritized task sampling learns each task's success rate from these
-            end = start + len(g.responses)  # n samples; an agent's episodes make any number
-            self.train_tasks.record(str(g.task["id"]), [s.score >= 1.0 for s in scores[start:end]])
-            start = end
-        metrics = {
-            "time/rollout": generated_s, "time/reward": reward_s,
-            "rollout/tokens_per_s": generated["tokens"] / max(generated_s, 1e-9),
-            "rollout/truncated_frac": sum(r.finish_reason == "length" for _, r in flat) / max(len(flat), 1),
-            "rollout/sampled_tokens_mean": sum(r.sampled_tokens for _, r in flat) / max(len(flat), 1),
-            "reward/failed": sum(bool(r.info.get("failed")) for r in scores),
-            **rollout_metrics(flat), **generated.get("tasks", {}),
-            **peak_gpu_memory(self.device, f"explorer{self.index}"),
-            **self.rewards.judge_metrics(),  # reward/judge_*: calls, calls/s, cache hit rate, failures
-        }
-        modes = sorted({r.info["sandbox"] for r in scores if r.info.get("sandbox")})  # code rewards: isolation in force
-        if modes:
-            metrics["reward/sandbox_mode"] = " | ".join(modes)
-        if args.curriculum:
-            metrics["tasks/max_difficulty"] = self.train_tasks.open_levels(self.version / args.steps)[-1]
-        for name in (shaped[0][1] if shaped else {}):  # raw, and each shaping term that is switched on
-            metrics[f"reward/{name}_mean"] = sum(parts[name] for _, parts in shaped) / len(shaped)
-        return experiences, metrics
-
-    def shaped(self, flat: list, scores: list) -> list[tuple[float, dict]]:
-        """ALGO LOGIC: shaping per sample group (--length-penalty, --format-reward, --overlong-buffer) of scored
-        (group, response) pairs: (reward, its parts) each; reward_info keeps the parts."""
-        args = self.args
-        sizes = [sum(1 for g, _ in flat if g is group) for group in {id(g): g for g, _ in flat}.values()]
-        return shape_batch(scores, [r.sampled_tokens for _, r in flat], sizes, args.length_penalty,
-                           args.format_reward, args.overlong_buffer, args.max_new_tokens)  # episodes: sampled tokens
+        return p.package(groups, scores, generated, generated_s, t2 - t1, self.version)
 
     def eval_due(self, step: int) -> bool:
         """Before the first step of a run and every --eval-every steps (the last one comes after training); never
         with --eval-every 0."""
-        every = self.args.eval_every
-        return bool(every) and (step == self.first_step or (step - 1) % every == 0)
+        return eval_due(step, self.first_step, self.args.eval_every)
 
     def hand_over(self, queue, batch: RolloutBatch) -> None:
         """Put a round's batch in the queue (it waits while the queue is full), the trainers' cores given back first:
@@ -267,9 +197,9 @@ class Explorer:
 
     def evaluate(self, step: int) -> dict:
         """Greedy accuracy on the held-out tasks (common/explorer/evaluation.py), generated to the end now."""
-        return Evaluation(self, step).run()
+        return Evaluation(self.parts, self.version, step).run()
 
     def close(self):
-        self.in_flight.close()
-        self.rewards.close()
+        self.parts.in_flight.close()
+        self.parts.rewards.close()
         self.engine.close()

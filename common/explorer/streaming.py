@@ -2,9 +2,10 @@
 one ends, each ended group scored at once, the first --tasks-per-step scored sent as a batch. A group starts only
 within --max-staleness versions of the explorer's weights (AReaL's admission rule).
 
-`Stream` holds the streaming state of one explorer and generates with that explorer's engine, workflows in flight,
-reward pool and weights version; the rounds of train_sync.py and train_offpolicy.py are `Explorer.rollout`. Its
-stream positions are common/tasks/stream.py's `StreamPositions`. A held-out evaluation runs inside the stream
+`Stream` holds the streaming state of one explorer: it is given the explorer's parts (common/explorer/parts.py:
+engine, workflows in flight, task stream, reward pool) and its weight sync, and keeps the weights version it
+generates with; the rounds of train_sync.py and train_offpolicy.py are `Explorer.rollout`. Its stream positions are
+common/tasks/stream.py's `StreamPositions`. A held-out evaluation runs inside the stream
 (`start_evaluation`): its greedy requests join the groups' running batch instead of stopping them. What happens at a
 hand-over is the stream's too (`hand_over`): the trainers' cores given back, the put that takes pending weights
 while the queue is full.
@@ -15,21 +16,24 @@ from __future__ import annotations
 import time
 
 from common.experience import RolloutBatch, zero_signal_groups
-from common.explorer.evaluation import Evaluation
-from common.explorer.scoring import ScoreFuture
+from common.explorer.evaluation import Evaluation, eval_due
+from common.explorer.parts import Parts
 from common.runtime import cores
 from common.tasks.processors import apply_task_processors
 from common.tasks.stream import StreamPositions
 
 
 class Stream:
-    def __init__(self, explorer, positions: StreamPositions | None = None, store=None, control=None):
-        """`positions`: where the stream starts (default: a fresh run's); `store`: the run's (the trainers lend their
-        cores while they wait, common/runtime/cores.py); `control`: evaluations go to the trainer there (explorer 0
-        only: one measures held-out accuracy for the run)."""
-        self.explorer, self.args = explorer, explorer.args
+    def __init__(self, parts: Parts, weights=None, positions: StreamPositions | None = None, store=None,
+                 control=None):
+        """`weights`: the explorer's weight sync (common/weight_sync), after its first `pull`; `positions`: where
+        the stream starts (default: a fresh run's); `store`: the run's (the trainers lend their cores while they
+        wait, common/runtime/cores.py); `control`: evaluations go to the trainer there (explorer 0 only: one
+        measures held-out accuracy for the run)."""
+        self.parts, self.args, self.weights = parts, parts.args, weights
         self.positions, self.store, self.control = positions or StreamPositions(self.args), store, control
-        explorer.train_tasks.position = self.positions.start
+        parts.train_tasks.position = self.positions.start
+        self.version = weights.version if weights is not None else 0  # of the weights the engine holds (`poll`)
         # tasks drawn and not started, groups being scored and scored, the stream position and start time of every
         # group in flight, what happened since the last batch
         self.drawn: list[tuple[int, dict]] = []
@@ -43,21 +47,22 @@ class Stream:
         self.batch_tokens, self.batch_busy = 0, 0.0
         self.batch_replaced = 0  # zero-signal groups replaced (--refill-rounds) for this batch
         self.evaluation: Evaluation | None = None  # the held-out evaluation in flight
-        self.undecided = explorer.version + 1  # the first trainer step whose evaluation is not decided yet
+        self.first_step = self.version + 1  # the stream's first trainer step (an evaluation may come before it)
+        self.undecided = self.first_step  # the first trainer step whose evaluation is not decided yet
         self.sent = 0  # batches handed over
 
     def evaluate_when_due(self) -> None:
         """With the control channel: start the held-out evaluation due before a trainer step these weights may
         reach (--eval-every)."""
-        ex = self.explorer
-        if self.control is not None and any(ex.eval_due(s) for s in range(self.undecided, ex.version + 2)):
+        due = (eval_due(s, self.first_step, self.args.eval_every) for s in range(self.undecided, self.version + 2))
+        if self.control is not None and any(due):
             self.start_evaluation(self.sent)
-        self.undecided = ex.version + 2
+        self.undecided = self.version + 2
 
     def start_evaluation(self, step: int) -> None:
         """Start the held-out evaluation before trainer step `step`; it advances with every `step` from now on,
-        and the explorer takes no new weights until `take_evaluation` has returned its result."""
-        self.evaluation = Evaluation(self.explorer, step)
+        and the stream takes no new weights until `take_evaluation` has returned its result."""
+        self.evaluation = Evaluation(self.parts, self.version, step)
 
     def take_evaluation(self, wait: bool = False) -> dict | None:
         """The evaluation's metrics once it is generated and scored (then it is over; with the control channel they
@@ -69,18 +74,19 @@ class Stream:
             return None
         result, self.evaluation = self.evaluation.result(), None
         if self.control is not None:
-            self.control.send("eval", result, self.explorer.index)
+            self.control.send("eval", result, self.parts.index)
         return result
 
     def poll(self) -> None:
         """New weights, if some are waiting; none while the held-out evaluation runs (it measures the weights it
         started with)."""
         if self.evaluation is None:
-            self.explorer.poll(self.sent)
+            self.weights.poll(self.sent)
+            self.version = self.weights.version
 
     def idle(self) -> bool:
         """No group generating or being scored: nothing that new weights would interrupt."""
-        return not (self.explorer.in_flight.workflows or self.scoring)
+        return not (self.parts.in_flight.workflows or self.scoring)
 
     def start_groups(self) -> None:
         """Start new groups until --inflight-groups are generating or scored and not yet sent. Tasks are drawn from the stream
@@ -88,14 +94,14 @@ class Stream:
         trained before a resume (`StreamPositions.skip`) are skipped; a task a processor drops counts as used. A group
         starts only where `StreamPositions.admits`: scored groups not yet in the queue count too, so while the
         queue is full the explorer does not run ahead (it would only make what it holds older)."""
-        args, ex = self.args, self.explorer
+        args, p = self.args, self.parts
         if self.batch_started is None:
-            self.batch_started, self.batch_tokens, self.batch_busy = time.time(), ex.in_flight.tokens, ex.engine.busy_s
-        while len(ex.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
-                and self.positions.admits(self.next_position(), ex.version):
+            self.batch_started, self.batch_tokens, self.batch_busy = time.time(), p.in_flight.tokens, p.engine.busy_s
+        while len(p.in_flight.workflows) + len(self.scoring) + len(self.scored) < args.inflight_groups \
+                and self.positions.admits(self.next_position(), self.version):
             if not self.drawn:
-                start = ex.train_tasks.position
-                tasks = ex.train_tasks.next_batch(args.tasks_per_step, progress=ex.version / args.steps)
+                start = p.train_tasks.position
+                tasks = p.train_tasks.next_batch(args.tasks_per_step, progress=self.version / args.steps)
                 self.drawn = [(start + i, t) for i, t in enumerate(tasks) if start + i not in self.positions.skip]
                 continue
             position, task = self.drawn.pop(0)
@@ -105,11 +111,11 @@ class Stream:
             if not kept:
                 self.positions.spend(position, replaced=False)
                 continue
-            self.position_of[ex.start_group(kept[0])] = (position, time.time())
+            self.position_of[p.start_group(kept[0])] = (position, time.time())
 
     def next_position(self) -> int:
         """The task stream position of the next group to start."""
-        return self.drawn[0][0] if self.drawn else self.explorer.train_tasks.position
+        return self.drawn[0][0] if self.drawn else self.parts.train_tasks.position
 
     def step(self) -> None:
         """One engine step over every group in flight (Rollouts.step: waits only while no request is ready,
@@ -121,25 +127,23 @@ class Stream:
             self.take_evaluation()
 
     def _advance(self) -> None:
-        ex = self.explorer
-        cores.follow(self.store, ex.engine)
-        busy = ex.engine.busy_s
+        p = self.parts
+        cores.follow(self.store, p.engine)
+        busy = p.engine.busy_s
         t0 = time.time()
         evaluating = self.evaluation.rollouts if self.evaluation is not None else None  # its workflows in flight
         # With an evaluation in flight neither side waits long for its environments while the other decodes.
-        ex.in_flight.step(ex.engine, ex.sampling, ex.version,
-                          wait_s=1.0 if evaluating is None else 0.0 if evaluating.in_engine else 0.05)
+        p.in_flight.step(p.engine, p.sampling, self.version,
+                         wait_s=1.0 if evaluating is None else 0.0 if evaluating.in_engine else 0.05)
         if evaluating is not None:  # its own requests, in the same running batch
-            self.evaluation.step(wait_s=0.0 if ex.in_flight.in_engine else 0.005)
-        if ex.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
+            self.evaluation.step(wait_s=0.0 if p.in_flight.in_engine else 0.005)
+        if p.engine.busy_s > busy:  # the timeline's generate spans: consecutive busy steps merged
             self.busy_span = (self.busy_span[0], time.time()) if self.busy_span and t0 - self.busy_span[1] < 0.05 \
                 else self._flush_busy_span() or (t0, time.time())
-        self.groups_seen.append(len(ex.in_flight.workflows))
-        for group in ex.in_flight.pop_finished():  # verifiers in the pool's processes; episodes add the env's
-            flat = [(group, r) for r in group.responses]
-            self.scoring.append((group, ScoreFuture(ex.rewards, flat, ex.tokenizer, self.args.env_reward,
-                                                    bool(self.args.reward_fn))))
-        generating = ex.in_flight.workflows or evaluating is not None and evaluating.workflows
+        self.groups_seen.append(len(p.in_flight.workflows))
+        for group in p.in_flight.pop_finished():
+            self.scoring.append((group, p.score([(group, r) for r in group.responses])))
+        generating = p.in_flight.workflows or evaluating is not None and evaluating.workflows
         if not generating and not any(f.done() for _, f in self.scoring):
             time.sleep(0.005)  # nothing to generate, no score to collect (verifiers busy, or waiting for weights or
             # the run's end): do not spin
@@ -147,7 +151,7 @@ class Stream:
             self.scoring.remove((group, future))
             scores = future.result(timeout=self.args.timeout_s)
             position, started = self.position_of[group.group_id]
-            ex.timeline.record("group", started, time.time(), group=group.group_id, task=position)
+            p.timeline.record("group", started, time.time(), group=group.group_id, task=position)
             if self._replace_zero_signal(group, scores):
                 continue
             self.scored.append((group, scores, future))
@@ -159,7 +163,7 @@ class Stream:
         args = self.args
         if self.batch_replaced >= args.refill_rounds * args.tasks_per_step:
             return False
-        if len({reward for reward, _ in self.explorer.shaped([(group, r) for r in group.responses], scores)}) > 1:
+        if len({reward for reward, _ in self.parts.shaped([(group, r) for r in group.responses], scores)}) > 1:
             return False
         self.positions.spend(self.position_of.pop(group.group_id)[0], replaced=True)
         self.batch_replaced += 1
@@ -167,14 +171,14 @@ class Stream:
 
     def _flush_busy_span(self) -> None:
         if self.busy_span:
-            self.explorer.timeline.record("generate", *self.busy_span)
+            self.parts.timeline.record("generate", *self.busy_span)
         self.busy_span = None
 
     def take_batch(self) -> RolloutBatch | None:
         """The first --tasks-per-step scored groups (in the order their scoring finished) as the next batch: their
         experiences, the metrics since the last batch, and the stream positions they used (tasks dropped by a
         processor and groups replaced included); None while fewer are scored."""
-        ex, n = self.explorer, self.args.tasks_per_step
+        p, n = self.parts, self.args.tasks_per_step
         if len(self.scored) < n:
             return None
         self._flush_busy_span()
@@ -182,17 +186,13 @@ class Stream:
         groups = [g for g, _, _ in taken]
         now, seconds = time.time(), time.time() - self.batch_started
         reward_s = sum(f.done_at - f.submitted_at for _, _, f in taken) / n
-        generated = {"tokens": ex.in_flight.tokens - self.batch_tokens, "tasks": self.task_counts}
-        experiences, metrics = ex.package(groups, [r for _, scores, _ in taken for r in scores], generated,
-                                          seconds, reward_s)
-        if self.args.rollout_token_budget:  # streamed partial rollouts: a response's segments follow each other
-            responses = [r for g in groups for r in g.responses]
-            metrics.update({"rollout/partial_continued": sum(max(r.segments - 1, 0) for r in responses),
-                            "rollout/partial_saved": len(ex.in_flight.unfinished()),
-                            "rollout/partial_finished": sum(r.segments > 1 for r in responses),
-                            "rollout/groups_finished": n})
+        # partial rollouts in the stream: a response's segments follow each other
+        generated = {"tokens": p.in_flight.tokens - self.batch_tokens, "tasks": self.task_counts,
+                     "continued": sum(max(r.segments - 1, 0) for g in groups for r in g.responses)}
+        experiences, metrics = p.package(groups, [r for _, scores, _ in taken for r in scores], generated,
+                                         seconds, reward_s, self.version)
         metrics["rollout/groups_in_flight"] = sum(self.groups_seen) / max(len(self.groups_seen), 1)
-        metrics["rollout/engine_busy_frac"] = (ex.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
+        metrics["rollout/engine_busy_frac"] = (p.engine.busy_s - self.batch_busy) / max(seconds, 1e-9)
         if self.args.refill_rounds:  # replaced groups, and those past the bound that came in anyway
             uniform = self.batch_replaced + len(zero_signal_groups(experiences))
             metrics.update({"rollout/zero_signal_frac": uniform / (self.batch_replaced + n),
@@ -200,9 +200,9 @@ class Stream:
             self.batch_replaced = 0
         positions = [self.position_of.pop(g.group_id)[0] for g in groups] + self.positions.take_used()
         self.task_counts, self.groups_seen = {}, []
-        self.batch_started, self.batch_tokens, self.batch_busy = now, ex.in_flight.tokens, ex.engine.busy_s
+        self.batch_started, self.batch_tokens, self.batch_busy = now, p.in_flight.tokens, p.engine.busy_s
         self.sent += 1
-        return RolloutBatch(self.sent, experiences, metrics, ex.index, positions)
+        return RolloutBatch(self.sent, experiences, metrics, p.index, positions)
 
     def hand_over(self, queue, batch: RolloutBatch, stop) -> None:
         """Put `batch` in the queue, with backpressure; the trainers' cores go back first (they compute as soon as
@@ -210,8 +210,8 @@ class Stream:
         broadcast (one collective for all explorers), so a pending one is taken meanwhile, once an evaluation in
         flight (which holds the weights) has ended; the batch keeps the versions it was made with. Given up once
         the trainer has finished (`stop`): it would never be trained."""
-        cores.handing_over(self.store, self.explorer.engine)
-        with self.explorer.timeline.phase("wait", put=f"{batch.explorer}-{batch.step}"):
+        cores.handing_over(self.store, self.parts.engine)
+        with self.parts.timeline.phase("wait", put=f"{batch.explorer}-{batch.step}"):
             for _ in range(int(self.args.timeout_s / 0.5)):
                 if stop.is_set():
                     return
@@ -225,7 +225,6 @@ class Stream:
     def stop(self) -> None:
         """Give up the groups in flight (their requests leave the engine; a resumed run starts them again); an
         evaluation in flight ends with the weights it started with."""
-        ex = self.explorer
-        if ex.engine.streams:
-            ex.engine.abort(ex.in_flight)
+        if self.parts.engine.streams:
+            self.parts.engine.abort(self.parts.in_flight)
         self.take_evaluation(wait=True)

@@ -1,6 +1,6 @@
 """The workflow interface: what every workflow (one task -> one group of samples) and every sample it makes
 provide, what it declares it supports, and what it is given (`Context`), so that the runner
-(common/explorer/rollouts.py), the reward glue (common/explorer/scoring.py) and the rollout metrics never ask which
+(common/explorer/rollouts.py), the reward glue (common/explorer/parts.py) and the rollout metrics never ask which
 kind of workflow or sample they hold. Also the registry of workflows by name, `WORKFLOWS`:
 
 - `single_turn` (common/explorer/single_turn.py): prompt -> n sampled responses (partial rollouts included).

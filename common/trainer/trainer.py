@@ -32,8 +32,8 @@ from common.experience import Experience, collate
 from common.runtime import cores
 from common.runtime.worker import in_step, stop_requested
 from common.runtime.metrics import MetricsLogger, Timeline, peak_gpu_memory
-from common.trainer.correction import behaviour_weights, mismatch_stats
-from common.trainer.losses import ALGOS, MicroBatch, config_kwargs, kl_estimate, kl_penalized_rewards, masked_mean
+from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, config_kwargs, kl_estimate,
+                                   kl_penalized_rewards, masked_mean, mismatch_stats)
 from common.trainer.fsdp import prepare_model
 from common.lora import adapter_tensors, merge_lost_share, merged_named_weights, sync_mode
 from common.model import DTYPES, load_model, load_tokenizer
