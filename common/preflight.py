@@ -27,13 +27,14 @@ from rewards.vision import load_images
 
 
 def check_machine(args) -> None:
-    """What the configuration asks of this machine: vLLM importable for --engine vllm, every cuda device present."""
+    """What the configuration asks of this machine: vLLM importable for --engine / --judge-engine vllm, every cuda
+    device present."""
     # vLLM reads its log level when it is first imported, in this process and in the workers spawned from it.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if args.verbose else "WARNING")
-    if args.engine == "vllm":
-        ok, why = vllm_available()
+    for flag, engine in (("--engine", args.engine), ("--judge-engine", args.judge_engine)):
+        ok, why = vllm_available() if engine == "vllm" else (True, "")
         if not ok:
-            raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+            raise ConfigError(f"{flag} vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
                               "CPU: make install-vllm)")
     check_devices(args)
 

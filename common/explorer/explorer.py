@@ -104,7 +104,8 @@ class Explorer:
                                   rm_model=args.rm_model, judge_model=args.judge_model,
                                   memory_mb=args.reward_memory_mb, judge_url=args.judge_url,
                                   judge_api_key_env=args.judge_api_key_env, judge_device=args.judge_device,
-                                  judge_timeout_s=args.judge_timeout_s, judge_concurrency=args.judge_concurrency)
+                                  judge_timeout_s=args.judge_timeout_s, judge_concurrency=args.judge_concurrency,
+                                  judge_engine=args.judge_engine, judge_max_model_len=args.judge_max_model_len)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0  # of the weights the engine holds: set by `pull` / `poll` / `take_final`
         self.weights = None  # the weight sync (`connect`)
