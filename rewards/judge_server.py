@@ -294,7 +294,8 @@ class JudgeServer:
                 self.restarts += 1
                 self._stop()
             parent, child = self.ctx.Pipe(duplex=False)
-            self.proc = self.ctx.Process(target=serve, name="judge-server", daemon=True,
+            # non-daemon: vLLM starts processes of its own; the pool's exit-time finalizer (on_start) kills it
+            self.proc = self.ctx.Process(target=serve, name="judge-server", daemon=False,
                                          args=(child, self.model, self.device, self.engine, self.max_model_len,
                                                os.getpid()))
             self.proc.start()

@@ -212,6 +212,38 @@ def test_a_served_judge_scores_in_range_and_reads_special_tokens_as_text():
     assert ids.count(special) == 1  # the template's own end of the user turn, none from the content
 
 
+def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
+    """The served judge on vLLM (--judge-engine vllm, on the CPU here): through the pool's server process, its
+    expected scores equal the HF judge's on the same request (one forward's log-probs; the candidates' prefix tree
+    against HF's cached continuations), a group's too."""
+    import rewards.judge
+    from common.explorer.engine import vllm_available
+    from common.model import save_servable_tiny
+    from rewards.judge_server import HFJudge, constrained_scores
+
+    if not vllm_available()[0]:
+        pytest.skip(vllm_available()[1])
+    monkeypatch.setattr(rewards.judge.secrets, "token_hex", lambda n: "ab" * n)  # the same request HF reads below
+    # the tiny model with room for a group's request (1,098 of its byte tokens): its rotary positions, no weights
+    folder = save_servable_tiny(str(tmp_path / "judge"))
+    config = json.loads((tmp_path / "judge" / "config.json").read_text())
+    (tmp_path / "judge" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    responses = ["The ocean.", "Nothing.", "x", "y"]
+    with RewardPool(num_workers=1, judge_model=folder, judge_engine="vllm", judge_max_model_len=1280,
+                    judge_timeout_s=110) as pool:
+        got = pool.score_batch(responses, [TASK, TASK, GROUP, GROUP], groups=[0, 1, 2, 2])
+        metrics = pool.judge_metrics()
+    assert all(not r.info.get("failed") for r in got), [r.info for r in got]
+    assert metrics["reward/judge_calls"] == 3 and metrics["reward/judge_failed"] == 0
+    hf = HFJudge(folder, "cpu")
+    want = [constrained_scores(hf, judge_messages(TASK, [r], "ab" * 8, False), "score", 1, 10)[0] / 10
+            for r in responses[:2]]
+    want += [s / 10 for s in constrained_scores(hf, judge_messages(GROUP, responses[2:], "ab" * 8, True), "scores", 2,
+                                                10)]
+    assert [r.score for r in got] == pytest.approx(want, abs=2e-5)  # (the server rounds a score to 1e-4 of 10)
+    assert len(set(want[:2])) == 2  # (the comparison can tell two responses apart)
+
+
 # ---------------------------------------------------------------- the recipe
 def test_the_recipe_config_parses_and_its_taskset_loads():
     from common.cli import parse_args
