@@ -27,6 +27,7 @@ device, or in host memory when sharded), the colocated slot (a full copy on trai
 matrices (built at every push, --lora-sync merged only; adapter sync sends the fp32 adapters alone), a sharded
 trainer's gathered bucket; an explorer's receive bucket, and a vLLM explorer's own process's CUDA context next to
 vLLM's share. A CPU trainer's colocated slot in /dev/shm is checked against its free space (`check_shared_memory`).
+A judge tandem serves (`judge_bytes`): one per explorer, on --judge-device of that explorer's node.
 bench/memory.py --estimate-check compares these figures with measured CPU peaks.
 """
 
@@ -358,18 +359,13 @@ def judge_tokens(args, sequence: int) -> int:
     return JUDGE_PROMPT_TOKENS + sequence + (args.samples_per_task - 1) * args.max_new_tokens
 
 
-def judge_kv_bytes(judge: ModelShape, tokens: int) -> float:
-    """The served vLLM judge's float32 KV cache: two requests of `tokens` (its candidates' requests share the judge
-    prompt through the prefix cache, each adding a block of its own)."""
-    return 2 * 2 * judge.layers * judge.kv_dim * 4 * tokens
-
-
 def judge_bytes(args, device_type: str, sequence: int) -> float:
     """A judge model tandem serves (--judge-model without --judge-url, rewards/judge_server.py) in float32. HF: its
     weights, one forward of the JUDGE_REPLIES candidate replies over the longest judge request, its process. vLLM:
-    its weights, the KV cache of `judge_kv_bytes` and one forward of --judge-max-model-len tokens (its longest
-    request and its chunk of batched tokens), vLLM's own process (a CUDA context on a GPU), the server's on the CPU.
-    Sets --judge-max-model-len when it is 0: twice the longest request, within the judge's context."""
+    its weights, its KV cache (common/explorer/judge_vllm.py `kv_cache_bytes`) and one forward of
+    --judge-max-model-len tokens (its longest request and its chunk of batched tokens), vLLM's own process (a CUDA
+    context on a GPU), the server's on the CPU. Sets --judge-max-model-len when it is 0: twice the longest request,
+    within the judge's context. (--judge-engine is resolved by then, common/run.py; anything but vllm counts as hf.)"""
     config = model_config(args.judge_model)
     if config is None:
         return 0.0
@@ -381,7 +377,9 @@ def judge_bytes(args, device_type: str, sequence: int) -> float:
             args.judge_max_model_len = min(want, getattr(config, "max_position_embeddings", None) or want)
         tokens = args.judge_max_model_len
         own = CUDA_CONTEXT_BYTES if cuda else 1.5 * GIB + CPU_PROCESS_BYTES  # (as explorer_bytes' vLLM)
-        return judge.params * 4 + judge_kv_bytes(judge, tokens) + SLACK * forward_bytes(judge, 4, tokens) + own
+        from common.explorer.judge_vllm import kv_cache_bytes
+
+        return judge.params * 4 + kv_cache_bytes(config, tokens) + SLACK * forward_bytes(judge, 4, tokens) + own
     tokens = JUDGE_REPLIES * judge_tokens(args, sequence)
     return judge.params * 4 + SLACK * forward_bytes(judge, 4, tokens) + (CUDA_CONTEXT_BYTES if cuda else
                                                                            CPU_PROCESS_BYTES)
@@ -476,8 +474,8 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     for key in judges:  # a served judge: its weights and one forward on --judge-device, per explorer
         need = judge_bytes(args, "cpu" if local_device(key) == "cpu" else "cuda", sequence)
         if key in memory and need + taken.get(key, 0.0) > memory[key][0]:  # (host memory not listed: unchecked)
-            raise ConfigError(f"--judge-model {args.judge_model} ({args.judge_engine}) does not fit --judge-device "
-                              f"{key}: each of the {len(judges)} explorers' judges needs {gib(need)} and "
+            raise ConfigError(f"--judge-model {args.judge_model} does not fit --judge-device {key}: each of the "
+                              f"{len(judges)} explorers' judges ({args.judge_engine}) needs {gib(need)} and "
                               f"{_where(key, memory[key][0], taken.get(key, 0.0))}: pass --judge-device with "
                               f"another device, or --judge-url")
         taken[key] = taken.get(key, 0.0) + need

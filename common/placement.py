@@ -20,6 +20,9 @@ The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
 - Several trainers on GPUs shard the model (FSDP2, --trainer-shard fsdp) unless --trainer-shard is given or LoRA is on.
 - A CPU world of W ranks splits the same way (no memory limit: every rank shares the machine's); `python train_X.py`
   on a machine without GPUs keeps one CPU trainer and the explorers on the CPU, as ever.
+- A judge tandem serves (--judge-model without --judge-url) and no --judge-device: the node's last GPU, set aside
+  before the rules above place the workers on the rest; one GPU: shared (common/memory.py counts it there); under
+  torchrun the last GPU where the node has more GPUs than ranks, else one line naming --judge-device (`_judge_gpu`).
 """
 
 from __future__ import annotations

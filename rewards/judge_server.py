@@ -1,7 +1,8 @@
 """A judge model tandem serves itself (`--judge-model PATH --judge-device cpu|cuda:N` without `--judge-url`): a small
 OpenAI-compatible server (POST /v1/chat/completions, GET /v1/models) over a causal LM on transformers (`HFJudge`) or
-vLLM (`VLLMJudge`, `--judge-engine`), on 127.0.0.1, in a process of its own on its own device (the memory planner
-counts it there and the placement gives it a GPU: common/memory.py `judge_bytes`, common/placement.py).
+one the explorer hands over (`--judge-engine vllm`: common/explorer/judge_vllm.py), on 127.0.0.1, in a process of its
+own on its own device (the memory planner counts it there and the placement gives it a GPU: common/memory.py
+`judge_bytes`, common/placement.py).
 
 A request whose `response_format` is a JSON schema with one `score` number (or a `scores` list of n numbers) in
 [0, MAX] is answered by constrained decoding: after the chat template and the forced prefix `{"score": `, the
@@ -103,65 +104,10 @@ class HFJudge:
         pass
 
 
-class VLLMJudge:
-    """The judge on vLLM (common/explorer/engine_vllm.py `VLLMEngine`, started as the explorers' engines are), in
-    float32 as the HF judge, eager (a judge prefills; it decodes a token or a short reply), with a KV cache of
-    `judge_kv_bytes` for requests of up to `max_model_len` tokens (0: the model's context), both what the memory
-    plan counted (common/memory.py `judge_bytes`)."""
-
-    def __init__(self, name: str, device: str, max_model_len: int = 0):
-        import tempfile
-
-        from common.explorer.engine_vllm import VLLMEngine
-        from common.memory import ModelShape, judge_kv_bytes, model_config
-        from common.model import load_tokenizer, resolve_model, save_servable_tiny
-
-        self.tokenizer = load_tokenizer(name)
-        self._tiny = tempfile.TemporaryDirectory(prefix="tandem-judge-") if name == "tiny" else None
-        path = save_servable_tiny(self._tiny.name) if self._tiny else resolve_model(name, "--judge-model")
-        config = model_config(name)
-        tokens = max_model_len or config.max_position_embeddings
-        # With kv_cache_memory_bytes vLLM sizes nothing by gpu_memory_utilization: it only checks at start that this
-        # share of the GPU is free (vllm/v1/worker/utils.py request_memory); what the judge takes was planned.
-        self.engine = VLLMEngine(path, tokenizer=self.tokenizer, dtype="float32", device=device,
-                                 max_model_len=tokens, enforce_eager=True, gpu_memory_utilization=0.01,
-                                 kv_cache_memory_bytes=int(judge_kv_bytes(ModelShape.from_config(config), tokens)),
-                                 max_num_batched_tokens=tokens)
-
-    def continuation_logprobs(self, prefix_ids: list[int], rows: list[list[int]]) -> list[float]:
-        """log p(row | prefix) of each row, summed over the rows' prefix tree: one request per distinct partial row,
-        asking only for the tokens that continue it (the shared judge prompt is computed once: prefix cache)."""
-        nodes: dict[tuple, set] = {}
-        for row in rows:
-            for j in range(len(row)):
-                nodes.setdefault(tuple(row[:j]), set()).add(row[j])
-        keys = list(nodes)
-        wanted = [sorted(nodes[k]) for k in keys]
-        got = self.engine.next_token_logprobs([prefix_ids + list(k) for k in keys], wanted)
-        table = {(k, t): lp for k, ts, lps in zip(keys, wanted, got) for t, lp in zip(ts, lps)}
-        return [sum(table[tuple(row[:j]), row[j]] for j in range(len(row))) for row in rows]
-
-    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
-        from common.explorer.engine import SamplingConfig
-
-        return self.engine.generate([ids], SamplingConfig(temperature=0.0, max_new_tokens=max_tokens))[0][0] \
-            .response_ids
-
-    def close(self):
-        self.engine.close()
-        if self._tiny:
-            self._tiny.cleanup()
-
-
-def load_judge(name: str, device: str, engine: str = "hf", max_model_len: int = 0):
-    """The judge model on `engine`: hf, vllm, or auto as the explorers' (common/explorer/engine.py `resolve_engine`;
-    the entry scripts resolve it before the run, for the memory plan)."""
-    if engine == "auto":
-        from common.explorer.engine import resolve_engine
-        from common.model import resolve_model
-
-        engine = resolve_engine(engine, resolve_model(name, "--judge-model"), [device])[0]
-    return HFJudge(name, device) if engine == "hf" else VLLMJudge(name, device, max_model_len)
+def load_judge(name: str, device: str, loader=None, max_model_len: int = 0):
+    """The judge model: `loader(name, device, max_model_len)` (the explorer's engine for it, e.g. common/explorer/
+    judge_vllm.py `VLLMJudge`), or `HFJudge` when none is given."""
+    return loader(name, device, max_model_len) if loader is not None else HFJudge(name, device)
 
 
 def constrained_scores(judge, messages: list[dict], name: str, count: int, maximum: int) -> list[float]:
@@ -240,25 +186,24 @@ def make_handler(judge, model_name: str):
     return Handler
 
 
-def start_server(name: str, device: str, port: int = 0, engine: str = "hf",
-                 max_model_len: int = 0) -> ThreadingHTTPServer:
-    """The model loaded on `engine` and bound to 127.0.0.1:port (0: any free port), not yet serving."""
-    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(load_judge(name, device, engine, max_model_len),
+def start_server(name: str, device: str, port: int = 0, loader=None, max_model_len: int = 0) -> ThreadingHTTPServer:
+    """The model loaded (`load_judge`) and bound to 127.0.0.1:port (0: any free port), not yet serving."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(load_judge(name, device, loader, max_model_len),
                                                                    name))
     server.daemon_threads = True
     return server
 
 
-def serve(conn, name: str, device: str, engine: str, max_model_len: int, parent_pid: int):
+def serve(conn, name: str, device: str, loader, max_model_len: int, parent_pid: int):
     """The judge server process: load, bind, say ("ready", port) (or ("error", why)), serve until killed."""
     from common.runtime.procs import die_with_parent, guard_group
 
     die_with_parent(parent_pid)
-    if engine == "vllm":  # vLLM's engine core outlives a killed owner: the group guard ends it with this process
+    if loader is not None:  # (vLLM's engine core outlives a killed owner: the group guard ends it with this process)
         guard_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        server = start_server(name, device, engine=engine, max_model_len=max_model_len)
+        server = start_server(name, device, loader=loader, max_model_len=max_model_len)
     except Exception as e:  # noqa: BLE001  (a bad path or device: the calls fail with this reason)
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -272,9 +217,9 @@ class JudgeServer:
     `endpoint` (on judge-call threads) waits for the model to load, at most `load_timeout_s`."""
 
     def __init__(self, ctx, model: str, device: str, load_timeout_s: float = 600.0, on_start=None, on_stop=None,
-                 engine: str = "hf", max_model_len: int = 0):
+                 loader=None, max_model_len: int = 0):
         self.ctx, self.model, self.device, self.load_timeout_s = ctx, model, device, load_timeout_s
-        self.engine, self.max_model_len = engine, max_model_len
+        self.loader, self.max_model_len = loader, max_model_len  # (load_judge)
         self.on_start, self.on_stop = on_start or (lambda p: None), on_stop or (lambda p: None)
         self.proc = self.conn = None
         self.port: int | None = None
@@ -296,7 +241,7 @@ class JudgeServer:
             parent, child = self.ctx.Pipe(duplex=False)
             # non-daemon: vLLM starts processes of its own; the pool's exit-time finalizer (on_start) kills it
             self.proc = self.ctx.Process(target=serve, name="judge-server", daemon=False,
-                                         args=(child, self.model, self.device, self.engine, self.max_model_len,
+                                         args=(child, self.model, self.device, self.loader, self.max_model_len,
                                                os.getpid()))
             self.proc.start()
             child.close()
@@ -312,7 +257,7 @@ class JudgeServer:
             return Endpoint(f"http://127.0.0.1:{self.port}/v1", self.model)
 
     def _wait_ready(self):
-        where = f"error: judge server {self.model} on {self.device} ({self.engine})"
+        where = f"error: judge server {self.model} on {self.device}"
         try:
             if not self.conn.poll(self.load_timeout_s):
                 self.error = f"{where} did not load in {self.load_timeout_s:g}s"
@@ -345,11 +290,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="causal LM folder or hub id ('default', 'tiny' too)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--max-model-len", type=int, default=0, help="vllm: longest request (0: the model's context)")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    server = start_server(args.model, args.device, args.port, args.engine, args.max_model_len)
+    server = start_server(args.model, args.device, args.port)
     print(f"judge {args.model} on http://127.0.0.1:{server.server_address[1]}/v1", flush=True)
     server.serve_forever()
 

@@ -119,7 +119,8 @@ def test_a_served_judge_gets_a_gpu_of_its_own_and_is_counted_there(models):
     """--judge-model without --judge-url or --judge-device on a GPU node: the judge on the node's last GPU and the
     workers on the rest by the same rule, its weights, KV cache and forward counted there; one GPU: shared and
     counted, or one line when it does not fit; a given --judge-device is kept."""
-    from common.memory import ModelShape, judge_kv_bytes, model_config
+    from common.explorer.judge_vllm import kv_cache_bytes
+    from common.memory import ModelShape, model_config
 
     judge = ["--judge-model", models["1.5B"]]
     args, r = _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "4")
@@ -129,7 +130,8 @@ def test_a_served_judge_gets_a_gpu_of_its_own_and_is_counted_there(models):
     shape = ModelShape.from_config(model_config(models["1.5B"]))
     assert args.judge_max_model_len == 2 * (512 + r["sequence"] + 7 * 512)  # its longest request, twice
     (name, need, engine), = r["devices"]["cuda:3"]
-    assert (name, engine) == ("judge", "vllm") and need > shape.params * 4 + judge_kv_bytes(shape, 2 * 4096)
+    kv = kv_cache_bytes(model_config(models["1.5B"]), args.judge_max_model_len)
+    assert (name, engine) == ("judge", "vllm") and need > shape.params * 4 + kv > shape.params * 4 + 2 ** 29
     args, r = _planned("train_sync", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "2")
     assert (args.trainer_devices, args.explorer_devices, args.judge_device) == ("cuda:0", "cuda:0", "cuda:1")
     assert [w[0] for w in r["devices"]["cuda:1"]] == ["judge"]
@@ -140,9 +142,9 @@ def test_a_served_judge_gets_a_gpu_of_its_own_and_is_counted_there(models):
     args, r = _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "1")
     assert args.judge_device == "cuda:0" and "the served judge shares cuda:0" in r["placement"]
     assert [w[0] for w in r["devices"]["cuda:0"]] == ["explorer0", "judge", "trainer0"]
-    with pytest.raises(ConfigError, match=r"--judge-model .* \(vllm\) does not fit --judge-device cuda:0: each of the "
-                                          r"1 explorers' judges needs .* GiB and cuda:0's free memory is 64.0 GiB, of "
-                                          r"which the explorers there take"):
+    with pytest.raises(ConfigError, match=r"--judge-model .* does not fit --judge-device cuda:0: each of the 1 "
+                                          r"explorers' judges \(vllm\) needs .* GiB and cuda:0's free memory is "
+                                          r"64.0 GiB, of which the explorers there take"):
         _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, "--judge-model", models["7B"], "--gpus", "1",
                  "--gpu-memory-gb", "64")
 

@@ -213,11 +213,13 @@ def test_a_served_judge_scores_in_range_and_reads_special_tokens_as_text():
 
 
 def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
-    """The served judge on vLLM (--judge-engine vllm, on the CPU here): through the pool's server process, its
+    """The served judge on vLLM (--judge-engine vllm, on the CPU here: common/explorer/judge_vllm.py, which the
+    explorer hands its pool): through the pool's server process, its
     expected scores equal the HF judge's on the same request (one forward's log-probs; the candidates' prefix tree
     against HF's cached continuations), a group's too."""
     import rewards.judge
     from common.explorer.engine import vllm_available
+    from common.explorer.judge_vllm import VLLMJudge
     from common.model import save_servable_tiny
     from rewards.judge_server import HFJudge, constrained_scores
 
@@ -229,7 +231,7 @@ def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
     config = json.loads((tmp_path / "judge" / "config.json").read_text())
     (tmp_path / "judge" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     responses = ["The ocean.", "Nothing.", "x", "y"]
-    with RewardPool(num_workers=1, judge_model=folder, judge_engine="vllm", judge_max_model_len=1280,
+    with RewardPool(num_workers=1, judge_model=folder, judge_loader=VLLMJudge, judge_max_model_len=1280,
                     judge_timeout_s=110) as pool:
         got = pool.score_batch(responses, [TASK, TASK, GROUP, GROUP], groups=[0, 1, 2, 2])
         metrics = pool.judge_metrics()
@@ -242,6 +244,22 @@ def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
                                                 10)]
     assert [r.score for r in got] == pytest.approx(want, abs=2e-5)  # (the server rounds a score to 1e-4 of 10)
     assert len(set(want[:2])) == 2  # (the comparison can tell two responses apart)
+
+
+def test_the_served_judges_engine_follows_the_explorers_rule_in_the_plan():
+    """--judge-engine auto is resolve_engine's rule on --judge-device (vLLM where it imports and runs there), and
+    the memory plan counts that engine; hf stays hf; the flag needs a judge tandem serves."""
+    from common.cli import parse_args
+    from common.explorer.engine import vllm_available
+    from common.placement import plan_report
+    from train_sync import Args
+
+    for flag, want in (([], "vllm" if vllm_available()[0] else "hf"), (["--judge-engine", "hf"], "hf")):
+        args = parse_args(Args, ["--model", "tiny", "--judge-model", "tiny", "--plan", *flag])
+        rows = plan_report(args)["devices"]["cpu"]
+        assert args.judge_engine == want and [w[2] for w in rows if w[0] == "judge"] == [want], rows
+    with pytest.raises(ConfigError, match="--judge-engine vllm runs the judge tandem serves: it needs --judge-model"):
+        parse_args(Args, ["--judge-url", "http://127.0.0.1:1/v1", "--judge-model", "m", "--judge-engine", "vllm"])
 
 
 # ---------------------------------------------------------------- the recipe
@@ -285,7 +303,7 @@ def test_a_served_judge_is_counted_on_its_own_device(tmp_path):
 
     folder = _config_folder(tmp_path, "qwen", **QWEN_1_5B)
     args = _args(folder, "--judge-model", folder, "--judge-device", "cuda:2")
-    need = judge_bytes(args, "cuda")
+    need = judge_bytes(args, "cuda", 1024)
     assert need > ModelShape.from_config(model_config(folder)).params * 4
     room = {"cuda:0": (200 * GIB, 200 * GIB), "cuda:1": (200 * GIB, 200 * GIB)}
     assert plan_memory(args, 1024, frozenset(), {**room, "cuda:2": (need * 1.01, 80 * GIB)}) == []

@@ -36,6 +36,21 @@ from rewards import RewardPool, UserReward, score
 from rewards.shaping import shape_batch
 
 
+def judge_loader(args):
+    """What the reward pool's served judge loads: `VLLMJudge` for --judge-engine vllm (auto: the explorers' rule on
+    --judge-device, resolved here for explorers built directly), None for its own HF judge."""
+    if not args.judge_model or args.judge_url:
+        return None
+    if args.judge_engine == "auto":  # entry scripts resolve it in prepare_run
+        args.judge_engine = resolve_engine("auto", resolve_model(args.judge_model, "--judge-model"),
+                                           [args.judge_device])[0]
+    if args.judge_engine != "vllm":
+        return None
+    from common.explorer.judge_vllm import VLLMJudge
+
+    return VLLMJudge
+
+
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model, args.chat_template)
@@ -105,7 +120,7 @@ class Explorer:
                                   memory_mb=args.reward_memory_mb, judge_url=args.judge_url,
                                   judge_api_key_env=args.judge_api_key_env, judge_device=args.judge_device,
                                   judge_timeout_s=args.judge_timeout_s, judge_concurrency=args.judge_concurrency,
-                                  judge_engine=args.judge_engine, judge_max_model_len=args.judge_max_model_len)
+                                  judge_loader=judge_loader(args), judge_max_model_len=args.judge_max_model_len)
         self.sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.version = 0  # of the weights the engine holds: set by `pull` / `poll` / `take_final`
         self.weights = None  # the weight sync (`connect`)
