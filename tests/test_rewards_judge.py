@@ -214,9 +214,9 @@ def test_a_served_judge_scores_in_range_and_reads_special_tokens_as_text():
 
 def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
     """The served judge on vLLM (--judge-engine vllm, on the CPU here: common/explorer/judge_vllm.py, which the
-    explorer hands its pool): through the pool's server process, its
-    expected scores equal the HF judge's on the same request (one forward's log-probs; the candidates' prefix tree
-    against HF's cached continuations), a group's too."""
+    explorer hands its pool): through the pool's server process, its expected scores equal the HF judge's on the
+    same request (one forward's log-probs; the candidates' prefix tree against HF's cached continuations), a
+    group's too; vLLM's own processes end with the server."""
     import rewards.judge
     from common.explorer.engine import vllm_available
     from common.explorer.judge_vllm import VLLMJudge
@@ -225,6 +225,8 @@ def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
 
     if not vllm_available()[0]:
         pytest.skip(vllm_available()[1])
+    import psutil  # (vLLM's own dependency)
+
     monkeypatch.setattr(rewards.judge.secrets, "token_hex", lambda n: "ab" * n)  # the same request HF reads below
     # the tiny model with room for a group's request (1,098 of its byte tokens): its rotary positions, no weights
     folder = save_servable_tiny(str(tmp_path / "judge"))
@@ -235,6 +237,9 @@ def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
                     judge_timeout_s=110) as pool:
         got = pool.score_batch(responses, [TASK, TASK, GROUP, GROUP], groups=[0, 1, 2, 2])
         metrics = pool.judge_metrics()
+        started = psutil.Process(pool._judge.server.proc.pid).children(recursive=True)
+    assert any("EngineCore" in p.name() for p in started), started
+    assert psutil.wait_procs(started, timeout=20)[1] == []  # vLLM's engine core ends with the killed server
     assert all(not r.info.get("failed") for r in got), [r.info for r in got]
     assert metrics["reward/judge_calls"] == 3 and metrics["reward/judge_failed"] == 0
     hf = HFJudge(folder, "cpu")
