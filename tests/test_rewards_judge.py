@@ -112,7 +112,7 @@ def test_no_judge_given_fails_the_item_naming_the_flags():
     assert got[0].info["failed"] and "--judge-url" in got[0].info["reason"]
 
 
-def test_judge_tasks_without_a_judge_stop_before_the_run():
+def test_judge_tasks_without_a_judge_stop_before_the_run_and_an_idle_judge_gpu_is_said(capsys):
     from types import SimpleNamespace
 
     from common.preflight import check_reward_models
@@ -121,6 +121,12 @@ def test_judge_tasks_without_a_judge_stop_before_the_run():
     with pytest.raises(ConfigError, match="tasks.jsonl:3: reward 'judge' needs a judge: pass --judge-url"):
         check_reward_models(args, [MATH, {**TASK, "_where": "tasks.jsonl:3"}])
     check_reward_models(SimpleNamespace(**{**vars(args), "judge_model": "m"}), [TASK])
+    placed = SimpleNamespace(**{**vars(args), "judge_model": "m", "judge_url": None, "judge_device": "cuda:3",
+                                "given_fields": frozenset()})  # the placement gave the served judge a GPU
+    check_reward_models(placed, [TASK])
+    assert "set aside" not in capsys.readouterr().out
+    check_reward_models(placed, [MATH])
+    assert "cuda:3 is set aside for a served judge and no task has reward 'judge'" in capsys.readouterr().out
 
 
 def test_strict_parse():
