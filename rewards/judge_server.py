@@ -96,17 +96,15 @@ class HFJudge:
 
         tokenizer = self.tokenizer
         with torch.inference_mode():
-            out = self.model.generate(torch.tensor([ids], device=self.model.device), max_new_tokens=max_tokens,
+            prompt = torch.tensor([ids], device=self.model.device)
+            out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_tokens,
                                       do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         return out[0, len(ids):].tolist()
 
-    def close(self):
-        pass
-
 
 def load_judge(name: str, device: str, loader=None, max_model_len: int = 0):
-    """The judge model: `loader(name, device, max_model_len)` (the explorer's engine for it, e.g. common/explorer/
-    judge_vllm.py `VLLMJudge`), or `HFJudge` when none is given."""
+    """The judge model: `loader(name, device, max_model_len)` (the explorer's engine for it, e.g.
+    common/explorer/judge_vllm.py `VLLMJudge`), or `HFJudge` when none is given."""
     return loader(name, device, max_model_len) if loader is not None else HFJudge(name, device)
 
 

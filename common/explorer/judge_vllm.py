@@ -24,7 +24,7 @@ def kv_cache_bytes(config, tokens: int) -> float:
 
 
 class VLLMJudge:
-    """`tokenizer`, `continuation_logprobs`, `generate`, `close` (as rewards/judge_server.py `HFJudge`) on vLLM, for
+    """`tokenizer`, `continuation_logprobs`, `generate` (as rewards/judge_server.py `HFJudge`) on vLLM, for
     requests of up to `max_model_len` tokens (0: the model's context) in a KV cache of `kv_cache_bytes`: what the
     memory plan counted (common/memory.py `judge_bytes`)."""
 
