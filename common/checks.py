@@ -62,6 +62,9 @@ def _validate_judge(args) -> None:
         raise ConfigError(f"--judge-url {args.judge_url!r} is not an http(s) URL")
     if args.judge_device != "cpu" and (args.judge_url or not args.judge_model):
         raise ConfigError("--judge-device places the judge tandem serves: it needs --judge-model and no --judge-url")
+    if args.judge_engine != "auto" and (args.judge_url or not args.judge_model):
+        raise ConfigError(f"--judge-engine {args.judge_engine} runs the judge tandem serves: it needs --judge-model "
+                          "and no --judge-url")
     if args.judge_device == "cuda" or not is_device(args.judge_device):
         raise ConfigError(f"--judge-device {args.judge_device!r} is neither cpu nor cuda:N")
 

@@ -260,7 +260,16 @@ class CommonArgs:
     """Name of the environment variable holding --judge-url's API key (the key itself is never in a config)."""
     judge_device: str = "cpu"
     """Device of the judge tandem serves (--judge-model without --judge-url): cpu or cuda:N, counted by the memory
-    planner there (one judge per explorer)."""
+    planner there (one judge per explorer). Not given, on a GPU node whose devices the placement chooses (no
+    --explorer-devices / --trainer-devices): a GPU of its own, the node's last (one GPU: shared with the explorer and
+    trainer, and counted there; common/placement.py)."""
+    judge_engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Engine of the judge tandem serves: hf (transformers), vllm, or auto: the explorers' rule (--engine auto) on
+    --judge-device (vllm where it imports, its build runs on that device and it knows the judge's architecture)."""
+    judge_max_model_len: int = 0
+    """vLLM judge: its longest request in tokens (0: planned before any model loads, twice the longest task prompt
+    with --samples-per-task responses and 512 tokens of rubric and instructions, within the judge's context); a
+    longer request is a failed judgement."""
     judge_timeout_s: float = 60.0
     """Wall-clock limit of one judge call (a served judge's first calls also get its load time); past it the
     responses it judges score 0, marked failed (reward/judge_timeouts)."""

@@ -30,6 +30,7 @@ device, or in host memory when sharded), the colocated slot (a full copy on trai
 matrices (built at every push, --lora-sync merged only; adapter sync sends the fp32 adapters alone), a sharded
 trainer's gathered bucket; an explorer's receive bucket, and a vLLM explorer's own process's CUDA context next to
 vLLM's share. A CPU trainer's colocated slot in /dev/shm is checked against its free space (`check_shared_memory`).
+A judge tandem serves (`judge_bytes`): one per explorer, on --judge-device of that explorer's node.
 bench/memory.py --estimate-check compares these figures with measured CPU peaks.
 """
 
@@ -363,17 +364,45 @@ def worker_devices(args, gpus: int | None = None, local_world: int = 0) -> tuple
     return devices[:len(args.trainer_device_list)], devices[len(args.trainer_device_list):]
 
 
-def judge_bytes(args, device_type: str) -> float:
-    """A judge model tandem serves (--judge-model without --judge-url, rewards/judge_server.py): its float32
-    weights, one forward of the 11 candidate replies over a judge prompt (rubric and task, ~512 tokens, and up to
-    --samples-per-task responses), and its process."""
+JUDGE_PROMPT_TOKENS = 512  # a judge request's own text: instructions, rubric, reference (rewards/judge.py SYSTEM)
+JUDGE_REPLIES = 11  # the served judge's candidate replies 0..10 (rewards/judge_server.py constrained_scores)
+
+
+def judge_tokens(args, sequence: int) -> int:
+    """The longest judge request: its own text, the task's prompt and a group's --samples-per-task responses."""
+    return JUDGE_PROMPT_TOKENS + sequence + (args.samples_per_task - 1) * args.max_new_tokens
+
+
+def judge_bytes(args, device_type: str, sequence: int) -> float:
+    """A judge model tandem serves (--judge-model without --judge-url, rewards/judge_server.py) in float32. HF: its
+    weights, one forward of the JUDGE_REPLIES candidate replies over the longest judge request, its process. vLLM:
+    its weights, its KV cache (common/explorer/judge_vllm.py `kv_cache_bytes`) and one forward of
+    --judge-max-model-len tokens (its longest request and its chunk of batched tokens), vLLM's own process (a CUDA
+    context on a GPU), the server's on the CPU. Sets --judge-max-model-len when it is 0: twice the longest request,
+    within the judge's context. (--judge-engine is resolved by then, common/run.py; anything but vllm counts as hf.)"""
     config = model_config(args.judge_model)
     if config is None:
         return 0.0
     judge = ModelShape.from_config(config)
-    tokens = 11 * (512 + args.samples_per_task * args.max_new_tokens)
-    process = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
-    return judge.params * 4 + SLACK * forward_bytes(judge, 4, tokens) + process
+    cuda = device_type == "cuda"
+    if args.judge_engine == "vllm":
+        if not args.judge_max_model_len:  # as --vllm-max-model-len: prompts past the first measured may be longer
+            want = 2 * judge_tokens(args, sequence)
+            args.judge_max_model_len = min(want, getattr(config, "max_position_embeddings", None) or want)
+        tokens = args.judge_max_model_len
+        own = CUDA_CONTEXT_BYTES if cuda else 1.5 * GIB + CPU_PROCESS_BYTES  # (as explorer_bytes' vLLM)
+        from common.explorer.judge_vllm import kv_cache_bytes
+
+        return judge.params * 4 + kv_cache_bytes(config, tokens) + SLACK * forward_bytes(judge, 4, tokens) + own
+    tokens = JUDGE_REPLIES * judge_tokens(args, sequence)
+    return judge.params * 4 + SLACK * forward_bytes(judge, 4, tokens) + (CUDA_CONTEXT_BYTES if cuda else
+                                                                           CPU_PROCESS_BYTES)
+
+
+def served_judge(args) -> bool:
+    """The run serves its own judge model (--judge-model without --judge-url): one per explorer, on --judge-device.
+    (The same --judge-model is the k12/vision yes/no judge inside the verifier workers, on the CPU.)"""
+    return bool(args.judge_model and not args.judge_url)
 
 
 def local_device(key: str) -> str:
@@ -417,7 +446,8 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
     trainers, explorers = worker_devices(args, gpus, local_world)
     own = [args.teacher_device] if args.teacher and args.teacher_device else []
-    judges = [args.judge_device] * len(explorers) if args.judge_model and not args.judge_url else []  # one each
+    # a served judge per explorer, on --judge-device of that explorer's node
+    judges = [args.judge_device + e[len(local_device(e)):] for e in explorers] if served_judge(args) else []
     method = sync_method(args, trainers, explorers)
     host = {host_of(k): 0.0 for k in trainers + explorers}  # host-side snapshots
     if memory is None:
@@ -456,13 +486,14 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
         report.setdefault(key, []).append(("teacher", need, ""))
         teacher = None  # not on the trainers' devices
     for key in judges:  # a served judge: its weights and one forward on --judge-device, per explorer
-        need = judge_bytes(args, "cpu" if key == "cpu" else "cuda")
-        if need + taken.get(key, 0.0) > memory[key][0]:
+        need = judge_bytes(args, "cpu" if local_device(key) == "cpu" else "cuda", sequence)
+        if key in memory and need + taken.get(key, 0.0) > memory[key][0]:  # (host memory not listed: unchecked)
             raise ConfigError(f"--judge-model {args.judge_model} does not fit --judge-device {key}: each of the "
-                              f"{len(judges)} explorers' judges needs {gib(need)} and "
-                              f"{_where(key, memory[key][0], taken.get(key, 0.0))}")
+                              f"{len(judges)} explorers' judges ({args.judge_engine}) needs {gib(need)} and "
+                              f"{_where(key, memory[key][0], taken.get(key, 0.0))}: pass --judge-device with "
+                              f"another device, or --judge-url")
         taken[key] = taken.get(key, 0.0) + need
-        report.setdefault(key, []).append(("judge", need, ""))
+        report.setdefault(key, []).append(("judge", need, args.judge_engine))
     # each trainer device's budget: what is free minus the explorers there (CPU: shared by the CPU trainers there)
     notes: list[str] = []
     offloaded: dict[str, float] = {}  # --fsdp-cpu-offload: the GPU trainers' states, per node's host memory

@@ -20,10 +20,14 @@ The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
 - Several trainers on GPUs shard the model (FSDP2, --trainer-shard fsdp) unless --trainer-shard is given or LoRA is on.
 - A CPU world of W ranks splits the same way (no memory limit: every rank shares the machine's); `python train_X.py`
   on a machine without GPUs keeps one CPU trainer and the explorers on the CPU, as ever.
+- A judge tandem serves (--judge-model without --judge-url) and no --judge-device: the node's last GPU, set aside
+  before the rules above place the workers on the rest; one GPU: shared (common/memory.py counts it there); under
+  torchrun the last GPU where the node has more GPUs than ranks, else one line naming --judge-device (`_judge_gpu`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -79,7 +83,9 @@ def place(args) -> None:
     if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: as ever
         return
     schedule = getattr(args, "SCHEDULE", "sync")
-    world, torchrun = node.world, bool(node.ranks) or node.nnodes > 1
+    torchrun = bool(node.ranks) or node.nnodes > 1
+    node, judge = _judge_gpu(args, node, torchrun)  # the node the workers share, without the judge's own GPU
+    world = node.world
     shape = _shape(args) if node.gpus else None
     if schedule == "sync" and not torchrun and node.gpus > 1:
         colocate, why = _colocation(args, shape, node)
@@ -99,11 +105,38 @@ def place(args) -> None:
     args.trainer_devices, args.explorer_devices = ",".join(t), ",".join(e)
     if hasattr(args, "num_explorers"):
         args.num_explorers = explorers
-    where = (f"{node.nnodes} nodes x {node.gpus} GPUs" if node.nnodes > 1 else f"{node.gpus} GPU(s)") if node.gpus \
+    gpus = args.node.gpus
+    where = (f"{node.nnodes} nodes x {gpus} GPUs" if node.nnodes > 1 else f"{gpus} GPU(s)") if gpus \
         else f"a CPU world of {world} ranks"
     args.placement = (f"{where}: {trainers} trainer(s) on {_span(t)}"
                       f"{' (FSDP2, --trainer-shard fsdp)' if shard else ''}, {explorers} explorer(s) on {_span(e)}: "
-                      f"{why}")
+                      f"{why}{judge}")
+
+
+def _judge_gpu(args, node: Node, torchrun: bool) -> tuple[Node, str]:
+    """A judge tandem serves (--judge-model without --judge-url) and no --judge-device, on a GPU node: the node's
+    last GPU, set aside from the workers; one GPU: shared with them (the memory plan counts it there, or refuses in
+    one line); under torchrun the last GPU when the node has more GPUs than ranks, else a one-line refusal (the ranks
+    are torchrun's to count). Sets --judge-device; returns the node the workers are placed on and what the
+    placement line says of the judge."""
+    from common.memory import served_judge
+
+    if not (node.gpus and served_judge(args)) or "judge_device" in args.given_fields:
+        return node, ""
+    last = f"cuda:{node.gpus - 1}"
+    if torchrun and (node.ranks or node.gpus) >= node.gpus:
+        raise ConfigError(f"--judge-model {args.judge_model} is served by tandem on a GPU of its own, and every GPU of "
+                          f"the node has a rank: start torchrun with --nproc-per-node {node.gpus - 1} (the judge then "
+                          f"takes {last}), or pass --judge-device (cpu, or a GPU it shares, counted by the memory "
+                          "plan), or --judge-url")
+    args.judge_device = last
+    if torchrun:
+        return node, f"; the served judge on {last} of each node, which no rank uses"
+    if node.gpus == 1:
+        return node, (f"; the served judge shares {last} with them (one GPU; counted by the memory plan, "
+                      "--judge-device cpu keeps it off the GPU)")
+    return dataclasses.replace(node, gpus=node.gpus - 1), \
+        f"; the served judge on {last}, a GPU of its own (--judge-device cpu or cuda:N places it yourself)"
 
 
 def _span(devices: list[str]) -> str:
@@ -129,6 +162,19 @@ def _engine(args) -> str:
     from common.explorer.engine import vllm_available
 
     return "vllm" if vllm_available()[0] else "hf"
+
+
+def _judge_engine(args) -> str:
+    """The served judge's engine the plan counts: --judge-engine, auto by the explorers' rule on --judge-device (on
+    a node this machine is not: vllm on a GPU, whose install has it; hf on the CPU, where the GPU build runs none)."""
+    if args.judge_engine != "auto":
+        return args.judge_engine
+    if args.gpus:
+        return "hf" if args.judge_device == "cpu" else "vllm"
+    from common.explorer.engine import resolve_engine
+    from common.model import resolve_model
+
+    return resolve_engine("auto", resolve_model(args.judge_model, "--judge-model"), [args.judge_device])[0]
 
 
 def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> float:
@@ -234,7 +280,7 @@ def plan_report(args) -> dict:
     """The placement and the memory plan of `args` (placed, or as its flags name it) for its node: {"node",
     "placement", "notes" (what the memory plan chose), "devices": {device: [(worker, bytes, what)]}}, from the model's
     config and the tasks' prompts (no weights load). Raises the run's one-line ConfigError when it does not fit."""
-    from common.memory import plan_memory
+    from common.memory import plan_memory, served_judge
     from common.model import resolve_model
     from common.preflight import rollout_sequence
     from common.tasks import build_tasksets
@@ -242,6 +288,8 @@ def plan_report(args) -> dict:
 
     node = getattr(args, "node", None) or this_node(args)
     args.engine = _engine(args) if node.gpus else ("hf" if args.engine == "auto" else args.engine)
+    if served_judge(args):
+        args.judge_engine = _judge_engine(args)
     resolve_model(args.model)
     train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
                                      args.task_sampling, args.curriculum, DatasetOptions.from_args(args),

@@ -17,7 +17,7 @@ from common.explorer.engine import vllm_available
 from common.explorer.multi_turn import cannot_start
 from common.explorer.workflow import WORKFLOWS, Context, workflow_class, workflow_name
 from common.knobs import ConfigError
-from common.memory import plan_memory
+from common.memory import plan_memory, served_judge
 from common.model import chat_prompt_ids, load_tokenizer, resolve_model
 from common.tasks.named import env_taskset, taskset_has_envs
 from common.tasks.validate import WHERE
@@ -27,13 +27,14 @@ from rewards.vision import load_images
 
 
 def check_machine(args) -> None:
-    """What the configuration asks of this machine: vLLM importable for --engine vllm, every cuda device present."""
+    """What the configuration asks of this machine: vLLM importable for --engine / --judge-engine vllm, every cuda
+    device present."""
     # vLLM reads its log level when it is first imported, in this process and in the workers spawned from it.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if args.verbose else "WARNING")
-    if args.engine == "vllm":
-        ok, why = vllm_available()
+    for flag, engine in (("--engine", args.engine), ("--judge-engine", args.judge_engine)):
+        ok, why = vllm_available() if engine == "vllm" else (True, "")
         if not ok:
-            raise ConfigError(f"--engine vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
+            raise ConfigError(f"{flag} vllm: {why} (GPU: pip install -r requirements-gpu.txt; "
                               "CPU: make install-vllm)")
     check_devices(args)
 
@@ -72,6 +73,10 @@ def check_reward_models(args, tasks: list[dict]) -> None:
     if judged and not (args.judge_model or args.reward_fn):
         raise ConfigError(f"{judged.get(WHERE, judged.get('id'))}: reward {judged['reward']!r} needs a judge: pass "
                           f"--judge-url and --judge-model, or --judge-model PATH (served by tandem)")
+    if not judged and served_judge(args) and args.judge_device != "cpu" and "judge_device" not in args.given_fields:
+        print(f"[tandem] placement: {args.judge_device} is set aside for a served judge and no task has reward "
+              "'judge' or 'judge_group' (--judge-model alone judges k12/vision answers in the verifier workers): "
+              "--judge-device cpu gives the GPU to the workers", flush=True)
 
 
 def check_workflows(tasks: list[dict]) -> None:

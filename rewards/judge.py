@@ -273,7 +273,9 @@ class JudgeClient:
         try:
             endpoint = self.endpoint or self.server.endpoint()
             messages = judge_messages(call.task, call.responses, secrets.token_hex(8), call.group)
-            call.result = request(endpoint, messages, len(call.responses) if call.group else None, self.timeout_s)
+            # the call's deadline ends it (a timeout, counted as one); the socket's own limit only lies past it
+            call.result = request(endpoint, messages, len(call.responses) if call.group else None,
+                                  2 * self.timeout_s)
         except JudgeError as e:
             call.result = e
         except Exception as e:  # noqa: BLE001  (the judge boundary: whatever broke, this judgement failed)

@@ -1,6 +1,8 @@
 """A judge model tandem serves itself (`--judge-model PATH --judge-device cpu|cuda:N` without `--judge-url`): a small
-OpenAI-compatible server (POST /v1/chat/completions, GET /v1/models) over a transformers causal LM, on 127.0.0.1,
-in a process of its own on its own device (the memory planner counts it there: common/memory.py `judge_bytes`).
+OpenAI-compatible server (POST /v1/chat/completions, GET /v1/models) over a causal LM on transformers (`HFJudge`) or
+one the explorer hands over (`--judge-engine vllm`: common/explorer/judge_vllm.py), on 127.0.0.1, in a process of its
+own on its own device (the memory planner counts it there and the placement gives it a GPU: common/memory.py
+`judge_bytes`, common/placement.py).
 
 A request whose `response_format` is a JSON schema with one `score` number (or a `scores` list of n numbers) in
 [0, MAX] is answered by constrained decoding: after the chat template and the forced prefix `{"score": `, the
@@ -64,53 +66,73 @@ def schema_scores(response_format) -> tuple[str, int, int] | None:
     return None
 
 
-def continuation_logprobs(tokenizer, model, prefix: str, continuations: list[str]) -> list[float]:
-    """log p(continuation | prefix) of each continuation: the prefix's forward once, then every continuation's
-    few tokens over its cached keys and values, as one padded batch."""
-    import torch
+class HFJudge:
+    """The judge on transformers, in this process: the prompt's forward once, then every continuation over its
+    cached keys and values, as one padded batch."""
 
-    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in continuations]
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=model.device)
-    mask = torch.tensor([[1] * (len(prefix_ids) + len(r)) + [0] * (width - len(r)) for r in rows], device=model.device)
-    with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prefix_ids], device=model.device), use_cache=True)
-        first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-        out.past_key_values.batch_repeat_interleave(len(rows))
-        logits = model(input_ids=ids, attention_mask=mask, past_key_values=out.past_key_values).logits
-    rest = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
-    return [(first[r[0]] + rest[k, :len(r) - 1].sum()).item() for k, r in enumerate(rows)]
+    def __init__(self, name: str, device: str):
+        self.tokenizer, self.model = load(name, device)
+
+    def continuation_logprobs(self, prefix_ids: list[int], rows: list[list[int]]) -> list[float]:
+        """log p(row | prefix) of each row of token ids."""
+        import torch
+
+        model = self.model
+        width = max(map(len, rows))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=model.device)
+        mask = torch.tensor([[1] * (len(prefix_ids) + len(r)) + [0] * (width - len(r)) for r in rows],
+                            device=model.device)
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([prefix_ids], device=model.device), use_cache=True)
+            first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            out.past_key_values.batch_repeat_interleave(len(rows))
+            logits = model(input_ids=ids, attention_mask=mask, past_key_values=out.past_key_values).logits
+        rest = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
+        return [(first[r[0]] + rest[k, :len(r) - 1].sum()).item() for k, r in enumerate(rows)]
+
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        import torch
+
+        tokenizer = self.tokenizer
+        with torch.inference_mode():
+            prompt = torch.tensor([ids], device=self.model.device)
+            out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_tokens,
+                                      do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        return out[0, len(ids):].tolist()
 
 
-def constrained_scores(tokenizer, model, messages: list[dict], name: str, count: int, maximum: int) -> list[float]:
+def load_judge(name: str, device: str, loader=None, max_model_len: int = 0):
+    """The judge model: `loader(name, device, max_model_len)` (the explorer's engine for it, e.g.
+    common/explorer/judge_vllm.py `VLLMJudge`), or `HFJudge` when none is given."""
+    return loader(name, device, max_model_len) if loader is not None else HFJudge(name, device)
+
+
+def constrained_scores(judge, messages: list[dict], name: str, count: int, maximum: int) -> list[float]:
     """The expected value of each score under the model, the reply forced to the schema's shape."""
     import torch
 
+    tokenizer = judge.tokenizer
     text = chat_text(tokenizer, messages) + ('{"score": ' if name == "score" else '{"scores": [')
     values = list(range(maximum + 1))
     out = []
     for k in range(count):
         close = "}" if name == "score" else ("]}" if k == count - 1 else ",")
-        lp = torch.tensor(continuation_logprobs(tokenizer, model, text, [f"{v}{close}" for v in values]))
+        prefix = tokenizer(text, add_special_tokens=False)["input_ids"]
+        rows = [tokenizer(f"{v}{close}", add_special_tokens=False)["input_ids"] for v in values]
+        lp = torch.tensor(judge.continuation_logprobs(prefix, rows))
         probs = torch.softmax(lp, dim=0)
         out.append(round(float((probs * torch.tensor(values, dtype=torch.float32)).sum()), 4))
         text += f"{values[int(probs.argmax())]}{close} "
     return out
 
 
-def generate(tokenizer, model, messages: list[dict], max_tokens: int) -> str:
-    import torch
-
-    ids = tokenizer(chat_text(tokenizer, messages), add_special_tokens=False, return_tensors="pt").to(model.device)
-    with torch.inference_mode():
-        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+def generate(judge, messages: list[dict], max_tokens: int) -> str:
+    ids = judge.tokenizer(chat_text(judge.tokenizer, messages), add_special_tokens=False)["input_ids"]
+    return judge.tokenizer.decode(judge.generate(ids, max_tokens), skip_special_tokens=True)
 
 
-def make_handler(tokenizer, model, model_name: str):
+def make_handler(judge, model_name: str):
     lock = threading.Lock()  # one forward at a time on the model
 
     class Handler(BaseHTTPRequestHandler):
@@ -145,10 +167,10 @@ def make_handler(tokenizer, model, model_name: str):
                 with lock:
                     if wanted:
                         name, count, maximum = wanted
-                        scores = constrained_scores(tokenizer, model, messages, name, count, maximum)
+                        scores = constrained_scores(judge, messages, name, count, maximum)
                         content = json.dumps({name: scores[0] if name == "score" else scores})
                     else:
-                        content = generate(tokenizer, model, messages, int(body.get("max_tokens") or 64))
+                        content = generate(judge, messages, int(body.get("max_tokens") or 64))
             except (ValueError, KeyError, TypeError) as e:
                 self._send(400, {"error": {"message": f"{type(e).__name__}: {e}"}})
                 return
@@ -162,22 +184,24 @@ def make_handler(tokenizer, model, model_name: str):
     return Handler
 
 
-def start_server(name: str, device: str, port: int = 0) -> ThreadingHTTPServer:
-    """The model loaded and bound to 127.0.0.1:port (0: any free port), not yet serving."""
-    tokenizer, model = load(name, device)
-    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(tokenizer, model, name))
+def start_server(name: str, device: str, port: int = 0, loader=None, max_model_len: int = 0) -> ThreadingHTTPServer:
+    """The model loaded (`load_judge`) and bound to 127.0.0.1:port (0: any free port), not yet serving."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(load_judge(name, device, loader, max_model_len),
+                                                                   name))
     server.daemon_threads = True
     return server
 
 
-def serve(conn, name: str, device: str, parent_pid: int):
+def serve(conn, name: str, device: str, loader, max_model_len: int, parent_pid: int):
     """The judge server process: load, bind, say ("ready", port) (or ("error", why)), serve until killed."""
-    from common.runtime.procs import die_with_parent
+    from common.runtime.procs import die_with_parent, guard_group
 
     die_with_parent(parent_pid)
+    if loader is not None:  # (vLLM's engine core outlives a killed owner: the group guard ends it with this process)
+        guard_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        server = start_server(name, device)
+        server = start_server(name, device, loader=loader, max_model_len=max_model_len)
     except Exception as e:  # noqa: BLE001  (a bad path or device: the calls fail with this reason)
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -190,8 +214,10 @@ class JudgeServer:
     the thread that started it: it must be a long-lived one): it starts the process, or restarts it if it died.
     `endpoint` (on judge-call threads) waits for the model to load, at most `load_timeout_s`."""
 
-    def __init__(self, ctx, model: str, device: str, load_timeout_s: float = 600.0, on_start=None, on_stop=None):
+    def __init__(self, ctx, model: str, device: str, load_timeout_s: float = 600.0, on_start=None, on_stop=None,
+                 loader=None, max_model_len: int = 0):
         self.ctx, self.model, self.device, self.load_timeout_s = ctx, model, device, load_timeout_s
+        self.loader, self.max_model_len = loader, max_model_len  # (load_judge)
         self.on_start, self.on_stop = on_start or (lambda p: None), on_stop or (lambda p: None)
         self.proc = self.conn = None
         self.port: int | None = None
@@ -211,8 +237,10 @@ class JudgeServer:
                 self.restarts += 1
                 self._stop()
             parent, child = self.ctx.Pipe(duplex=False)
-            self.proc = self.ctx.Process(target=serve, name="judge-server", daemon=True,
-                                         args=(child, self.model, self.device, os.getpid()))
+            # non-daemon: vLLM starts processes of its own; the pool's exit-time finalizer (on_start) kills it
+            self.proc = self.ctx.Process(target=serve, name="judge-server", daemon=False,
+                                         args=(child, self.model, self.device, self.loader, self.max_model_len,
+                                               os.getpid()))
             self.proc.start()
             child.close()
             self.on_start(self.proc)

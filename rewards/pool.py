@@ -179,8 +179,10 @@ class RewardPool:
     - `judge_url`, `judge_model`, `judge_api_key_env`, `judge_device`, `judge_timeout_s`, `judge_concurrency`: the
       judge of `reward: judge` / `judge_group` tasks (rewards/judge.py `JudgeClient`): the server at judge_url
       (model judge_model, key from the environment variable judge_api_key_env), or else judge_model served by
-      tandem on judge_device (rewards/judge_server.py, started on first use). Calls run on threads, each under
-      judge_timeout_s, at most judge_concurrency at once (1 for the served judge: it answers one at a time).
+      tandem on judge_device (rewards/judge_server.py, started on first use; on transformers, or on what
+      `judge_loader(model, device, judge_max_model_len)` loads: the explorer's vLLM, common/explorer/judge_vllm.py).
+      Calls run on threads, each under judge_timeout_s, at most judge_concurrency at once (1 for the served judge:
+      it answers one at a time).
       `submit(..., groups)` says which items form a group: a judge_group task's group is judged in one call.
     - `stats`: scored / failed / timeouts / crashes / errors, cumulative.
 
@@ -192,7 +194,7 @@ class RewardPool:
                  rm_device: str = "cpu", rm_batch_size: int = 16, rm_timeout_s: float = 120.0,
                  judge_model: str | None = None, memory_mb: int = 4096, judge_url: str | None = None,
                  judge_api_key_env: str = "JUDGE_API_KEY", judge_device: str = "cpu", judge_timeout_s: float = 60.0,
-                 judge_concurrency: int = 8):
+                 judge_concurrency: int = 8, judge_loader=None, judge_max_model_len: int = 0):
         import multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
@@ -203,6 +205,7 @@ class RewardPool:
         self.judge_model, self.memory_mb = judge_model, memory_mb
         self.judge_url, self.judge_api_key_env, self.judge_device = judge_url, judge_api_key_env, judge_device
         self.judge_timeout_s, self.judge_concurrency = judge_timeout_s, judge_concurrency
+        self.judge_loader, self.judge_max_model_len = judge_loader, judge_max_model_len
         self._judge = None  # rewards.judge.JudgeClient, made for the first judge task
         self._judge_seen = dict.fromkeys(("items", "calls", "cache_hits", "failed", "timeouts", "busy_s"), 0)
         self._wake_lock = threading.Lock()  # judge-call threads wake the dispatcher too
@@ -368,7 +371,8 @@ class RewardPool:
                 from rewards.judge_server import JudgeServer
 
                 server = JudgeServer(self.ctx, self.judge_model, self.judge_device, on_start=self._track,
-                                     on_stop=self._untrack)
+                                     on_stop=self._untrack, loader=self.judge_loader,
+                                     max_model_len=self.judge_max_model_len)
                 self._judge = JudgeClient(None, self.judge_timeout_s, 1, self._wake, server=server)
         return self._judge
 

@@ -115,6 +115,53 @@ def test_explicit_flags_are_kept_and_explorer_gpus_overrides(models):
                                                     "--gpu-memory-gb", "40", "--explorer-gpus", "7"])
 
 
+def test_a_served_judge_gets_a_gpu_of_its_own_and_is_counted_there(models):
+    """--judge-model without --judge-url or --judge-device on a GPU node: the judge on the node's last GPU and the
+    workers on the rest by the same rule, its weights, KV cache and forward counted there; one GPU: shared and
+    counted, or one line when it does not fit; a given --judge-device is kept."""
+    from common.explorer.judge_vllm import kv_cache_bytes
+    from common.memory import ModelShape, model_config
+
+    judge = ["--judge-model", models["1.5B"]]
+    args, r = _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "4")
+    assert args.judge_device == "cuda:3" and args.judge_engine == "vllm", r["placement"]
+    assert args.trainer_device_list + args.explorer_device_list == ["cuda:0", "cuda:1", "cuda:2"], r["placement"]
+    assert "round(3 x" in r["placement"] and "the served judge on cuda:3, a GPU of its own" in r["placement"]
+    shape = ModelShape.from_config(model_config(models["1.5B"]))
+    assert args.judge_max_model_len == 2 * (512 + r["sequence"] + 7 * 512)  # its longest request, twice
+    (name, need, engine), = r["devices"]["cuda:3"]
+    kv = kv_cache_bytes(model_config(models["1.5B"]), args.judge_max_model_len)
+    assert (name, engine) == ("judge", "vllm") and need > shape.params * 4 + kv > shape.params * 4 + 2 ** 29
+    args, r = _planned("train_sync", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "2")
+    assert (args.trainer_devices, args.explorer_devices, args.judge_device) == ("cuda:0", "cuda:0", "cuda:1")
+    assert [w[0] for w in r["devices"]["cuda:1"]] == ["judge"]
+    args, r = _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "4",
+                       "--judge-device", "cpu", "--judge-engine", "hf")
+    assert len(args.trainer_device_list + args.explorer_device_list) == 4 and args.judge_device == "cpu"
+    assert [w[2] for w in r["devices"]["cpu"] if w[0] == "judge"] == ["hf"] * 2  # one per explorer
+    args, r = _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, *judge, "--gpus", "1")
+    assert args.judge_device == "cuda:0" and "the served judge shares cuda:0" in r["placement"]
+    assert [w[0] for w in r["devices"]["cuda:0"]] == ["explorer0", "judge", "trainer0"]
+    with pytest.raises(ConfigError, match=r"--judge-model .* does not fit --judge-device cuda:0: each of the 1 "
+                                          r"explorers' judges \(vllm\) needs .* GiB and cuda:0's free memory is "
+                                          r"64.0 GiB, of which the explorers there take"):
+        _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, "--judge-model", models["7B"], "--gpus", "1",
+                 "--gpu-memory-gb", "64")
+
+
+def test_a_served_judge_under_torchrun_needs_a_gpu_no_rank_uses(models):
+    """Several nodes (torchrun): every GPU has a rank, so the judge needs a device named, counted on each explorer's
+    node."""
+    with pytest.raises(ConfigError, match=r"every GPU of the node has a rank: start torchrun with --nproc-per-node 7"):
+        _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, "--judge-model", models["1.5B"], "--gpus", "8",
+                 "--nnodes", "2")
+    args, r = _planned("train_async", "--model", models["1.5B"], *GPU_FLAGS, "--judge-model", "tiny",
+                       "--gpus", "8", "--nnodes", "2", "--judge-device", "cuda:7")
+    assert args.explorer_device_list == ["cuda"] * args.num_explorers  # the last ranks: node 1
+    assert [w[0] for w in r["devices"]["cuda:7@node1"]].count("judge") == args.num_explorers
+    assert not any(w[0] == "judge" for w in r["devices"]["cuda:7"])
+
+
 def test_7b_plan_counts_the_weight_sync_and_refuses_in_one_line(models, tmp_path):
     """USAGE's 7B trainer (one replica, checkpointing, 16k-token packed micro-batches: 68 GB by the trainer's own
     accounting) on an 80 GiB GPU in train_async.py, whose in-flight broadcast snapshots the weights on that GPU (14 GiB

@@ -112,7 +112,7 @@ def test_no_judge_given_fails_the_item_naming_the_flags():
     assert got[0].info["failed"] and "--judge-url" in got[0].info["reason"]
 
 
-def test_judge_tasks_without_a_judge_stop_before_the_run():
+def test_judge_tasks_without_a_judge_stop_before_the_run_and_an_idle_judge_gpu_is_said(capsys):
     from types import SimpleNamespace
 
     from common.preflight import check_reward_models
@@ -121,6 +121,12 @@ def test_judge_tasks_without_a_judge_stop_before_the_run():
     with pytest.raises(ConfigError, match="tasks.jsonl:3: reward 'judge' needs a judge: pass --judge-url"):
         check_reward_models(args, [MATH, {**TASK, "_where": "tasks.jsonl:3"}])
     check_reward_models(SimpleNamespace(**{**vars(args), "judge_model": "m"}), [TASK])
+    placed = SimpleNamespace(**{**vars(args), "judge_model": "m", "judge_url": None, "judge_device": "cuda:3",
+                                "given_fields": frozenset()})  # the placement gave the served judge a GPU
+    check_reward_models(placed, [TASK])
+    assert "set aside" not in capsys.readouterr().out
+    check_reward_models(placed, [MATH])
+    assert "cuda:3 is set aside for a served judge and no task has reward 'judge'" in capsys.readouterr().out
 
 
 def test_strict_parse():
@@ -212,6 +218,61 @@ def test_a_served_judge_scores_in_range_and_reads_special_tokens_as_text():
     assert ids.count(special) == 1  # the template's own end of the user turn, none from the content
 
 
+def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
+    """The served judge on vLLM (--judge-engine vllm, on the CPU here: common/explorer/judge_vllm.py, which the
+    explorer hands its pool): through the pool's server process, its expected scores equal the HF judge's on the
+    same request (one forward's log-probs; the candidates' prefix tree against HF's cached continuations), a
+    group's too; vLLM's own processes end with the server."""
+    import rewards.judge
+    from common.explorer.engine import vllm_available
+    from common.explorer.judge_vllm import VLLMJudge
+    from common.model import save_servable_tiny
+    from rewards.judge_server import HFJudge, constrained_scores
+
+    if not vllm_available()[0]:
+        pytest.skip(vllm_available()[1])
+    import psutil  # (vLLM's own dependency)
+
+    monkeypatch.setattr(rewards.judge.secrets, "token_hex", lambda n: "ab" * n)  # the same request HF reads below
+    # the tiny model with room for a group's request (1,098 of its byte tokens): its rotary positions, no weights
+    folder = save_servable_tiny(str(tmp_path / "judge"))
+    config = json.loads((tmp_path / "judge" / "config.json").read_text())
+    (tmp_path / "judge" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    responses = ["The ocean.", "Nothing.", "x", "y"]
+    with RewardPool(num_workers=1, judge_model=folder, judge_loader=VLLMJudge, judge_max_model_len=1280,
+                    judge_timeout_s=110) as pool:
+        got = pool.score_batch(responses, [TASK, TASK, GROUP, GROUP], groups=[0, 1, 2, 2])
+        metrics = pool.judge_metrics()
+        started = psutil.Process(pool._judge.server.proc.pid).children(recursive=True)
+    assert any("EngineCore" in p.name() for p in started), started
+    assert psutil.wait_procs(started, timeout=20)[1] == []  # vLLM's engine core ends with the killed server
+    assert all(not r.info.get("failed") for r in got), [r.info for r in got]
+    assert metrics["reward/judge_calls"] == 3 and metrics["reward/judge_failed"] == 0
+    hf = HFJudge(folder, "cpu")
+    want = [constrained_scores(hf, judge_messages(TASK, [r], "ab" * 8, False), "score", 1, 10)[0] / 10
+            for r in responses[:2]]
+    want += [s / 10 for s in constrained_scores(hf, judge_messages(GROUP, responses[2:], "ab" * 8, True), "scores", 2,
+                                                10)]
+    assert [r.score for r in got] == pytest.approx(want, abs=2e-5)  # (the server rounds a score to 1e-4 of 10)
+    assert len(set(want[:2])) == 2  # (the comparison can tell two responses apart)
+
+
+def test_the_served_judges_engine_follows_the_explorers_rule_in_the_plan():
+    """--judge-engine auto is resolve_engine's rule on --judge-device (vLLM where it imports and runs there), and
+    the memory plan counts that engine; hf stays hf; the flag needs a judge tandem serves."""
+    from common.cli import parse_args
+    from common.explorer.engine import vllm_available
+    from common.placement import plan_report
+    from train_sync import Args
+
+    for flag, want in (([], "vllm" if vllm_available()[0] else "hf"), (["--judge-engine", "hf"], "hf")):
+        args = parse_args(Args, ["--model", "tiny", "--judge-model", "tiny", "--plan", *flag])
+        rows = plan_report(args)["devices"]["cpu"]
+        assert args.judge_engine == want and [w[2] for w in rows if w[0] == "judge"] == [want], rows
+    with pytest.raises(ConfigError, match="--judge-engine vllm runs the judge tandem serves: it needs --judge-model"):
+        parse_args(Args, ["--judge-url", "http://127.0.0.1:1/v1", "--judge-model", "m", "--judge-engine", "vllm"])
+
+
 # ---------------------------------------------------------------- the recipe
 def test_the_recipe_config_parses_and_its_taskset_loads():
     from common.cli import parse_args
@@ -253,7 +314,7 @@ def test_a_served_judge_is_counted_on_its_own_device(tmp_path):
 
     folder = _config_folder(tmp_path, "qwen", **QWEN_1_5B)
     args = _args(folder, "--judge-model", folder, "--judge-device", "cuda:2")
-    need = judge_bytes(args, "cuda")
+    need = judge_bytes(args, "cuda", 1024)
     assert need > ModelShape.from_config(model_config(folder)).params * 4
     room = {"cuda:0": (200 * GIB, 200 * GIB), "cuda:1": (200 * GIB, 200 * GIB)}
     assert plan_memory(args, 1024, frozenset(), {**room, "cuda:2": (need * 1.01, 80 * GIB)}) == []

@@ -295,6 +295,23 @@ class VLLMEngine(RolloutEngine):
             self._lora_of.pop(rid, None)
         self._done.pop(id(owner), None)
 
+    def next_token_logprobs(self, prompts: list[list[int]], candidates: list[list[int]]) -> list[list[float]]:
+        """log p(token | prompt) of each of `candidates[i]` as the token after `prompts[i]`, from the model's logits
+        (vLLM's `logprob_token_ids`; prompts that share a prefix compute it once, through the prefix cache): what a
+        served judge's constrained score reads (rewards/judge_server.py)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for prompt in prompts:
+            if len(prompt) + 1 > self.max_model_len:
+                raise ValueError(f"vLLM: a prompt of {len(prompt)} tokens leaves no room for one more in its "
+                                 f"max_model_len {self.max_model_len}")
+        params = [SamplingParams(n=1, temperature=0.0, max_tokens=1, logprob_token_ids=list(c), detokenize=False)
+                  for c in candidates]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return [[out.outputs[0].logprobs[0][t].logprob for t in c] for out, c in zip(outputs, candidates)]
+
     @staticmethod
     def _truncated(sampling: SamplingConfig) -> bool:
         """Top-p sampling: the behaviour log-probs need the NormalizerProcessor's correction."""

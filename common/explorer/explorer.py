@@ -35,6 +35,21 @@ from common.vlm import is_vlm, load_processor
 from rewards import RewardPool, UserReward, score
 
 
+def judge_loader(args):
+    """What the reward pool's served judge loads: `VLLMJudge` for --judge-engine vllm (auto: the explorers' rule on
+    --judge-device, resolved here for explorers built directly), None for its own HF judge."""
+    if not args.judge_model or args.judge_url:
+        return None
+    if args.judge_engine == "auto":  # entry scripts resolve it in prepare_run
+        args.judge_engine = resolve_engine("auto", resolve_model(args.judge_model, "--judge-model"),
+                                           [args.judge_device])[0]
+    if args.judge_engine != "vllm":
+        return None
+    from common.explorer.judge_vllm import VLLMJudge
+
+    return VLLMJudge
+
+
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
     """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
     tokenizer = load_tokenizer(args.model, args.chat_template)
@@ -101,7 +116,8 @@ class Explorer:
                              rm_model=args.rm_model, judge_model=args.judge_model, memory_mb=args.reward_memory_mb,
                              judge_url=args.judge_url, judge_api_key_env=args.judge_api_key_env,
                              judge_device=args.judge_device, judge_timeout_s=args.judge_timeout_s,
-                             judge_concurrency=args.judge_concurrency)
+                             judge_concurrency=args.judge_concurrency, judge_loader=judge_loader(args),
+                             judge_max_model_len=args.judge_max_model_len)
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.samples_per_task)
         self.parts = Parts(args, index, device, self.engine, sampling, workflow_ctx, Rollouts(workflow_ctx),
                            train_tasks, eval_tasks, rewards, timeline)  # what its stream and evaluations are given
