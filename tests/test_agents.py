@@ -6,6 +6,7 @@ verifier scores the final answer only (a cut last turn scores 0) and cut episode
 calls append the result as masked tokens and go on; turn-level advantages; a slow tool does not slow the other
 episodes' decoding (vLLM); grpo_turn and --in-turn-tools each train 2 tiny steps."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -501,33 +502,37 @@ def trajectory_ascii_share(response: str, task: dict) -> float:
 
 
 class Sleepy(Env):
-    """Each of its first "slow_steps" steps (default: every step) sleeps the task's "sleep_s" (a slow tool), and
-    answers; never done (runs to --max-turns)."""
+    """A slow tool beside fast ones, ordered by state, not by the clock: each of a "slow" task's first "slow_steps"
+    steps (default: every step) waits until the three "fast" episodes have ended, at most the task's "sleep_s", and
+    records whether they had (`waited`); the fast episodes answer at once. Never done (runs to --max-turns)."""
 
     def reset(self, task):
+        self.fast = task["id"].startswith("fast")
         self.sleep_s, self.slow_steps = float(task.get("sleep_s", 0)), task.get("slow_steps", 1 << 30)
         return [{"role": "user", "content": task["prompt"]}]
 
     def step(self, action):
-        if self.slow_steps > 0:
+        if self.slow_steps > 0 and self.sleep_s:
             self.slow_steps -= 1
-            time.sleep(self.sleep_s)
-            if self.sleep_s:
-                Sleepy.slow_ends.append(time.monotonic())
+            Sleepy.waited.append(Sleepy.fast_ended.wait(self.sleep_s))
         return StepResult([{"role": "user", "content": "Go on."}], 0.0, False, {})
 
     def close(self):
-        Sleepy.closed.append(time.monotonic())
+        with Sleepy.lock:  # close runs the moment an episode ends, in whichever thread stepped it
+            Sleepy.closed += self.fast
+            if Sleepy.closed == 3:
+                Sleepy.fast_ended.set()
 
 
-Sleepy.closed = []  # when each episode ended (close runs the moment it ends, in whichever thread stepped it)
-Sleepy.slow_ends = []  # when each slow step ended
+Sleepy.lock, Sleepy.fast_ended = threading.Lock(), threading.Event()
+Sleepy.closed = 0  # fast episodes ended
+Sleepy.waited = []  # each slow step: True when the fast episodes ended while it waited
 
 
-def timed_episodes(engine, tok, env_workers: int, slow_s: float = 3.0, slow_steps: int = 3):
-    """One episode whose first `slow_steps` steps (all 3) take `slow_s` (3 s) each beside three instant episodes, 3
-    turns each, through the vLLM engine loop: (seconds until the three fast episodes had all ended, their sampled
-    tokens, the whole run's seconds, seconds until the slow episode's first step had ended)."""
+def slow_beside_fast(engine, tok, env_workers: int, slow_s: float, slow_steps: int = 3):
+    """One episode whose first `slow_steps` steps (all 3) wait for the three fast episodes beside it (at most
+    `slow_s` each), 3 turns each, through the engine's loop: what each slow step saw (True: the fast episodes had
+    ended while it waited) and the fast episodes' sampled tokens."""
     from common.explorer.rollouts import Rollouts
 
     ctx = Context(tok, max_new_tokens=16, max_turns=3, episode_token_budget=400, env_workers=env_workers,
@@ -538,16 +543,13 @@ def timed_episodes(engine, tok, env_workers: int, slow_s: float = 3.0, slow_step
         [{"id": f"fast{i}", "env": "sleepy", "prompt": f"Count to {i}."} for i in range(3)]
     for i, task in enumerate(tasks):
         rollouts.start(task, i, 1)
-    fast = [w.group.responses[0] for w in rollouts.workflows[1:]]
-    closed = env_class("sleepy").closed  # the class as the registry imports it (the module may load twice)
-    slow_ends = env_class("sleepy").slow_ends
-    closed.clear()
-    slow_ends.clear()
-    t0 = time.monotonic()
+    episodes = [w.group.responses[0] for w in rollouts.workflows]
+    cls = env_class("sleepy")  # the class as the registry imports it (the module may load twice)
+    cls.closed, cls.waited = 0, []
+    cls.fast_ended.clear()
     rollouts.generate(engine, SamplingConfig(temperature=1.0, max_new_tokens=16, n=1), 0)
-    total = time.monotonic() - t0
-    assert all(e.end_reason == "max_turns" and e.turns == 3 for e in fast)
-    return sorted(closed)[2] - t0, sum(e.sampled_tokens for e in fast), total, min(slow_ends, default=t0) - t0
+    assert all(e.end_reason == "max_turns" and e.turns == 3 for e in episodes)
+    return cls.waited, sum(e.sampled_tokens for e in episodes[1:])
 
 
 def test_stop_tokens_come_from_the_generation_config_too(tmp_path):
