@@ -171,10 +171,9 @@ def _judge_engine(args) -> str:
         return args.judge_engine
     if args.gpus:
         return "hf" if args.judge_device == "cpu" else "vllm"
-    from common.explorer.engine import resolve_engine
-    from common.model import resolve_model
+    from common.explorer.engine import resolve_judge_engine
 
-    return resolve_engine("auto", resolve_model(args.judge_model, "--judge-model"), [args.judge_device])[0]
+    return resolve_judge_engine(args)[0]
 
 
 def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> float:

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from common.cli import LAUNCHED_ARGS
 from common.compat import python
-from common.explorer.engine import resolve_engine, vllm_available
+from common.explorer.engine import resolve_engine, resolve_judge_engine, vllm_available
 from common.explorer.eval_metrics import format_interval
 from common.knobs import ConfigError
 from common.lora import describe as describe_lora, resolve_sync as resolve_lora_sync
@@ -59,10 +59,9 @@ def prepare_run(args, schedule: str) -> None:
     args.engine, why = resolve_engine(args.engine, model_path, args.explorer_device_list)
     print(f"[tandem] {schedule}: rollout engine {args.engine} ({why})", flush=True)
     if served_judge(args):  # the judge tandem serves: the explorers' rule on its own device
-        args.judge_engine, why = resolve_engine(args.judge_engine, resolve_model(args.judge_model, "--judge-model"),
-                                                [args.judge_device])
+        args.judge_engine, why = resolve_judge_engine(args)
         print(f"[tandem] judge: --judge-model {args.judge_model} served on {args.judge_device} by {args.judge_engine} "
-              f"({why.replace('--engine', '--judge-engine')})", flush=True)
+              f"({why})", flush=True)
     if args.lora_rank:  # adapters or merged weights to the explorers, decided once for every worker
         args.lora_sync, why = resolve_lora_sync(args, model_path)
         print(f"[tandem] {describe_lora(args, args.lora_sync, why)}", flush=True)

@@ -478,3 +478,12 @@ def resolve_engine(engine: str, model_path: str, devices: list[str] = ("cpu",)) 
         if archs and not set(archs) & set(ModelRegistry.get_supported_archs()):
             return "hf", f"--engine auto: vLLM {why} cannot serve {', '.join(archs)}"
     return "vllm", f"--engine auto: vLLM {why} imports"
+
+
+def resolve_judge_engine(args) -> tuple[str, str]:
+    """`resolve_engine` for the judge tandem serves: --judge-engine, on --judge-device."""
+    from common.model import resolve_model
+
+    model_path = resolve_model(args.judge_model, "--judge-model")
+    engine, why = resolve_engine(args.judge_engine, model_path, [args.judge_device])
+    return engine, why.replace("--engine", "--judge-engine")

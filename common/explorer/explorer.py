@@ -18,7 +18,7 @@ import time
 import torch
 
 from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, StaticCacheSize, resolve_engine,
-                                    use_static_cache)
+                                    resolve_judge_engine, use_static_cache)
 from common.experience import Experience, RolloutBatch, zero_signal_groups
 from common.lora import LoraSpec, sync_mode
 from common.tasks.hub import DatasetOptions
@@ -41,8 +41,7 @@ def judge_loader(args):
     if not args.judge_model or args.judge_url:
         return None
     if args.judge_engine == "auto":  # entry scripts resolve it in prepare_run
-        args.judge_engine = resolve_engine("auto", resolve_model(args.judge_model, "--judge-model"),
-                                           [args.judge_device])[0]
+        args.judge_engine = resolve_judge_engine(args)[0]
     if args.judge_engine != "vllm":
         return None
     from common.explorer.judge_vllm import VLLMJudge
