@@ -53,7 +53,8 @@ class CommonArgs:
     """Longest any process waits for another (queue, collective) before failing with a message."""
     peer_timeout_s: float = 15.0
     """A worker that has not been heard from for this many seconds (killed, crashed in native code, node lost)
-    ends the run with a message naming it (torchrun --max-restarts then restarts the group)."""
+    ends the run with a message naming it (torchrun --max-restarts then restarts the group); one on the same
+    machine whose process still runs has stalled and gets --timeout-s."""
     stall_log_s: float = 60.0
     """When no experience reaches the trainer for this many seconds, it logs which explorer it waits for and
     since when, and again every as many seconds until --timeout-s."""

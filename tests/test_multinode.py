@@ -109,6 +109,43 @@ def test_dead_explorer_without_restarts_ends_both_nodes_in_seconds(tmp_path):
     assert not left_of(tree, timeout=5)
 
 
+WATCH = """
+import socket, sys, time
+from types import SimpleNamespace
+import torch.distributed as dist
+from common.runtime.worker import Place, Watchdog
+store, here = dist.HashStore(), Place(socket.gethostname(), "cpu", "cpu")
+store.set("pid/1", sys.argv[1])
+ctx = SimpleNamespace(rank=0, world_size=2, store=store, name="trainer0", names=["trainer0", "explorer0"],
+                      places=[here, here])
+Watchdog(ctx, 1.0, 4.0)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("peer", ["stopped", "dead"])
+def test_liveness_watch_waits_for_a_stalled_peer_on_its_host_and_not_for_a_dead_one(peer):
+    """A peer silent past --peer-timeout-s whose process still runs here (SIGSTOP: as a process an overloaded
+    machine holds still) is reported once and given up on at --timeout-s; a dead one (reaped) ends the watch at
+    --peer-timeout-s. The watch runs in its own process (it ends that process)."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        if peer == "dead":
+            sleeper.kill(), sleeper.wait()
+        else:
+            os.kill(sleeper.pid, signal.SIGSTOP)
+        watch = subprocess.run([sys.executable, "-c", WATCH, str(sleeper.pid)], cwd=ROOT, env=ENV,
+                               capture_output=True, text=True, timeout=60)
+    finally:
+        sleeper.kill(), sleeper.wait()
+    lines = [line for line in watch.stderr.splitlines() if "explorer0 (rank 1) has been silent" in line]
+    assert watch.returncode == 1, watch.stderr[-2000:]
+    if peer == "dead":
+        assert len(lines) == 1 and "its process died" in lines[0], watch.stderr[-2000:]
+    else:
+        assert len(lines) == 2 and "still runs (stalled" in lines[0] and "stalled (--timeout-s)" in lines[1], lines
+
+
 @pytest.mark.timeout(420)
 def test_kill9_under_max_restarts_resumes_with_every_step_once(tmp_path):
     """torchrun --max-restarts 2, one run: the trainer killed with SIGKILL after step 3, then (in the restarted

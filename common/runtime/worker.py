@@ -215,7 +215,7 @@ def join_world(plan: list[Worker], timeout_s: float, peer_timeout_s: float,
         trainer_group=dist.new_group(trainer_ranks), sync_group=dist.new_group(trainer_ranks[:1] + explorer_ranks),
         buffer_group=dist.new_group(backend="gloo"),
         store=store, restart=restart, _guard=guard)
-    ctx._watchdog = Watchdog(ctx, peer_timeout_s)
+    ctx._watchdog = Watchdog(ctx, peer_timeout_s, timeout_s)
     return ctx
 
 
@@ -236,12 +236,14 @@ def _install_signal_handlers(role: str) -> None:
 class Watchdog:
     """Liveness over the store: a counter per rank, bumped every second; a peer whose counter stands still for
     `timeout_s` and that has not said it is done is dead (SIGKILL, crash in native code, node lost). The first
-    rank to notice ends its process with one line naming the peer; torch elastic then stops (or restarts) all."""
+    rank to notice ends its process with one line naming the peer; torch elastic then stops (or restarts) all.
+    A silent peer on this host whose process still runs is stalled, not dead (an overloaded machine can hold a
+    process still for longer than `timeout_s`): it is reported once and given up on after `stall_s`."""
 
     running: Watchdog | None = None  # this process's, while it watches
 
-    def __init__(self, ctx: WorkerContext, timeout_s: float):
-        self.ctx, self.timeout_s = ctx, timeout_s
+    def __init__(self, ctx: WorkerContext, timeout_s: float, stall_s: float):
+        self.ctx, self.timeout_s, self.stall_s = ctx, timeout_s, max(stall_s, timeout_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-watchdog", daemon=True)
         self._thread.start()
@@ -272,26 +274,46 @@ class Watchdog:
 
     def _run(self):
         ctx, peers = self.ctx, [r for r in range(self.ctx.world_size) if r != self.ctx.rank]
-        last = {r: (-1, time.time()) for r in peers}
+        last, reported = {r: (-1, time.time()) for r in peers}, set()
         try:
+            ctx.store.set(f"pid/{ctx.rank}", str(os.getpid()))
             while not self._stop.wait(1.0):
                 ctx.store.add(f"beat/{ctx.rank}", 1)
                 now = time.time()
                 for r in peers:
-                    beat = ctx.store.add(f"beat/{r}", 0)
+                    beat, silent = ctx.store.add(f"beat/{r}", 0), now - last[r][1]
                     if beat >= DONE:
                         continue
                     if beat != last[r][0]:
                         last[r] = (beat, now)
-                    elif now - last[r][1] > self.timeout_s:
-                        _die(f"error: {ctx.name}: {ctx.names[r]} (rank {r}) has been silent for "
-                             f"{now - last[r][1]:.0f}s (--peer-timeout-s): its process died or its node is "
-                             "unreachable; see that node's log")
+                        reported.discard(r)
+                    elif silent > self.timeout_s and (running := self._running(r)) and silent <= self.stall_s:
+                        if r not in reported:
+                            reported.add(r)
+                            print(f"[tandem] {ctx.name}: {ctx.names[r]} (rank {r}) has been silent for {silent:.0f}s "
+                                  "but its process still runs (stalled: an overloaded machine?); waiting up to "
+                                  f"--timeout-s {self.stall_s:.0f}s", file=sys.stderr, flush=True)
+                    elif silent > self.timeout_s:
+                        why = ("its process still runs but stalled (--timeout-s)" if running else
+                               "its process died or its node is unreachable; see that node's log")
+                        _die(f"error: {ctx.name}: {ctx.names[r]} (rank {r}) has been silent for {silent:.0f}s "
+                             f"(--peer-timeout-s): {why}")
         except (RuntimeError, dist.DistError) as e:  # the store itself is gone: the node hosting it died
             if not self._stop.is_set():
                 _die(f"error: {ctx.name}: lost the run's store at {os.environ.get('MASTER_ADDR')}:"
                      f"{os.environ.get('MASTER_PORT')} ({str(e).splitlines()[0][:120]}): the node of rank 0 "
                      "stopped or is unreachable")
+
+    def _running(self, r: int) -> bool:
+        """Rank r runs on this host, and its process exists and is no zombie (/proc: Linux; elsewhere: never)."""
+        ctx = self.ctx
+        if ctx.places[r].node != ctx.places[ctx.rank].node or not ctx.store.check([f"pid/{r}"]):
+            return False
+        try:
+            with open(f"/proc/{int(ctx.store.get(f'pid/{r}'))}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
 
 
 ENGINE_READY = "engine_ready"  # an explorer's key in the run's store once its engine is up (common/run.py engines_first)
