@@ -20,10 +20,6 @@ drops vocabulary padding and hashes them with `common.weight_sync.base.tensor_di
 linear weights exist only packed inside oneDNN; they are read by running each layer's own GEMM on an identity
 matrix (exact: every output is one weight times 1 plus zeros).
 
-Arguments and results of the extension's methods are plain data (strings, bytes, numbers, lists), so they cross
-vLLM's engine-core process boundary; tensors travel through a shared buffer, a checkpoint folder or the weights
-group.
-
 Process start (CPU). `TandemExecutor` (common/compat/vllm.py) is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
 forked from the engine core, vLLM's own default there: the engine core has imported vLLM already, so the worker does
 not import it again (~4 CPU seconds per engine start), and a forked multiprocessing child ends with os._exit after
@@ -69,8 +65,6 @@ def _safetensors_iter(path: str):
                 yield name, handle.get_tensor(name)
 
 
-
-# They are sent through LLM.collective_rpc / apply_model; with the in-process engine they run in this process.
 def _probe_gemm(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The [N, K] weight a CPU-dispatched linear layer really multiplies with: its GEMM applied to I_K."""
     k = weight.shape[1] if weight.numel() else module.input_size_per_partition
@@ -205,10 +199,8 @@ def _worker_copy_weights(model: torch.nn.Module, plan) -> None:
 def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
     """A CPU layer whose forward multiplies with its packed `cpu_linear` weight. vLLM packs an input embedding
     too, but only looks rows up in its plain weight (the packed copy is used by a tied lm_head's own packing)."""
-    if not hasattr(module, "cpu_linear"):
-        return False
-    kind = type(module).__name__
-    return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
+    # ParallelLMHead (a subclass of VocabParallelEmbedding) does multiply
+    return hasattr(module, "cpu_linear") and type(module).__name__ != "VocabParallelEmbedding"
 
 
 class TandemWorkerExtension:
@@ -227,9 +219,7 @@ class TandemWorkerExtension:
         its file); on a GPU the copy has finished reading it when this returns (its owner may write it next)."""
         from common.weight_sync.colocated import open_slot
 
-        opened = getattr(self, "_tandem_slots", None)
-        if opened is None:
-            opened = self._tandem_slots = {}
+        opened = self.__dict__.setdefault("_tandem_slots", {})
         if shared not in opened:
             views = flat_views(open_slot(shared, self.device), layout)
             opened[shared] = (views, _worker_copy_plan(self.get_model(), views))
@@ -336,15 +326,11 @@ class TandemWorkerExtension:
         from common.weight_sync.colocated import open_slot
 
         start = time.time()
-        mapped = getattr(self, "_tandem_lora_files", None)
-        if mapped is None:
-            mapped = self._tandem_lora_files = {}
+        mapped = self.__dict__.setdefault("_tandem_lora_files", {})
         if shared not in mapped:
             mapped[shared] = flat_views(open_slot(shared, self.device), layout)
         views = mapped[shared]
-        digests = getattr(self, "_tandem_lora_digests", None)
-        if digests is None:
-            digests = self._tandem_lora_digests = {}
+        digests = self.__dict__.setdefault("_tandem_lora_digests", {})
         digests[lora_id] = tensor_digest(views)[0]  # what arrived, for --verify-sync
         worker_manager = self.model_runner.lora_manager
         manager = lora_model_manager(self)
@@ -386,22 +372,15 @@ class TandemWorkerExtension:
         save_file(out, path)
         return sorted(out)
 
-    def tandem_use_cores(self, cores: list[int], threads: int) -> dict[int, list[int]]:
+    def tandem_use_cores(self, cores: list[int], threads: int) -> None:
         """Compute on `cores` with `threads` OpenMP threads (common/runtime/cores.py `widen` / `narrow`). vLLM's CPU
         worker started its OpenMP threads bound to the cores it was given (OMP_PLACES / OMP_PROC_BIND, set from
         VLLM_CPU_OMP_THREADS_BIND) and disabled `torch.set_num_threads` afterwards; a pool thread that starts now is
         bound the same way. So: set the count, run one parallel region (the pool grows now), then bind every thread
-        of this process. Returns each thread's cores."""
+        of this process."""
         set_threads_below_vllm(threads)
         torch.ones(threads << 16).add_(1)  # one parallel region: OpenMP starts the threads it lacks
         bind_threads(os.getpid(), cores)
-        bound = {}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                bound[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
-            except ProcessLookupError:
-                pass
-        return bound
 
     def tandem_pop_logz(self, keys: list[str]) -> dict[str, list[float]]:
         """The top-p corrections NormalizerProcessor recorded for these requests (and forget them)."""
