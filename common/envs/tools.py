@@ -98,11 +98,6 @@ def run_sandboxed(code: str, limits, wait_s: float):
         slots.release()
 
 
-def call_with_timeout(fn, kwargs: dict, timeout_s: float):
-    """fn(**kwargs), waited on for at most `timeout_s` (see ToolThread)."""
-    return ToolThread(fn, kwargs, timeout_s).result()
-
-
 def tool_schema(fn) -> dict:
     """transformers' JSON schema of a function (from its type hints and Google-style docstring)."""
     from transformers.utils import get_json_schema

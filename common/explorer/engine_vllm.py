@@ -194,7 +194,6 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)  # read by vLLM's frontend here and inherited by the engine core it spawns
-        start = time.time()
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -203,7 +202,6 @@ class VLLMEngine(RolloutEngine):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        self.startup_s = time.time() - start
         self.lora, self.lora_versions = lora, lora_versions
         self.lora_version: int | None = None  # the adapter new requests use (None: none loaded yet)
         self._lora_of: dict[str, tuple] = {}  # request id -> (version, max_new_tokens, sampling) of its adapter

@@ -300,9 +300,7 @@ DONE = 10**12  # added to a rank's beat counter when it is done: silence is then
 
 def _die(line: str) -> None:
     report_error(line)
-    if not os.environ.get("TANDEM_LOCAL"):  # python train_X.py: the launcher prints it
-        print(line, file=sys.stderr, flush=True)
-    os._exit(1)
+    _exit(1, line)
 
 
 # ----------------------------------------------------------------------------- failures, as the agent reports them
