@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.envs import parse_env_settings
 from rewards import Reward
@@ -76,6 +76,37 @@ class Sample(ABC):
     def counts(self) -> dict[str, float]:
         """Rollout metrics of this sample, summed over a round's samples (rollout_metrics)."""
         return {}
+
+
+@dataclass
+class TokenSample(Sample):
+    """A sample built by appending ids, each as the engine fed or sampled it: sampled ids (trained: loss mask 1,
+    their behaviour log-probs) and observations (mask 0, log-prob 0), each with the weights version that made it.
+    A multi-turn episode, an agent's sample."""
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)  # per turn: end of its sampled ids in response_ids
+
+    @property
+    def segments(self) -> int:
+        return self.turns
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the model wrote (what a length penalty counts; observations excluded)."""
+        return sum(self.mask)
+
+    def loss_mask(self, partial_loss: str = "last_segment") -> list[int]:
+        return list(self.mask)
+
+    def _append(self, ids, logprobs, trained: int, version: int, versions: list[int] | None = None) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.mask += [trained] * len(ids)
+        self.versions += versions[:len(ids)] if versions else [version] * len(ids)  # per token, if mid-generation
 
 
 class Workflow(ABC):
