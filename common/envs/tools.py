@@ -31,12 +31,7 @@ import time
 
 from common.envs import Env, StepResult
 from common.envs.boundary import ABANDONED, describe
-from common.envs.tool_formats import ToolError, split_hermes, tool_format
-
-def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
-    """The Hermes/Qwen tool calls in `text`: None when there is none (the turn is an answer); otherwise one entry
-    per `<tool_call>` block, either {"name", "arguments"} or a ToolError("malformed", ...)."""
-    return split_hermes(text)[1]
+from common.envs.tool_formats import ToolError, tool_format
 
 
 class ToolThread:
