@@ -113,6 +113,12 @@ def model_config(name: str):
         raise ConfigError(f"--model {name}: cannot read its config ({str(e).splitlines()[0]})") from None
 
 
+def model_shape(name: str) -> ModelShape | None:
+    """The ModelShape of `name` (--model, --critic-model, --teacher), None for the built-in vision models."""
+    config = model_config(name)
+    return ModelShape.from_config(config) if config is not None else None
+
+
 # ----------------------------------------------------------------------------- the trainer
 def dtype_bytes(dtype: str) -> int:
     """Bytes per weight of --dtype (bfloat16 or float32)."""
@@ -432,18 +438,12 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     from common.explorer.engine import StaticCacheSize
     from common.trainer.losses import ALGOS
 
-    config = model_config(args.model)
-    if config is None:
+    shape = model_shape(args.model)
+    if shape is None:
         return []
-    shape = ModelShape.from_config(config)
-    critic = None
-    if ALGOS[args.algo].critic:
-        critic_config = model_config(args.critic_model) if args.critic_model else config
-        critic = ModelShape.from_config(critic_config) if critic_config is not None else shape
-    teacher = None
-    if args.teacher:
-        teacher_config = model_config(args.teacher)
-        teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
+    # a built-in vision critic or teacher is counted as the policy
+    critic = ((args.critic_model and model_shape(args.critic_model)) or shape) if ALGOS[args.algo].critic else None
+    teacher = (model_shape(args.teacher) or shape) if args.teacher else None
     trainers, explorers = worker_devices(args, gpus, local_world)
     own = [args.teacher_device] if args.teacher and args.teacher_device else []
     # a served judge per explorer, on --judge-device of that explorer's node
