@@ -29,13 +29,8 @@ def load_jsonl(path: str, options=None) -> list[dict]:
     return tasks
 
 
-def load_hf_dataset(path: str, split: str = "train", options=None) -> list[dict]:
-    """An HF dataset: a folder (save_to_disk or data files), a data file, or a Hub id (common/tasks/hub.py)."""
-    return load_dataset_tasks(path, split, options)
-
-
 def load_tasks(path: str, options=None, split: str = "train") -> list[dict]:
     """A .jsonl file (errors name file:line) or any HF dataset source, rows mapped by `options`."""
     if path.endswith(".jsonl") and os.path.isfile(path):
         return load_jsonl(path, options)
-    return load_hf_dataset(path, split, options)
+    return load_dataset_tasks(path, split, options)  # a dataset folder, a data file or a Hub id
