@@ -28,6 +28,8 @@ adapters on every linear layer (attention and MLP: attention-only LoRA learns ma
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -181,9 +183,6 @@ def merge_lost_share(model) -> float:
 def vllm_serves_adapters(model_path: str, spec: LoraSpec) -> tuple[bool, str]:
     """(True, "") when vLLM's implementation of the folder's architecture takes LoRA adapters of this rank, else
     (False, why)."""
-    import json
-    import os
-
     from vllm.model_executor.models.interfaces import supports_lora
 
     from common.compat.vllm import model_class

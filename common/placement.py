@@ -27,6 +27,7 @@ The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -171,8 +172,6 @@ def _judge_engine(args) -> str:
 def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> float:
     """One GPU trainer's peak with `trainers` of them (sharded when more than one, as placed), checkpointing on and
     one sequence a micro-batch: the least it can take."""
-    import copy
-
     probe = copy.copy(args)
     probe.trainer_devices = ",".join(["cuda"] * trainers)
     if trainers > 1 and "trainer_shard" not in args.given_fields and not args.lora_rank:
@@ -184,8 +183,6 @@ def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> flo
 
 
 def _explorer_bytes(args, shape, node: Node) -> float:
-    import copy
-
     probe = copy.copy(args)
     probe.engine = _engine(args)
     return explorer_bytes(shape, probe, "cuda", node.gpu_bytes, args.max_new_tokens + SEQUENCE_GUESS) + \

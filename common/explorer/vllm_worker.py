@@ -50,6 +50,8 @@ from common.compat.vllm import lora_model_manager
 from common.explorer.vllm_logits import NormalizerProcessor
 from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
+from common.weight_sync.broadcast import broadcast_weights, weights_group
+from common.weight_sync.colocated import open_slot
 
 
 def _safetensors_iter(path: str):
@@ -217,8 +219,6 @@ class TandemWorkerExtension:
         (fused slices, CPU re-pack; `_worker_copy_plan`), or through vLLM's reload where that plan does not apply
         (or fast is False: the reference path). Each buffer is opened once and stays open (its owner may unlink
         its file); on a GPU the copy has finished reading it when this returns (its owner may write it next)."""
-        from common.weight_sync.colocated import open_slot
-
         opened = self.__dict__.setdefault("_tandem_slots", {})
         if shared not in opened:
             views = flat_views(open_slot(shared, self.device), layout)
@@ -237,8 +237,6 @@ class TandemWorkerExtension:
     def tandem_join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str,
                                   timeout_s: float) -> None:
         """Join trainer0's weights group (common/weight_sync/broadcast.py `weights_group`) as `rank`."""
-        from common.weight_sync.broadcast import weights_group
-
         self._tandem_group = weights_group(host, port, rank, size, backend, timeout_s)
         self._tandem_group_device = self.device if backend == "nccl" else torch.device("cpu")
 
@@ -248,8 +246,6 @@ class TandemWorkerExtension:
         arrives (`_worker_copy_plan`), so only one bucket is held at a time; layers vLLM re-packs (CPU) are
         re-packed once every bucket is in, and where the plan does not apply (or fast is False) the whole update
         goes through vLLM's reload. Returns [seconds spent loading, version, time the header arrived]."""
-        from common.weight_sync.broadcast import broadcast_weights
-
         model = self.get_model()
         shapes = [(name, torch.empty(shape, dtype=getattr(torch, dt), device="meta")) for name, shape, dt in layout]
         direct = fast and _worker_copy_plan(model, shapes) is not None
@@ -323,14 +319,14 @@ class TandemWorkerExtension:
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        from common.weight_sync.colocated import open_slot
-
         start = time.time()
         mapped = self.__dict__.setdefault("_tandem_lora_files", {})
         if shared not in mapped:
             mapped[shared] = flat_views(open_slot(shared, self.device), layout)
         views = mapped[shared]
-        digests = self.__dict__.setdefault("_tandem_lora_digests", {})
+        digests = getattr(self, "_tandem_lora_digests", None)
+        if digests is None:
+            digests = self._tandem_lora_digests = {}
         digests[lora_id] = tensor_digest(views)[0]  # what arrived, for --verify-sync
         worker_manager = self.model_runner.lora_manager
         manager = lora_model_manager(self)

@@ -21,6 +21,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from common.envs import parse_env_settings
+from common.envs.tool_formats import detect, tool_format
+from common.envs.tools import set_sandbox_slots
+from common.explorer.chat import ChatRenderer
 from rewards import Reward
 
 WORKFLOWS = {
@@ -186,23 +189,17 @@ class Context:
     @property
     def renderer(self):
         if self._renderer is None:
-            from common.explorer.chat import ChatRenderer
-
             self._renderer = ChatRenderer(self.tokenizer, keep_tokens=self.tool_format.keep_tokens)
         return self._renderer
 
     @property
     def tool_format_name(self) -> str:
-        from common.envs.tool_formats import detect
-
         if self.tool_call_format != "auto":
             return self.tool_call_format
         return detect(getattr(self.tokenizer, "chat_template", None))
 
     @property
     def tool_format(self):
-        from common.envs.tool_formats import tool_format
-
         return tool_format(self.tool_format_name)
 
     @property
@@ -214,8 +211,6 @@ class Context:
 
     @classmethod
     def from_args(cls, tokenizer, args, processor=None) -> "Context":
-        from common.envs.tools import set_sandbox_slots
-
         set_sandbox_slots(args.sandbox_procs)  # one explorer per process: its tools' sandboxed programs at once
         return cls(tokenizer, args.max_new_tokens, token_budget=args.rollout_token_budget, max_turns=args.max_turns,
                    episode_token_budget=args.episode_token_budget, tool_timeout_s=args.tool_timeout_s,
