@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from common.arithmetic import ANSWER_FORMAT, arithmetic_task
 from common.envs import EnvSettings
-from common.envs.tools import ToolEnv
+from common.envs.tools import ToolEnv, ToolError, run_sandboxed
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
@@ -101,7 +101,6 @@ class Calculator(ToolEnv):
         Args:
             code: a program that prints the result
         """
-        from common.envs.tools import ToolError, run_sandboxed
         from rewards.sandbox import Limits
 
         limit = self.settings.sandbox_timeout_s

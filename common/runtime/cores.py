@@ -34,6 +34,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class CoreShare:
@@ -135,8 +137,6 @@ def waiting_key(trainer: str) -> str:
 def apply(share: CoreShare, shares: dict[str, CoreShare] | None = None, name: str = "") -> None:
     """Bind this process (before it starts threads or children) and set its torch thread count. `shares`: the whole
     node's (which trainers lend their cores to its explorers while they wait), `name`: this worker's."""
-    import torch
-
     global _applied, _taken, _name, _lenders
     if share.bound:
         os.sched_setaffinity(0, share.cores)
@@ -202,8 +202,6 @@ def follow(store, engine=None, every_s: float = 0.02) -> None:
 
 
 def _take(share: CoreShare | None, engine) -> bool:
-    import torch
-
     global _taken
     if share is None:
         return False
