@@ -15,12 +15,11 @@ trained on.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 
-from common.knobs import read_utf8_lines
+from common.tasks.files import jsonl_rows
 from common.tasks.hub import load_dataset_rows
 from common.tasks.validate import validate_task
 
@@ -79,13 +78,7 @@ def file_rows(path: str):
     """The rows of a local file: .jsonl read here (errors name file:line), other formats by `datasets`."""
     if not path.endswith(".jsonl"):
         return load_dataset_rows(path, "train")
-    rows = []
-    for lineno, line in enumerate(read_utf8_lines(path), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
-    return rows
+    return [row for _, row in jsonl_rows(path)]
 
 
 def preset_tasks(taskset: str) -> list[dict]:
