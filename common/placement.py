@@ -2,8 +2,8 @@
 chooses them for the node, before anything starts, and says so in the run's "placement:" line. The same decision
 serves `python train_X.py` (one rank per GPU of this machine), `torchrun --nproc-per-node N` (its ranks, on one node or
 several) and a CPU world over gloo (`torchrun` on a machine without GPUs); `--plan` prints it, with the memory plan,
-for this machine or for a node it is not (`--gpus 8 --gpu-memory-gb 80 --nnodes 2`), and exits. Explicit device
-flags are used as given, exactly as before.
+for this machine or for a node it is not (`--gpus 8 --gpu-memory-gb 80 --nnodes 2`), and exits. Device flags
+that are given are used as given.
 
 The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
 - One GPU: explorer and trainer share it (colocated).
@@ -19,7 +19,7 @@ The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
   --explorer-gpus (or --num-explorers) sets k.
 - Several trainers on GPUs shard the model (FSDP2, --trainer-shard fsdp) unless --trainer-shard is given or LoRA is on.
 - A CPU world of W ranks splits the same way (no memory limit: every rank shares the machine's); `python train_X.py`
-  on a machine without GPUs keeps one CPU trainer and the explorers on the CPU, as ever.
+  on a machine without GPUs keeps one CPU trainer and the explorers on the CPU.
 - A judge tandem serves (--judge-model without --judge-url) and no --judge-device: the node's last GPU, set aside
   before the rules above place the workers on the rest; one GPU: shared (common/memory.py counts it there); under
   torchrun the last GPU where the node has more GPUs than ranks, else one line naming --judge-device (`_judge_gpu`).
@@ -81,7 +81,7 @@ def place(args) -> None:
                               "--trainer-devices, not both")
         return
     node = args.node = this_node(args)
-    if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: as ever
+    if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: one trainer, the explorers
         return
     schedule = getattr(args, "SCHEDULE", "sync")
     torchrun = bool(node.ranks) or node.nnodes > 1

@@ -65,7 +65,7 @@ def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: l
         else:
             for i, name in enumerate(splitting):
                 shares[name] = CoreShare((available[i % len(available)],), num_threads or 1, True)
-    elif len(splitting) > 1:  # not bound: the cores still split by thread count, as before binding existed
+    elif len(splitting) > 1:  # not bound (--no-bind-cores): the cores still split by thread count
         for name in splitting:
             shares[name] = CoreShare(tuple(available), num_threads or max(1, len(available) // len(splitting)), False)
     for name, _, _ in workers:
