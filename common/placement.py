@@ -81,7 +81,7 @@ def place(args) -> None:
                               "--trainer-devices, not both")
         return
     node = args.node = this_node(args)
-    if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: one trainer, the explorers
+    if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: the device flags' defaults
         return
     schedule = getattr(args, "SCHEDULE", "sync")
     torchrun = bool(node.ranks) or node.nnodes > 1
