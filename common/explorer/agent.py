@@ -59,7 +59,7 @@ from common.explorer.endpoint import BadRequest, ChatRequest, Completion, RunSam
 from common.explorer.multi_turn import tool_call_end
 from common.explorer.workflow import Group, TokenSample, Workflow
 from common.runtime.plugins import load_object
-from common.runtime.procs import kill_group
+from common.runtime._group_guard import kill_group
 from rewards import Reward
 
 FAILED = ("error", "timeout", "bad_return", "no_call")

@@ -66,10 +66,12 @@ def shared_files(pid: int) -> set[str]:
     return found
 
 
-def signal_group(group: int, sig: int) -> None:
+def kill_group(group: int, sig: int = signal.SIGKILL) -> None:
+    """Signal the whole process group `group` (led by that pid: a session leader started with setsid /
+    start_new_session, or a worker); a group that is already gone is fine."""
     try:
         os.killpg(group, sig)
-    except ProcessLookupError:  # every member has ended already
+    except (ProcessLookupError, PermissionError):  # every member has ended already / not ours
         pass
 
 
@@ -83,14 +85,14 @@ def main(worker: int, agent: int, inherited: set[str]) -> None:
             worker_files, checked = shared_files(worker), time.monotonic()
         time.sleep(0.2)
     if not proc:
-        signal_group(group, signal.SIGKILL)
+        kill_group(group)
         return
     os.setpgid(0, 0)  # out of the group: the kill below must not end this process before it cleans up
-    signal_group(group, signal.SIGSTOP)
+    kill_group(group, signal.SIGSTOP)
     files = worker_files
     for pid in members(group):
         files |= shared_files(pid)
-    signal_group(group, signal.SIGKILL)
+    kill_group(group)
     for path in files - inherited:
         try:
             os.unlink(path)
