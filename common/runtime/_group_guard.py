@@ -22,25 +22,23 @@ import time
 SHM = "/dev/shm"
 
 
-def parent_of(pid: int) -> int | None:
+def stat(pid) -> list[str]:
+    """The fields of /proc/PID/stat after the command (state, ppid, pgrp, ...); [] where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # ended meanwhile
+        return []
+
+
+def parent_of(pid: int) -> int | None:
+    fields = stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def members(group: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) == group:
-                        out.append(int(name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and (fields := stat(name))
+            and int(fields[2]) == group]
 
 
 def shared_files(pid: int) -> set[str]:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.runtime._group_guard import stat
+
 
 @dataclass(frozen=True)
 class CoreShare:
@@ -248,13 +250,9 @@ def descendants(pid: int) -> list[int]:
     """The processes started by `pid`, their children, and so on (from /proc: ppid in each process's stat)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        fields = stat(entry) if entry.isdigit() else []
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
