@@ -108,14 +108,6 @@ class ToolEnv(Env):
     tools: tuple[str, ...] | None = None
     calls_made = 0  # this episode's calls so far: their ids
 
-    @property
-    def tool_timeout_s(self) -> float:
-        return self.settings.tool_timeout_s
-
-    @property
-    def max_tool_output_chars(self) -> int:
-        return self.settings.max_tool_output_chars
-
     def tool_names(self) -> list[str]:
         if self.tools is not None:
             return list(self.tools)
@@ -163,7 +155,7 @@ class ToolEnv(Env):
 
     def _clip(self, text: str) -> str:
         """Tool output beyond max_tool_output_chars keeps its head and tail (a tool may print megabytes)."""
-        limit = self.max_tool_output_chars
+        limit = self.settings.max_tool_output_chars
         if len(text) <= limit:
             return text
         half = limit // 2
@@ -180,7 +172,7 @@ class ToolEnv(Env):
             inspect.signature(fn).bind(**arguments)
         except TypeError as e:
             return ToolError("bad_arguments", str(e))
-        return ToolThread(fn, arguments, self.tool_timeout_s)
+        return ToolThread(fn, arguments, self.settings.tool_timeout_s)
 
     def _run(self, name: str, arguments: dict) -> str:
         """One call, waited on (for tests and environments that call their tools themselves)."""
