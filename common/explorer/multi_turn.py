@@ -119,15 +119,6 @@ class Episode(TokenSample):
                 **({f"rollout/env_failure/{self.failure}": 1} if self.failure else {}),
                 **{f"rollout/tool_error/{k}": v for k, v in Counter(self.tool_errors).items()}}
 
-    def spans(self) -> list[tuple[int, int, int]]:
-        """(start, end, trained) runs of the response: sampled (1) and observation (0) tokens."""
-        out, start = [], 0
-        for i in range(1, len(self.mask) + 1):
-            if i == len(self.mask) or self.mask[i] != self.mask[start]:
-                out.append((start, i, self.mask[start]))
-                start = i
-        return out
-
     def fail(self, failure: EnvFailure):
         """End the episode on an environment failure."""
         self._note(failure)

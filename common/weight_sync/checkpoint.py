@@ -10,8 +10,7 @@ import socket
 import time
 import uuid
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from common.weight_sync.base import Folder, WeightSync, full_tensor
 
@@ -44,13 +43,6 @@ def latest_sync_version(sync_dir: str) -> int:
             return int(f.read().strip())
     except FileNotFoundError:
         return -1
-
-
-@torch.no_grad()
-def load_sync_checkpoint(sync_dir: str, version: int, buffers) -> None:
-    weights = load_file(os.path.join(sync_dir, f"v{version}", "model.safetensors"))
-    for name, t in buffers:
-        t.copy_(weights[name])
 
 
 def check_shared_folder(ctx, folder: str, timeout_s: float) -> None:
