@@ -452,8 +452,7 @@ def _output_items(done: Completion, logprobs: bool) -> list[dict]:
     items = []
     if done.content or not done.tool_calls:
         part = {"type": "output_text", "text": done.content or "", "annotations": [],
-                **({"logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                 for t, lp in zip(done.tokens, done.logprobs)]} if logprobs else {})}
+                **({"logprobs": _chat_logprobs(done)["content"]} if logprobs else {})}
         items.append({"type": "message", "id": "msg_" + secrets.token_hex(12), "status": "completed",
                       "role": "assistant", "content": [part]})
     items += [{"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": c["id"], "status": "completed",
