@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model import resolve_model
+
 LR_SCALE = 10.0  # LoRA's learning rate / the full fine-tune's ("LoRA Without Regret": ~10x)
 ADAPTER = "default"  # peft's adapter name, on both sides
 
@@ -220,8 +222,6 @@ def sync_mode(args) -> str | None:
     if not args.lora_rank:
         return None
     if args.lora_sync == "auto":
-        from common.model import resolve_model
-
         args.lora_sync = resolve_sync(args, resolve_model(args.model))[0]
     return args.lora_sync
 

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 from common.arithmetic import arithmetic_task
 from common.envs import Env, EnvSettings, StepResult
+from rewards.math import extract_answer
 
 
 def numbers_match(response: str, answer: str) -> bool:
     """The last 'Answer: x' (or \\boxed{x}, or last number) of `response` equals the numeric `answer`."""
-    from rewards.math import extract_answer
-
     pred = extract_answer(response)
     if pred is None:
         found = re.findall(r"-?\d+(?:\.\d+)?", response)

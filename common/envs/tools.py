@@ -32,6 +32,7 @@ import time
 from common.envs import Env, StepResult
 from common.envs.boundary import ABANDONED, describe
 from common.envs.tool_formats import ToolError, tool_format
+from rewards import sandbox
 
 
 class ToolThread:
@@ -82,13 +83,11 @@ def set_sandbox_slots(n: int) -> None:
 def run_sandboxed(code: str, limits, wait_s: float):
     """rewards.sandbox.run(code) once one of this process's --sandbox-procs slots is free (waited on for at most
     `wait_s`: a ToolError("busy") past it), so the tool calls of many episodes never start more programs than that."""
-    from rewards.sandbox import run
-
     slots = SANDBOX_SLOTS
     if not slots.acquire(timeout=wait_s):
         raise ToolError("busy", f"no sandbox slot free within {wait_s:g}s (--sandbox-procs)")
     try:
-        return run(code, limits=limits)
+        return sandbox.run(code, limits=limits)
     finally:
         slots.release()
 

@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from common.model import cache_dir
 from common.tasks.files import jsonl_rows
 from common.tasks.hub import load_dataset_rows
 from common.tasks.validate import validate_task
@@ -69,8 +70,6 @@ def is_preset(taskset: str) -> bool:
 
 def local_copy(name: str) -> str:
     """Where a preset is read from when the Hub cannot give it."""
-    from common.model import cache_dir
-
     return os.path.join(str(cache_dir()), "datasets", f"{name}.jsonl")
 
 
