@@ -154,7 +154,7 @@ class MetricsLogger:
             # Exactly once in W&B too: a resumed run continues the same W&B run; what W&B does not hold yet of the
             # rows kept in metrics.jsonl is sent first, and steps it already holds are not sent again.
             self.wandb_state = os.path.join(out_dir, "wandb_run.json")
-            run_id = _read_json(self.wandb_state, {}).get("id") if resumed else None
+            run_id = read_json(self.wandb_state, {}).get("id") if resumed else None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self.wandb = wandb.init(project=project, config=config, dir=out_dir, mode=mode,
                                     id=run_id, resume="allow" if run_id else None,
@@ -239,7 +239,8 @@ def wandb_offline_steps(folder: str) -> list[int]:
     return steps
 
 
-def _read_json(path: str, default):
+def read_json(path: str, default):
+    """A JSON file's value; `default` where it is missing or unreadable (a run that has not written it)."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -283,14 +284,11 @@ def reward_curve_points(out_dir: str) -> tuple[list[tuple[int, float]], list[tup
     rows = read_metrics(out_dir)
     train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]  # partial rollouts: early may be none
     evals = [(r.get("eval/version", r["step"] - 1), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    summary_path = os.path.join(out_dir, "summary.json")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            summary = json.load(f)
-        # every evaluation, also those that shared a row with a later one
-        evals += [(e["eval/version"], e["eval/accuracy"]) for e in summary.get("evals", []) if "eval/version" in e]
-        if summary.get("eval_after") is not None:
-            evals.append((summary["steps"], summary["eval_after"]))
+    summary = read_json(os.path.join(out_dir, "summary.json"), {})
+    # every evaluation, also those that shared a row with a later one
+    evals += [(e["eval/version"], e["eval/accuracy"]) for e in summary.get("evals", []) if "eval/version" in e]
+    if summary.get("eval_after") is not None:
+        evals.append((summary["steps"], summary["eval_after"]))
     return train, sorted(set(evals))
 
 
@@ -308,8 +306,7 @@ def plot_reward_curve(out_dir: str, path: str | None = None, title: str | None =
     if train:
         ax.plot(*zip(*train), ".-", label="train reward (batch mean)", alpha=0.6)
     if evals:
-        config = os.path.join(out_dir, "config.json")
-        samples = json.load(open(config)).get("eval_samples", 1) if os.path.exists(config) else 1
+        samples = read_json(os.path.join(out_dir, "config.json"), {}).get("eval_samples", 1)
         ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy)" if samples == 1 else f"held-out mean@{samples}")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
