@@ -13,7 +13,7 @@ import os
 import time
 from contextlib import contextmanager
 
-from common.runtime.trace import write_chrome_trace
+from common.runtime.trace import lane_label, lane_order, write_chrome_trace
 
 PHASE_COLORS = {
     "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",
@@ -109,9 +109,8 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
     if not events:
         return
     t0 = min(e["start"] for e in events)
-    explorers = sorted({e["process"] for e in events if e["process"].startswith("explorer")})
-    trainers = sorted({e["process"] for e in events if e["process"].startswith("trainer")})
-    lanes = explorers + ["buffer"] + trainers
+    lanes = [p for p in lane_order(events) if p == "buffer" or p.startswith(("explorer", "trainer"))]
+    explorers = [p for p in lanes if p.startswith("explorer")]
     y = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
     seen = set()
     for e in events:
@@ -131,7 +130,7 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
         ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (base, height),
                        facecolors=PHASE_COLORS.get(e["phase"], "#999999"), edgecolor="white" if e["phase"] != "group"
                        else "none", linewidth=0.3, label=label, alpha=0.15 if e["phase"] == "group" else 1.0)
-    ax.set_yticks(list(y.values()), [n.replace("explorer", "Explorer ").replace("trainer", "Trainer ").title() for n in y])
+    ax.set_yticks(list(y.values()), [lane_label(n) for n in y])
     ax.set_xlabel("seconds")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, framealpha=0.8)  # outside: lanes stay visible
