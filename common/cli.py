@@ -88,9 +88,7 @@ def check_argv_choices(cls, argv: list[str]) -> None:
 
 def choices(cls) -> dict[str, tuple]:
     """The Literal fields of `cls` and their allowed values."""
-    hints = typing.get_type_hints(cls)
-    return {name: typing.get_args(t) for name, t in hints.items()
-            if name in cls.__dataclass_fields__ and typing.get_origin(t) is Literal}
+    return {name: typing.get_args(t) for name, t in field_types(cls).items() if typing.get_origin(t) is Literal}
 
 
 def check_choice(name: str, value, allowed: tuple, where: str = "") -> None:
