@@ -464,7 +464,7 @@ def test_turn_level_returns_and_advantages():
 def test_env_settings_are_typed_and_checked():
     assert parse_env_settings(["calculator.sandbox_timeout_s=2"]) == {"calculator.sandbox_timeout_s": 2.0}
     env = make_env("calculator", {"tool_timeout_s": 3.0, "calculator.sandbox_timeout_s": 2.0})
-    assert env.settings.sandbox_timeout_s == 2.0 and env.tool_timeout_s == 3.0
+    assert env.settings.sandbox_timeout_s == 2.0 and env.settings.tool_timeout_s == 3.0
     assert make_env("retry", {"retry.retry_discount": 0.25}).settings.retry_discount == 0.25
     for bad, words in [("calculator.nope=1", "no setting 'nope'"), ("calculator.sandbox_timeout_s=x", "not a float"),
                        ("nosuch.x=1", "unknown env"), ("calculator=1", "NAME.FIELD=VALUE")]:
