@@ -33,7 +33,7 @@ def validate(args) -> None:
     check_numeric_ranges(args)  # every numeric field: finite and in range (common/knobs.py)
     if args.samples_per_task < 2 and not ALGOS[args.algo].critic:
         raise ConfigError("--samples-per-task must be >= 2: group-normalised advantages need a group")
-    for name in ("rm_model", "judge_model"):
+    for name in ("rm_model", "judge_model", "teacher"):
         path = getattr(args, name)
         if path and path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
             raise ConfigError(f"--{name.replace('_', '-')} {path}: no such folder")
@@ -213,9 +213,6 @@ def _validate_this_years_algos(args) -> None:
     if args.teacher:
         from common.model import load_tokenizer
 
-        path = args.teacher
-        if path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
-            raise ConfigError(f"--teacher {path}: no such folder")
         if load_tokenizer(args.teacher).get_vocab() != load_tokenizer(args.model).get_vocab():
             raise ConfigError(f"--teacher {args.teacher}: its tokenizer differs from --model {args.model}'s "
                               "(on-policy distillation compares log-probs token by token)")

@@ -29,6 +29,8 @@ def parse_args(cls, argv: list[str] | None = None):
     tyro's import and parse, ~0.5 CPU-s, for the same values)."""
     if LAUNCHED_ARGS in os.environ and under_elastic():
         return cls(**json.loads(os.environ[LAUNCHED_ARGS]))
+    import tyro
+
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = cls()
     saved = load_saved_config(cls, argv) if "--resume" in argv else {}
@@ -37,7 +39,8 @@ def parse_args(cls, argv: list[str] | None = None):
     config_path = _flag_value(argv, "--config")
     if config_path:
         defaults = load_yaml_defaults(cls, config_path, base=defaults)
-    args = cli(cls, argv, defaults)
+    check_argv_choices(cls, argv)
+    args = tyro.cli(cls, args=argv, default=defaults)
     if saved:
         check_frozen_on_resume(saved, args)
     args.given_fields = given_fields(cls, argv, args)
@@ -67,14 +70,6 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def cli(cls, argv: list[str], defaults):
-    """tyro over `cls`, starting from `defaults` (the field defaults, a resumed run's config, --config)."""
-    import tyro
-
-    check_argv_choices(cls, argv)
-    return tyro.cli(cls, args=argv, default=defaults)
-
-
 def check_argv_choices(cls, argv: list[str]) -> None:
     """A wrong choice on the command line is a one-line error naming the flag and the choices."""
     allowed = choices(cls)
@@ -93,9 +88,7 @@ def check_argv_choices(cls, argv: list[str]) -> None:
 
 def choices(cls) -> dict[str, tuple]:
     """The Literal fields of `cls` and their allowed values."""
-    hints = typing.get_type_hints(cls)
-    return {name: typing.get_args(t) for name, t in hints.items()
-            if name in cls.__dataclass_fields__ and typing.get_origin(t) is Literal}
+    return {name: typing.get_args(t) for name, t in field_types(cls).items() if typing.get_origin(t) is Literal}
 
 
 def check_choice(name: str, value, allowed: tuple, where: str = "") -> None:
@@ -141,8 +134,8 @@ def check_frozen_on_resume(saved: dict, args) -> None:
                               f"uses {saved[name]!r}); start a new run in another --out-dir instead")
 
 
-def load_yaml_defaults(cls, path: str, base=None):
-    """`base` (default: the field defaults) updated with the YAML file's values, each checked against its field's
+def load_yaml_defaults(cls, path: str, base):
+    """`base` updated with the YAML file's values, each checked against its field's
     type; unknown keys, invalid YAML and non-UTF-8 bytes are one-line errors naming the file."""
     import yaml
 
@@ -165,6 +158,6 @@ def load_yaml_defaults(cls, path: str, base=None):
             check_choice(name, value, allowed[name], where=f"--config {path}: ")
         clean[name] = coerce_value(value, types_[name], f"--config {path}: {key}")
     try:
-        return dataclasses.replace(base if base is not None else cls(), **clean)
+        return dataclasses.replace(base, **clean)
     except TypeError as e:
         raise ConfigError(f"--config {path}: {e}") from None

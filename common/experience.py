@@ -35,7 +35,6 @@ class Experience:
                                    # common/trainer/filters.py trained_version, from segment_versions)
     reward_info: dict = field(default_factory=dict)
     finish_reason: str = "stop"    # "stop" or "length" (truncated)
-    timings: dict = field(default_factory=dict)
     segment_versions: list[int] = field(default_factory=list)  # weights version of each response token (partial
                                    # rollouts: a response's segments may come from different versions)
     turn_ends: list[int] = field(default_factory=list)     # per assistant turn: the end of its sampled ids in

@@ -28,9 +28,13 @@ adapters on every linear layer (attention and MLP: attention-only LoRA learns ma
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
+
+from common.model import resolve_model
 
 LR_SCALE = 10.0  # LoRA's learning rate / the full fine-tune's ("LoRA Without Regret": ~10x)
 ADAPTER = "default"  # peft's adapter name, on both sides
@@ -181,9 +185,6 @@ def merge_lost_share(model) -> float:
 def vllm_serves_adapters(model_path: str, spec: LoraSpec) -> tuple[bool, str]:
     """(True, "") when vLLM's implementation of the folder's architecture takes LoRA adapters of this rank, else
     (False, why)."""
-    import json
-    import os
-
     from vllm.model_executor.models.interfaces import supports_lora
 
     from common.compat.vllm import model_class
@@ -221,8 +222,6 @@ def sync_mode(args) -> str | None:
     if not args.lora_rank:
         return None
     if args.lora_sync == "auto":
-        from common.model import resolve_model
-
         args.lora_sync = resolve_sync(args, resolve_model(args.model))[0]
     return args.lora_sync
 

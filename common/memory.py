@@ -37,11 +37,21 @@ bench/memory.py --estimate-check compares these figures with measured CPU peaks.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 
+import torch
+
+from common.buckets import shared_memory_dir
+from common.explorer.engine import StaticCacheSize, use_static_cache
 from common.knobs import ConfigError
+from common.model import build_tiny_model, build_tiny_tokenizer, resolve_model
+from common.runtime.worker import plan_world
+from common.trainer.forward import LOGPROB_CHUNK_TOKENS
+from common.trainer.losses import ALGOS
+from common.vlm import BUILT_IN
 
 GIB = 2**30
 CPU_PROCESS_BYTES = int(0.5 * GIB)   # a worker's interpreter with torch + transformers imported (measured ~0.45 GiB)
@@ -72,7 +82,6 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
-        import torch
         from transformers import AutoModelForCausalLM
 
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -94,13 +103,7 @@ class ModelShape:
 
 def model_config(name: str):
     """The transformers config of --model (no weights), or None for the built-in vision models (small)."""
-    from common.model import build_tiny_tokenizer, resolve_model
-    from common.vlm import BUILT_IN
-
     if name == "tiny":
-        from common.model import build_tiny_model
-        import torch
-
         with torch.device("meta"):
             return build_tiny_model(build_tiny_tokenizer()).config
     if name in BUILT_IN:
@@ -111,6 +114,12 @@ def model_config(name: str):
         return AutoConfig.from_pretrained(resolve_model(name))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model {name}: cannot read its config ({str(e).splitlines()[0]})") from None
+
+
+def model_shape(name: str) -> ModelShape | None:
+    """The ModelShape of `name` (--model, --critic-model, --teacher), None for the built-in vision models."""
+    config = model_config(name)
+    return ModelShape.from_config(config) if config is not None else None
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -139,8 +148,6 @@ def head_bytes(shape: ModelShape, chunk_tokens: int) -> float:
 def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int, checkpointing: bool) -> float:
     """Peak bytes above the states while one micro-batch of `tokens` tokens (`trained_tokens` of them trained)
     runs forward and backward."""
-    from common.trainer.forward import LOGPROB_CHUNK_TOKENS
-
     layer = layer_bytes_per_token(shape, b) * tokens
     saved = (shape.layers * shape.hidden * b * tokens + layer) if checkpointing else shape.layers * layer
     # the final hidden states, their trained rows, the gradient flowing back through one layer
@@ -151,8 +158,6 @@ def activation_bytes(shape: ModelShape, b: int, tokens: int, trained_tokens: int
 def forward_bytes(shape: ModelShape, b: int, tokens: int) -> float:
     """Peak bytes above the weights while one micro-batch of `tokens` tokens runs forward without autograd (a
     frozen model's log-probs): one layer's temporaries, the hidden states, one chunk of the LM head."""
-    from common.trainer.forward import LOGPROB_CHUNK_TOKENS
-
     return layer_bytes_per_token(shape, b) * tokens + 4 * shape.hidden * b * tokens + \
         head_bytes(shape, min(tokens, LOGPROB_CHUNK_TOKENS))
 
@@ -251,8 +256,6 @@ def explorer_bytes(shape: ModelShape, args, device_type: str, total: float, sequ
         return args.vllm_gpu_memory_utilization * total
     if args.engine == "vllm":
         return weights + args.vllm_kv_cache_gb * GIB + 1.5 * GIB  # + vLLM's own process
-    from common.explorer.engine import StaticCacheSize, use_static_cache
-
     # one cache of fixed rows x positions for the run (a VLM's, dynamic on CUDA, is no larger: counted the same)
     if use_static_cache(args.hf_cache, device_type, vlm=False):
         size = StaticCacheSize.plan(args.rollout_batch_size, args.hf_cache_tokens or sequence_tokens)
@@ -348,10 +351,6 @@ def worker_devices(args, gpus: int | None = None, local_world: int = 0) -> tuple
     rank's own GPU: its local rank modulo the node's `gpus`, default this machine's), and on nodes after the first
     the node appended (`cuda:3@node1`, a GPU of its own): ranks fill nodes in order, `local_world` each (default:
     this machine's torchrun LOCAL_WORLD_SIZE where `gpus` is this machine's, else one node)."""
-    import torch
-
-    from common.runtime.worker import plan_world
-
     plan = plan_world(args.trainer_device_list, args.explorer_device_list)
     here = gpus is None  # this machine (its torchrun world), not a node planned by --plan
     gpus = torch.cuda.device_count() if here else gpus
@@ -429,21 +428,12 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     device (default: measured now; a node after the first has its first node's devices; host memory ("cpu") that is
     not listed is not checked); `report`: filled with each device's workers and planned bytes; `gpus`,
     `local_world`: the node's GPUs and ranks (worker_devices)."""
-    from common.explorer.engine import StaticCacheSize
-    from common.trainer.losses import ALGOS
-
-    config = model_config(args.model)
-    if config is None:
+    shape = model_shape(args.model)
+    if shape is None:
         return []
-    shape = ModelShape.from_config(config)
-    critic = None
-    if ALGOS[args.algo].critic:
-        critic_config = model_config(args.critic_model) if args.critic_model else config
-        critic = ModelShape.from_config(critic_config) if critic_config is not None else shape
-    teacher = None
-    if args.teacher:
-        teacher_config = model_config(args.teacher)
-        teacher = ModelShape.from_config(teacher_config) if teacher_config is not None else shape
+    # a built-in vision critic or teacher is counted as the policy
+    critic = ((args.critic_model and model_shape(args.critic_model)) or shape) if ALGOS[args.algo].critic else None
+    teacher = (model_shape(args.teacher) or shape) if args.teacher else None
     trainers, explorers = worker_devices(args, gpus, local_world)
     own = [args.teacher_device] if args.teacher and args.teacher_device else []
     # a served judge per explorer, on --judge-device of that explorer's node
@@ -547,10 +537,6 @@ def shared_memory_need(args, shape: ModelShape, trainers: list[str], explorers: 
 def check_shared_memory(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> None:
     """The shared memory the weight hand-off needs is free, or one line naming --shm-size (a container's /dev/shm
     is 64 MB unless it is given more)."""
-    import shutil
-
-    from common.buckets import shared_memory_dir
-
     need = shared_memory_need(args, shape, trainers, explorers)
     where = shared_memory_dir()
     free = shutil.disk_usage(where).free

@@ -2,8 +2,8 @@
 chooses them for the node, before anything starts, and says so in the run's "placement:" line. The same decision
 serves `python train_X.py` (one rank per GPU of this machine), `torchrun --nproc-per-node N` (its ranks, on one node or
 several) and a CPU world over gloo (`torchrun` on a machine without GPUs); `--plan` prints it, with the memory plan,
-for this machine or for a node it is not (`--gpus 8 --gpu-memory-gb 80 --nnodes 2`), and exits. Explicit device
-flags are used as given, exactly as before.
+for this machine or for a node it is not (`--gpus 8 --gpu-memory-gb 80 --nnodes 2`), and exits. Device flags
+that are given are used as given.
 
 The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
 - One GPU: explorer and trainer share it (colocated).
@@ -19,7 +19,7 @@ The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
   --explorer-gpus (or --num-explorers) sets k.
 - Several trainers on GPUs shard the model (FSDP2, --trainer-shard fsdp) unless --trainer-shard is given or LoRA is on.
 - A CPU world of W ranks splits the same way (no memory limit: every rank shares the machine's); `python train_X.py`
-  on a machine without GPUs keeps one CPU trainer and the explorers on the CPU, as ever.
+  on a machine without GPUs keeps one CPU trainer and the explorers on the CPU.
 - A judge tandem serves (--judge-model without --judge-url) and no --judge-device: the node's last GPU, set aside
   before the rules above place the workers on the rest; one GPU: shared (common/memory.py counts it there); under
   torchrun the last GPU where the node has more GPUs than ranks, else one line naming --judge-device (`_judge_gpu`).
@@ -27,11 +27,14 @@ The rule (ranks: trainers first, then explorers, common/runtime/worker.py):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
 
 from common.knobs import ConfigError
+from common.memory import (CUDA_CONTEXT_BYTES, GIB, device_memory, dtype_bytes, explorer_bytes, gib, model_shape,
+                            plan_memory, served_judge, sync_bytes, trainer_estimate)
 
 DEVICE_FLAGS = {"explorer_devices", "trainer_devices"}
 SEQUENCE_GUESS = 512  # prompt tokens assumed beside --max-new-tokens before the tasks are read (as build_engine does)
@@ -54,8 +57,6 @@ class Node:
 
 def this_node(args) -> Node:
     """--plan's --gpus / --gpu-memory-gb / --nnodes when given, else this machine and torchrun's world."""
-    from common.memory import GIB, device_memory
-
     if args.gpus:
         return Node(args.gpus, (args.gpu_memory_gb or 80) * GIB, args.nnodes)
     import torch
@@ -80,13 +81,13 @@ def place(args) -> None:
                               "--trainer-devices, not both")
         return
     node = args.node = this_node(args)
-    if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: as ever
+    if not node.gpus and not node.ranks:  # python train_X.py on a CPU machine: the device flags' defaults
         return
     schedule = getattr(args, "SCHEDULE", "sync")
     torchrun = bool(node.ranks) or node.nnodes > 1
     node, judge = _judge_gpu(args, node, torchrun)  # the node the workers share, without the judge's own GPU
     world = node.world
-    shape = _shape(args) if node.gpus else None
+    shape = model_shape(args.model) if node.gpus else None
     if schedule == "sync" and not torchrun and node.gpus > 1:
         colocate, why = _colocation(args, shape, node)
         explorers, trainers = 1, (world if colocate else world - 1)
@@ -119,8 +120,6 @@ def _judge_gpu(args, node: Node, torchrun: bool) -> tuple[Node, str]:
     one line); under torchrun the last GPU when the node has more GPUs than ranks, else a one-line refusal (the ranks
     are torchrun's to count). Sets --judge-device; returns the node the workers are placed on and what the
     placement line says of the judge."""
-    from common.memory import served_judge
-
     if not (node.gpus and served_judge(args)) or "judge_device" in args.given_fields:
         return node, ""
     last = f"cuda:{node.gpus - 1}"
@@ -143,13 +142,6 @@ def _span(devices: list[str]) -> str:
     if len(set(devices)) == 1 and len(devices) > 1:
         return f"{devices[0]} x{len(devices)} (each rank's own)" if devices[0] == "cuda" else f"{devices[0]}"
     return ",".join(devices)
-
-
-def _shape(args):
-    from common.memory import ModelShape, model_config
-
-    config = model_config(args.model)
-    return ModelShape.from_config(config) if config is not None else None
 
 
 def _engine(args) -> str:
@@ -179,10 +171,6 @@ def _judge_engine(args) -> str:
 def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> float:
     """One GPU trainer's peak with `trainers` of them (sharded when more than one, as placed), checkpointing on and
     one sequence a micro-batch: the least it can take."""
-    import copy
-
-    from common.memory import sync_bytes, trainer_estimate
-
     probe = copy.copy(args)
     probe.trainer_devices = ",".join(["cuda"] * trainers)
     if trainers > 1 and "trainer_shard" not in args.given_fields and not args.lora_rank:
@@ -194,10 +182,6 @@ def _trainer_bytes(args, shape, trainers: int, method: str, source: bool) -> flo
 
 
 def _explorer_bytes(args, shape, node: Node) -> float:
-    import copy
-
-    from common.memory import CUDA_CONTEXT_BYTES, explorer_bytes
-
     probe = copy.copy(args)
     probe.engine = _engine(args)
     return explorer_bytes(shape, probe, "cuda", node.gpu_bytes, args.max_new_tokens + SEQUENCE_GUESS) + \
@@ -206,8 +190,6 @@ def _explorer_bytes(args, shape, node: Node) -> float:
 
 def _colocation(args, shape, node: Node) -> tuple[bool, str]:
     """train_sync.py on one node of several GPUs: the explorer beside trainer 0 when trainer 0 fits there."""
-    from common.memory import gib
-
     if "explorer_gpus" in args.given_fields:
         colocate = args.explorer_gpus == 0
         return colocate, f"--explorer-gpus {args.explorer_gpus}"
@@ -225,8 +207,6 @@ def _colocation(args, shape, node: Node) -> tuple[bool, str]:
 
 def _explorer_count(args, schedule: str, world: int, torchrun: bool, shape, node: Node, given) -> tuple[int, str]:
     """How many explorers, each on a GPU (or CPU rank) of its own, and why."""
-    from common.memory import gib
-
     if world == 1:
         if torchrun:
             raise ConfigError("a world of 1 rank holds no explorer beside its trainer: torchrun --nproc-per-node 2 "
@@ -258,8 +238,6 @@ def _explorer_count(args, schedule: str, world: int, torchrun: bool, shape, node
 def _least_trainers(args, shape, world: int, node: Node) -> int:
     """The fewest GPU trainers the model fits on, leaving at least one GPU to an explorer; a one-line error when
     none does, or when its weights do not fit one explorer GPU (an explorer is one GPU: no tensor parallelism)."""
-    from common.memory import dtype_bytes, gib
-
     weights = shape.params * dtype_bytes(args.dtype)
     if _explorer_bytes(args, shape, node) < weights or weights > node.gpu_bytes:
         raise ConfigError(f"--model {args.model}: its weights in {args.dtype} ({gib(weights)}) do not fit one "
@@ -279,7 +257,6 @@ def plan_report(args) -> dict:
     """The placement and the memory plan of `args` (placed, or as its flags name it) for its node: {"node",
     "placement", "notes" (what the memory plan chose), "devices": {device: [(worker, bytes, what)]}}, from the model's
     config and the tasks' prompts (no weights load). Raises the run's one-line ConfigError when it does not fit."""
-    from common.memory import plan_memory, served_judge
     from common.model import resolve_model
     from common.preflight import rollout_sequence
     from common.tasks import build_tasksets
@@ -307,8 +284,6 @@ def plan_report(args) -> dict:
 def print_plan(args, script: str) -> None:
     """--plan: the placement, then one row per device: its workers, what the plan expects each to take at its peak,
     and of how much."""
-    from common.memory import gib
-
     r = plan_report(args)
     node = r["node"]
     size = f"{node.nnodes} x {node.gpus} GPUs" if node.nnodes > 1 else f"{node.gpus} GPU(s)"

@@ -29,7 +29,7 @@ from common.placement import print_plan
 from common.runtime.worker import ENGINE_READY, WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
-from common.runtime.metrics import plot_reward_curve, read_metrics, rewind_metrics, write_timeline
+from common.runtime.metrics import plot_reward_curve, read_json, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
 from common.tasks import build_tasksets
 from common.weight_sync import check_weight_sync
@@ -260,8 +260,7 @@ def finish_run(args, title: str) -> None:
     if args.plots:
         plot_reward_curve(args.out_dir, title=f"{title} ({os.path.basename(os.path.normpath(args.out_dir))})")
     rows = read_metrics(args.out_dir)
-    summary_path = os.path.join(args.out_dir, "summary.json")
-    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    summary = read_json(os.path.join(args.out_dir, "summary.json"), {})
     if rows:
         rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]  # partial rollouts: early steps may train none
         reward = f"{rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else "none (no batch finished)"

@@ -58,7 +58,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from common.runtime.procs import kill_group
+from common.runtime._group_guard import kill_group
 from rewards import _sandbox_tree as _tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -25,6 +25,17 @@ from common.trainer.forward import sequence_logprobs
 from common.trainer.losses import turn_group_advantages, turn_returns
 from tests.conftest import TINY, assert_trained, run_in_process, run_script
 
+
+def mask_runs(e) -> list[tuple[int, int, int]]:
+    """(start, end, trained) runs of an episode's response: sampled (1) and observation (0) tokens."""
+    out, start = [], 0
+    for i in range(1, len(e.mask) + 1):
+        if i == len(e.mask) or e.mask[i] != e.mask[start]:
+            out.append((start, i, e.mask[start]))
+            start = i
+    return out
+
+
 # The published Qwen3 chat template (Qwen/Qwen3-8B tokenizer_config.json), as its text: it drops the <think> block
 # of every assistant turn before the last user message and adds an empty one to the last assistant turn.
 QWEN3_TEMPLATE = (
@@ -149,10 +160,10 @@ def test_qwen3_thinking_template_runs_past_turn_one_token_in_token_out():
     assert max(e.turns for e in episodes) == 3
     for e in episodes:
         assert e.response_ids[:len(e.mask)] == e.response_ids and len(e.mask) == len(e.logprobs)
-        obs = [e.response_ids[a:b] for a, b, m in e.spans() if not m]
+        obs = [e.response_ids[a:b] for a, b, m in mask_runs(e) if not m]
         assert all(tok.decode(o).count("<|im_start|>user\n") == 1 for o in obs)  # each observation: one user turn
         assert tok.decode(e.prompt_ids + e.response_ids, skip_special_tokens=False).endswith(tok.decode(
-            e.response_ids[e.spans()[-1][0]:], skip_special_tokens=False))
+            e.response_ids[mask_runs(e)[-1][0]:], skip_special_tokens=False))
     assert token_exact(model, episodes, tok.pad_token_id) < 1e-4
 
 
@@ -419,7 +430,7 @@ def test_in_turn_tool_call_result_is_masked_and_the_turn_goes_on():
                                                  " So Answer: 42"]), ctx, [task], SamplingConfig(n=1))
     e = groups[0].responses[0]
     assert e.turns == 1 and e.tool_calls == 1 and e.end_reason == "done" and counts["engine_calls"] == 2
-    spans = e.spans()
+    spans = mask_runs(e)
     assert [m for _, _, m in spans] == [1, 0, 1]
     first, result, rest = (tok.decode(e.response_ids[a:b]) for a, b, _ in spans)
     assert first.endswith("</tool_call>") and "junk" not in first  # ids after the call are dropped
@@ -453,7 +464,7 @@ def test_turn_level_returns_and_advantages():
 def test_env_settings_are_typed_and_checked():
     assert parse_env_settings(["calculator.sandbox_timeout_s=2"]) == {"calculator.sandbox_timeout_s": 2.0}
     env = make_env("calculator", {"tool_timeout_s": 3.0, "calculator.sandbox_timeout_s": 2.0})
-    assert env.settings.sandbox_timeout_s == 2.0 and env.tool_timeout_s == 3.0
+    assert env.settings.sandbox_timeout_s == 2.0 and env.settings.tool_timeout_s == 3.0
     assert make_env("retry", {"retry.retry_discount": 0.25}).settings.retry_discount == 0.25
     for bad, words in [("calculator.nope=1", "no setting 'nope'"), ("calculator.sandbox_timeout_s=x", "not a float"),
                        ("nosuch.x=1", "unknown env"), ("calculator=1", "NAME.FIELD=VALUE")]:

@@ -222,7 +222,8 @@ def test_weights_change_between_decode_steps(engine, folder):
 def test_checkpoint_sync(engine, folder, tmp_path):
     """--sync-method checkpoint: a sync checkpoint folder loads into vLLM, directly or through the buffers."""
     from common.weight_sync import weights_hash
-    from common.weight_sync.checkpoint import load_sync_checkpoint, write_sync_checkpoint
+    from common.explorer.engine import RolloutEngine
+    from common.weight_sync.checkpoint import write_sync_checkpoint
 
     hf = load_hf(folder)
     perturb(hf, seed=2)
@@ -231,9 +232,8 @@ def test_checkpoint_sync(engine, folder, tmp_path):
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
     perturb(hf, seed=3)
     write_sync_checkpoint(str(tmp_path), list(hf.named_parameters()), version=4)
-    buffers = engine.weight_buffers()
-    load_sync_checkpoint(str(tmp_path), 4, buffers)  # through the buffers, as an engine without a direct file load does
-    engine.load_weights(Buffers())
+    # through the buffers (then Buffers()), as an engine without a direct file load does
+    RolloutEngine.load_weights(engine, Folder(str(tmp_path / "v4")))
     assert engine.weights_checksum() == weights_hash(hf.named_parameters())
 
 

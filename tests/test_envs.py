@@ -8,7 +8,8 @@ import pytest
 
 from common.explorer.engine import RolloutEngine, Generation, SamplingConfig
 from common.envs import ENVS, make_env
-from common.envs.tools import ToolEnv, parse_tool_calls
+from common.envs.tool_formats import split_hermes
+from common.envs.tools import ToolEnv
 from common.model import build_tiny_tokenizer
 from common.explorer.rollouts import run_episodes
 from common.explorer.parts import rollout_metrics
@@ -60,6 +61,9 @@ class Scripted(RolloutEngine):
 
 
 def test_parse_tool_calls():
+    def parse_tool_calls(text):  # the Hermes format's calls of a turn; None: the turn is an answer
+        return split_hermes(text)[1]
+
     assert parse_tool_calls("Answer: 5") is None
     assert parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>') == \
         [{"name": "add", "arguments": {"a": 1, "b": 2}}]

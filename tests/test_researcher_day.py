@@ -44,7 +44,18 @@ def test_remaining_errors_name_the_fix(argv, fix):
 
 # ----------------------------------------------------------------------------------------------- LR schedule
 def test_lr_schedules_warm_up_then_decay():
-    from common.trainer.lr_schedule import lr_at
+    import torch
+
+    from common.trainer.lr_schedule import build_lr_scheduler
+
+    def lr_at(name: str, base_lr: float, warmup_steps: int, total_steps: int, step: int) -> float:
+        """The learning rate trainer step `step + 1` uses (after `step` steps)."""
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+        scheduler = build_lr_scheduler(optimizer, name, warmup_steps, total_steps)
+        for _ in range(step):
+            optimizer.step()
+            scheduler.step()
+        return optimizer.param_groups[0]["lr"]
 
     assert [lr_at("constant", 1.0, 2, 10, s) for s in (0, 1, 2, 9)] == [0.0, 0.5, 1.0, 1.0]
     assert [lr_at("linear", 1.0, 0, 4, s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import weakref
 from contextlib import contextmanager
@@ -54,8 +55,6 @@ def forget_inherited_state() -> None:
     launcher and the other workers still use; the worker's first finalizer registers weakref's own again)."""
     tracker = resource_tracker._resource_tracker
     if tracker._fd is not None:
-        import os
-
         os.close(tracker._fd)
         tracker._fd = tracker._pid = None
     atexit._clear()

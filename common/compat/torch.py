@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from common.compat import missing
 
 CHECKED = "2.13"  # read on this release; TORCH_MIN (common/run.py) too
@@ -10,13 +12,9 @@ CHECKED = "2.13"  # read on this release; TORCH_MIN (common/run.py) too
 
 def check() -> list[str]:
     """The private names this module uses that this torch lacks (empty: all there)."""
-    import torch
-
     return missing(torch._C, ("set_num_threads",), "torch._C")
 
 
 def set_threads_below_vllm(threads: int) -> None:
     """What vLLM's disabled `torch.set_num_threads` calls: the intra-op pool's size."""
-    import torch
-
     torch._C.set_num_threads(threads)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from common.arithmetic import ANSWER_FORMAT, arithmetic_task
 from common.envs import EnvSettings
-from common.envs.tools import ToolEnv
+from common.envs.tools import ToolEnv, ToolError, run_sandboxed
+from rewards.sandbox import Limits
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
@@ -101,9 +102,6 @@ class Calculator(ToolEnv):
         Args:
             code: a program that prints the result
         """
-        from common.envs.tools import ToolError, run_sandboxed
-        from rewards.sandbox import Limits
-
         limit = self.settings.sandbox_timeout_s
         result = run_sandboxed(code, Limits(timeout_s=limit, memory_mb=self.settings.sandbox_memory_mb),
                                wait_s=self.settings.tool_timeout_s)

@@ -12,6 +12,7 @@ score as is. `success` means solved either way."""
 from __future__ import annotations
 
 from common.envs import Env, StepResult
+from rewards.math import extract_answer
 
 INSTRUCTION = "Think briefly, then end with 'Answer: <answer>'."
 
@@ -36,8 +37,6 @@ def reasoning_gym_tasks(names: list[str], size: int, seed: int, prefix: str) -> 
 
 
 def final_answer(text: str) -> str:
-    from rewards.math import extract_answer
-
     answer = extract_answer(text)
     return (answer if answer is not None else text).strip()
 

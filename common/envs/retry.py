@@ -5,18 +5,16 @@ attempt (up to the task's "attempts", default 3, and --max-turns). Reward 1 for 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from common.arithmetic import arithmetic_task
 from common.envs import Env, EnvSettings, StepResult
+from rewards.math import extract_answer
 
 
 def numbers_match(response: str, answer: str) -> bool:
     """The last 'Answer: x' (or \\boxed{x}, or last number) of `response` equals the numeric `answer`."""
-    import re
-
-    from rewards.math import extract_answer
-
     pred = extract_answer(response)
     if pred is None:
         found = re.findall(r"-?\d+(?:\.\d+)?", response)

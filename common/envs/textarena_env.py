@@ -63,10 +63,7 @@ def make_textarena_task(rng, index: int, difficulty: int, arg: str | None = None
 def end_reward(library_reward: float, invalid_move: bool, partial_credit: bool) -> tuple[float, dict]:
     """(reward, info) of a finished game from the library's reward (see the module docstring)."""
     solved = library_reward >= 1.0 and not invalid_move
-    if invalid_move and not partial_credit:
-        reward = min(library_reward, 0.0)
-    else:
-        reward = library_reward
+    reward = min(library_reward, 0.0) if invalid_move and not partial_credit else library_reward
     return reward, {"success": solved, "invalid_move": invalid_move, "library_reward": library_reward}
 
 

@@ -31,12 +31,8 @@ import time
 
 from common.envs import Env, StepResult
 from common.envs.boundary import ABANDONED, describe
-from common.envs.tool_formats import ToolError, split_hermes, tool_format
-
-def parse_tool_calls(text: str) -> list[dict | ToolError] | None:
-    """The Hermes/Qwen tool calls in `text`: None when there is none (the turn is an answer); otherwise one entry
-    per `<tool_call>` block, either {"name", "arguments"} or a ToolError("malformed", ...)."""
-    return split_hermes(text)[1]
+from common.envs.tool_formats import ToolError, tool_format
+from rewards import sandbox
 
 
 class ToolThread:
@@ -87,20 +83,13 @@ def set_sandbox_slots(n: int) -> None:
 def run_sandboxed(code: str, limits, wait_s: float):
     """rewards.sandbox.run(code) once one of this process's --sandbox-procs slots is free (waited on for at most
     `wait_s`: a ToolError("busy") past it), so the tool calls of many episodes never start more programs than that."""
-    from rewards.sandbox import run
-
     slots = SANDBOX_SLOTS
     if not slots.acquire(timeout=wait_s):
         raise ToolError("busy", f"no sandbox slot free within {wait_s:g}s (--sandbox-procs)")
     try:
-        return run(code, limits=limits)
+        return sandbox.run(code, limits=limits)
     finally:
         slots.release()
-
-
-def call_with_timeout(fn, kwargs: dict, timeout_s: float):
-    """fn(**kwargs), waited on for at most `timeout_s` (see ToolThread)."""
-    return ToolThread(fn, kwargs, timeout_s).result()
 
 
 def tool_schema(fn) -> dict:
@@ -117,14 +106,6 @@ class ToolEnv(Env):
 
     tools: tuple[str, ...] | None = None
     calls_made = 0  # this episode's calls so far: their ids
-
-    @property
-    def tool_timeout_s(self) -> float:
-        return self.settings.tool_timeout_s
-
-    @property
-    def max_tool_output_chars(self) -> int:
-        return self.settings.max_tool_output_chars
 
     def tool_names(self) -> list[str]:
         if self.tools is not None:
@@ -173,7 +154,7 @@ class ToolEnv(Env):
 
     def _clip(self, text: str) -> str:
         """Tool output beyond max_tool_output_chars keeps its head and tail (a tool may print megabytes)."""
-        limit = self.max_tool_output_chars
+        limit = self.settings.max_tool_output_chars
         if len(text) <= limit:
             return text
         half = limit // 2
@@ -190,7 +171,7 @@ class ToolEnv(Env):
             inspect.signature(fn).bind(**arguments)
         except TypeError as e:
             return ToolError("bad_arguments", str(e))
-        return ToolThread(fn, arguments, self.tool_timeout_s)
+        return ToolThread(fn, arguments, self.settings.tool_timeout_s)
 
     def _run(self, name: str, arguments: dict) -> str:
         """One call, waited on (for tests and environments that call their tools themselves)."""

@@ -57,9 +57,9 @@ from dataclasses import dataclass, field
 from common.explorer.chat import TemplateMismatch, strip_reasoning
 from common.explorer.endpoint import BadRequest, ChatRequest, Completion, RunSampling, endpoint
 from common.explorer.multi_turn import tool_call_end
-from common.explorer.workflow import Group, Sample, Workflow
+from common.explorer.workflow import Group, TokenSample, Workflow
 from common.runtime.plugins import load_object
-from common.runtime.procs import kill_group
+from common.runtime._group_guard import kill_group
 from rewards import Reward
 
 FAILED = ("error", "timeout", "bad_return", "no_call")
@@ -107,15 +107,9 @@ class AgentEpisode:
 
 
 @dataclass
-class AgentSample(Sample):
+class AgentSample(TokenSample):
     """One sequence of an agent episode: first prompt | sampled ids | observation ids | sampled ids ..."""
-    episode: AgentEpisode
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turn_ends: list[int] = field(default_factory=list)
+    episode: AgentEpisode = field(kw_only=True)
     finish_reason: str | None = None
     messages: list[dict] = field(default_factory=list)   # the last call's messages
     tools: list[dict] | None = None
@@ -128,23 +122,6 @@ class AgentSample(Sample):
     @property
     def turns(self) -> int:
         return len(self.turn_ends)
-
-    @property
-    def segments(self) -> int:
-        return self.turns
-
-    @property
-    def sampled_tokens(self) -> int:
-        return sum(self.mask)
-
-    def loss_mask(self, partial_loss: str = "last_segment") -> list[int]:
-        return list(self.mask)
-
-    def _append(self, ids, logprobs, trained: int, version: int, versions=None) -> None:
-        self.response_ids += ids
-        self.logprobs += logprobs
-        self.mask += [trained] * len(ids)
-        self.versions += versions[:len(ids)] if versions else [version] * len(ids)
 
     def verifier_input(self, task: dict, tokenizer, whole_episodes: bool = False) -> str | None:
         """The answer the agent returned, when it returned one and the task names a verifier (or --reward-fn)."""
@@ -296,7 +273,7 @@ class Agent(Workflow):
                 call[0].busy = False
                 call[3].set_exception(BadRequest("the episode has ended", None, "episode_ended"))
             # an episode with no answered call keeps one empty sample: its end is counted, and it trains nothing
-            e.samples = [s for s in e.samples if s.response_ids or s.busy] or [AgentSample(e, self._no_prompt)]
+            e.samples = [s for s in e.samples if s.response_ids or s.busy] or [AgentSample(self._no_prompt, episode=e)]
             self.group.responses = [s for s in self.group.responses if s.episode is not e] + e.samples
             for s in e.samples:
                 s.finish_reason = "length" if e.cut or s.cut_short else "stop"
@@ -398,7 +375,7 @@ class Agent(Workflow):
             futures = []
             for choice in range(request.n):
                 if sample is None or choice > 0:
-                    sample = AgentSample(e, prompt)
+                    sample = AgentSample(prompt, episode=e)
                     e.samples.append(sample)
                     self.group.responses.append(sample)
                 else:

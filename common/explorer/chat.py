@@ -30,6 +30,8 @@ import threading
 
 import jinja2
 
+from common.envs.tools import tools_system_prompt
+
 SENTINEL = "TANDEMSENTINEL7"
 PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}]
 
@@ -136,8 +138,6 @@ class ChatRenderer:
         wrapped = [{"type": "function", "function": s} if "function" not in s else s for s in schemas]
         if self.renders_tools:
             return messages, wrapped
-        from common.envs.tools import tools_system_prompt
-
         text = tools_system_prompt([w["function"] for w in wrapped])
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + messages[1:], None

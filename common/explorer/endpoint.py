@@ -452,8 +452,7 @@ def _output_items(done: Completion, logprobs: bool) -> list[dict]:
     items = []
     if done.content or not done.tool_calls:
         part = {"type": "output_text", "text": done.content or "", "annotations": [],
-                **({"logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                 for t, lp in zip(done.tokens, done.logprobs)]} if logprobs else {})}
+                **({"logprobs": _chat_logprobs(done)["content"]} if logprobs else {})}
         items.append({"type": "message", "id": "msg_" + secrets.token_hex(12), "status": "completed",
                       "role": "assistant", "content": [part]})
     items += [{"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": c["id"], "status": "completed",
@@ -540,8 +539,10 @@ class Endpoint:
             raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", None, "invalid_value")
         return body
 
-    async def _answer(self, request: web.Request, parse) -> tuple[dict, str, ChatRequest, list] | web.Response:
-        """Check the call, hand it to its episode's handler and wait for its choices; or the error reply."""
+    async def _answer(self, request: web.Request, parse) -> tuple | web.Response:
+        """Check the call, hand it to its episode's handler and wait for its choices: (body, key, call, choices, body
+        fields, headers), the last two telling the client which of its sampling fields were served the run's way;
+        or the error reply."""
         key, refused = None, None
         try:
             key = self._key(request)
@@ -557,26 +558,20 @@ class Endpoint:
         except Exception as e:  # noqa: BLE001  (a bug of ours answers this one call, never stops the endpoint)
             return web.json_response({"error": {"message": f"internal error: {type(e).__name__}: {e}",
                                                 "type": "server_error", "param": None, "code": None}}, status=500)
-        return body, key, call, done
+        told = ({"sampling_overrides": call.overrides}, {"X-Sampling-Overrides": ",".join(call.overrides)}) \
+            if call.overrides else ({}, {})
+        return body, key, call, done, *told
 
     @staticmethod
     def _usage(done: list[Completion]) -> dict:
         prompt, completion = done[0].prompt_tokens, sum(d.completion_tokens for d in done)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    @staticmethod
-    def _told(call: ChatRequest) -> tuple[dict, dict]:
-        """(body fields, headers) that tell the client which of its sampling fields were served the run's way."""
-        if not call.overrides:
-            return {}, {}
-        return {"sampling_overrides": call.overrides}, {"X-Sampling-Overrides": ",".join(call.overrides)}
-
     async def _chat(self, request: web.Request) -> web.Response:
         answered = await self._answer(request, parse_chat)
         if isinstance(answered, web.Response):
             return answered
-        body, _, chat, done = answered
-        told, headers = self._told(chat)
+        body, _, chat, done, told, headers = answered
         head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": body["model"], **told}
         choices = []
         for i, d in enumerate(done):
@@ -605,8 +600,7 @@ class Endpoint:
         answered = await self._answer(request, parse_completion)
         if isinstance(answered, web.Response):
             return answered
-        body, _, call, done = answered
-        told, headers = self._told(call)
+        body, _, call, done, told, headers = answered
         head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
                 "model": body["model"], **told}
         choices = [{"index": i, "text": d.content or "", "finish_reason": d.finish_reason,
@@ -626,8 +620,7 @@ class Endpoint:
         answered = await self._answer(request, parse_responses)
         if isinstance(answered, web.Response):
             return answered
-        body, key, call, (done,) = answered
-        told, headers = self._told(call)
+        body, key, call, (done,), told, headers = answered
         rid = "resp_" + secrets.token_hex(16)
         system = 1 if body.get("instructions") else 0  # instructions do not carry over to the next response
         if key in self.history:

@@ -62,14 +62,17 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def hf_parameter_layout(model_path: str, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of the HF model's named_parameters(), built on the meta device (no memory, no weights)."""
+def hf_layout(model_path: str, dtype: torch.dtype,
+              lora: LoraSpec | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of what the trainer sends, from the HF model built on the meta device (no memory, no
+    weights): its named_parameters(), or with `lora` its fp32 adapters (common/lora.py `adapter_tensors`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    if lora is None:
+        return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+    return [(n, tuple(t.shape), torch.float32) for n, t in adapter_tensors(inject_lora(model, lora))]
 
 
 # ----------------------------------------------------------------------------- how vLLM is started
@@ -194,7 +197,6 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)  # read by vLLM's frontend here and inherited by the engine core it spawns
-        start = time.time()
         try:
             self.llm = LLM(**kwargs)
         finally:
@@ -203,13 +205,12 @@ class VLLMEngine(RolloutEngine):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        self.startup_s = time.time() - start
         self.lora, self.lora_versions = lora, lora_versions
         self.lora_version: int | None = None  # the adapter new requests use (None: none loaded yet)
         self._lora_of: dict[str, tuple] = {}  # request id -> (version, max_new_tokens, sampling) of its adapter
         self.lora_restarted = 0  # requests restarted under a newer adapter (`_load_adapter`)
         self.max_model_len = self.llm.model_config.max_model_len  # what vLLM made of ours (or the model's context)
-        self.layout = hf_adapter_layout(model, lora) if lora else hf_parameter_layout(model, self.dtype)
+        self.layout = hf_layout(model, self.dtype, lora)
         self._shm_path: str | None = None
         self._shm_layout: list | None = None
         self._buffers: list[tuple[str, torch.Tensor]] | None = None
@@ -510,16 +511,6 @@ def lora_request(version: int):
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(f"tandem-v{version}", version + 1, "tandem-in-memory")  # ids start at 1
-
-
-def hf_adapter_layout(model_path: str, lora: LoraSpec) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, fp32) of the adapters the trainer sends (common/lora.py `adapter_tensors`), on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = inject_lora(AutoModelForCausalLM.from_config(config), lora)
-    return [(n, tuple(t.shape), torch.float32) for n, t in adapter_tensors(model)]
 
 
 def _token_versions(completion, num_tokens: int) -> list[int] | None:

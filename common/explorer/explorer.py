@@ -14,6 +14,7 @@ what it is built of; they also score and package). Two ways to run them:
 
 from __future__ import annotations
 
+import tempfile
 import time
 import torch
 
@@ -24,7 +25,7 @@ from common.lora import LoraSpec, sync_mode
 from common.tasks.hub import DatasetOptions
 from common.runtime import cores
 from common.runtime.metrics import Timeline
-from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model
+from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model, save_servable_tiny
 from common.tasks import build_tasksets
 from common.explorer.evaluation import Evaluation, eval_due
 from common.explorer.parts import Parts
@@ -68,10 +69,7 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
 def build_vllm_engine(args, device, tokenizer):
     """VLLMEngine on this explorer's device; `--model tiny` is saved to a temporary folder in out_dir first (vLLM
     loads folders). The initial weight sync replaces whatever the folder holds."""
-    import tempfile
-
     from common.explorer.engine_vllm import VLLMEngine
-    from common.model import resolve_model, save_servable_tiny
 
     tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
     path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)

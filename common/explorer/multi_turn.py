@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from common.envs.boundary import EnvFailure, EpisodeEnv
 from common.explorer.chat import TemplateMismatch, strip_reasoning
-from common.explorer.workflow import Group, Sample, Workflow
+from common.explorer.workflow import Group, TokenSample, Workflow
 from rewards import Reward
 
 CUT = ("truncated", "budget")              # ended by a token limit: finish reason "length"
@@ -40,17 +40,11 @@ FAILED = ("error", "timeout", "template")  # ended by a failure: scores worst_re
 
 
 @dataclass
-class Episode(Sample):
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+class Episode(TokenSample):
     finish_reason: str | None = None          # None while live; "stop", or "length" when a token limit cut it
     end_reason: str | None = None             # done | max_turns | truncated | budget | error | timeout | template
     turns: int = 0
     turn_rewards: list[float] = field(default_factory=list)
-    turn_ends: list[int] = field(default_factory=list)  # per turn: end of its sampled ids in response_ids
     tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)
     success: bool | None = None
@@ -70,18 +64,6 @@ class Episode(Sample):
     @property
     def failed(self) -> bool:
         return self.end_reason in FAILED
-
-    @property
-    def segments(self) -> int:
-        return self.turns
-
-    def loss_mask(self, partial_loss: str = "last_segment") -> list[int]:
-        return list(self.mask)
-
-    @property
-    def sampled_tokens(self) -> int:
-        """Tokens the model wrote (what a length penalty counts; observations excluded)."""
-        return sum(self.mask)
 
     def env_reward(self, mode: str) -> float:
         """ALGO LOGIC: the environment's reward of the episode: the sum of its step rewards, or the last one."""
@@ -136,21 +118,6 @@ class Episode(Sample):
                 "rollout/episode_truncated": int(self.finish_reason == "length"),
                 **({f"rollout/env_failure/{self.failure}": 1} if self.failure else {}),
                 **{f"rollout/tool_error/{k}": v for k, v in Counter(self.tool_errors).items()}}
-
-    def spans(self) -> list[tuple[int, int, int]]:
-        """(start, end, trained) runs of the response: sampled (1) and observation (0) tokens."""
-        out, start = [], 0
-        for i in range(1, len(self.mask) + 1):
-            if i == len(self.mask) or self.mask[i] != self.mask[start]:
-                out.append((start, i, self.mask[start]))
-                start = i
-        return out
-
-    def _append(self, ids, logprobs, trained: int, version: int, versions: list[int] | None = None):
-        self.response_ids += ids
-        self.logprobs += logprobs
-        self.mask += [trained] * len(ids)
-        self.versions += versions[:len(ids)] if versions else [version] * len(ids)  # per token, if mid-generation
 
     def fail(self, failure: EnvFailure):
         """End the episode on an environment failure."""

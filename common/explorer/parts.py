@@ -63,8 +63,7 @@ class Parts:
             prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
             loss_mask=r.loss_mask(args.partial_loss), reward=reward, reward_info={**s.info, **parts},
             group_id=g.group_id, task_id=str(g.task["id"]), policy_version=max(r.versions, default=version),
-            finish_reason=r.finish_reason, timings={"rollout": generated_s, "reward": reward_s},
-            segment_versions=r.versions, turn_ends=r.turn_ends,
+            finish_reason=r.finish_reason, segment_versions=r.versions, turn_ends=r.turn_ends,
             turn_rewards=turn_credit(r.turn_rewards, len(r.turn_ends), reward), images=r.images,
         ) for (g, r), s, (reward, parts) in zip(flat, scores, shaped)]
         start = 0

@@ -12,13 +12,10 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 
+from common.explorer.engine import RolloutEngine, SamplingConfig
 from common.explorer.workflow import Context, workflow_class, workflow_name
-
-if TYPE_CHECKING:  # torch stays unimported until an engine exists (config validation imports this package)
-    from common.explorer.engine import RolloutEngine, SamplingConfig
 
 STEP_GRACE_S = 0.005  # how long the engine loop waits for an environment step it just handed to the pool
 
@@ -190,8 +187,6 @@ class Rollouts:
         return len(self._decoding) + len(self._ready)
 
     def _wait(self, sample, future) -> int:
-        from concurrent.futures import TimeoutError as FutureTimeout
-
         try:
             return future.result(timeout=self.step_bound_s)
         except FutureTimeout:

@@ -53,7 +53,6 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.reshape(rows, heads, queries, dim).transpose(1, 2).contiguous(), None
 
 
-
 def supported(model) -> bool:
     """A text model whose attention takes the explicit 4-D mask this loop builds."""
     return attention_implementation(model.config) in ("sdpa", "eager") and not hasattr(model.config, "vision_config")

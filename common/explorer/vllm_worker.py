@@ -20,10 +20,6 @@ drops vocabulary padding and hashes them with `common.weight_sync.base.tensor_di
 linear weights exist only packed inside oneDNN; they are read by running each layer's own GEMM on an identity
 matrix (exact: every output is one weight times 1 plus zeros).
 
-Arguments and results of the extension's methods are plain data (strings, bytes, numbers, lists), so they cross
-vLLM's engine-core process boundary; tensors travel through a shared buffer, a checkpoint folder or the weights
-group.
-
 Process start (CPU). `TandemExecutor` (common/compat/vllm.py) is vLLM's multiprocess executor (what vLLM runs on CPU anyway) with its worker
 forked from the engine core, vLLM's own default there: the engine core has imported vLLM already, so the worker does
 not import it again (~4 CPU seconds per engine start), and a forked multiprocessing child ends with os._exit after
@@ -54,6 +50,8 @@ from common.compat.vllm import lora_model_manager
 from common.explorer.vllm_logits import NormalizerProcessor
 from common.runtime.cores import bind_threads
 from common.weight_sync.base import tensor_digest
+from common.weight_sync.broadcast import broadcast_weights, weights_group
+from common.weight_sync.colocated import open_slot
 
 
 def _safetensors_iter(path: str):
@@ -69,8 +67,6 @@ def _safetensors_iter(path: str):
                 yield name, handle.get_tensor(name)
 
 
-
-# They are sent through LLM.collective_rpc / apply_model; with the in-process engine they run in this process.
 def _probe_gemm(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The [N, K] weight a CPU-dispatched linear layer really multiplies with: its GEMM applied to I_K."""
     k = weight.shape[1] if weight.numel() else module.input_size_per_partition
@@ -205,10 +201,8 @@ def _worker_copy_weights(model: torch.nn.Module, plan) -> None:
 def _computes_with_cpu_gemm(module: torch.nn.Module) -> bool:
     """A CPU layer whose forward multiplies with its packed `cpu_linear` weight. vLLM packs an input embedding
     too, but only looks rows up in its plain weight (the packed copy is used by a tied lm_head's own packing)."""
-    if not hasattr(module, "cpu_linear"):
-        return False
-    kind = type(module).__name__
-    return kind != "VocabParallelEmbedding"  # ParallelLMHead (a subclass) does multiply
+    # ParallelLMHead (a subclass of VocabParallelEmbedding) does multiply
+    return hasattr(module, "cpu_linear") and type(module).__name__ != "VocabParallelEmbedding"
 
 
 class TandemWorkerExtension:
@@ -225,11 +219,7 @@ class TandemWorkerExtension:
         (fused slices, CPU re-pack; `_worker_copy_plan`), or through vLLM's reload where that plan does not apply
         (or fast is False: the reference path). Each buffer is opened once and stays open (its owner may unlink
         its file); on a GPU the copy has finished reading it when this returns (its owner may write it next)."""
-        from common.weight_sync.colocated import open_slot
-
-        opened = getattr(self, "_tandem_slots", None)
-        if opened is None:
-            opened = self._tandem_slots = {}
+        opened = self.__dict__.setdefault("_tandem_slots", {})
         if shared not in opened:
             views = flat_views(open_slot(shared, self.device), layout)
             opened[shared] = (views, _worker_copy_plan(self.get_model(), views))
@@ -247,8 +237,6 @@ class TandemWorkerExtension:
     def tandem_join_weights_group(self, host: str, port: int, rank: int, size: int, backend: str,
                                   timeout_s: float) -> None:
         """Join trainer0's weights group (common/weight_sync/broadcast.py `weights_group`) as `rank`."""
-        from common.weight_sync.broadcast import weights_group
-
         self._tandem_group = weights_group(host, port, rank, size, backend, timeout_s)
         self._tandem_group_device = self.device if backend == "nccl" else torch.device("cpu")
 
@@ -258,8 +246,6 @@ class TandemWorkerExtension:
         arrives (`_worker_copy_plan`), so only one bucket is held at a time; layers vLLM re-packs (CPU) are
         re-packed once every bucket is in, and where the plan does not apply (or fast is False) the whole update
         goes through vLLM's reload. Returns [seconds spent loading, version, time the header arrived]."""
-        from common.weight_sync.broadcast import broadcast_weights
-
         model = self.get_model()
         shapes = [(name, torch.empty(shape, dtype=getattr(torch, dt), device="meta")) for name, shape, dt in layout]
         direct = fast and _worker_copy_plan(model, shapes) is not None
@@ -333,12 +319,8 @@ class TandemWorkerExtension:
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        from common.weight_sync.colocated import open_slot
-
         start = time.time()
-        mapped = getattr(self, "_tandem_lora_files", None)
-        if mapped is None:
-            mapped = self._tandem_lora_files = {}
+        mapped = self.__dict__.setdefault("_tandem_lora_files", {})
         if shared not in mapped:
             mapped[shared] = flat_views(open_slot(shared, self.device), layout)
         views = mapped[shared]
@@ -386,22 +368,15 @@ class TandemWorkerExtension:
         save_file(out, path)
         return sorted(out)
 
-    def tandem_use_cores(self, cores: list[int], threads: int) -> dict[int, list[int]]:
+    def tandem_use_cores(self, cores: list[int], threads: int) -> None:
         """Compute on `cores` with `threads` OpenMP threads (common/runtime/cores.py `widen` / `narrow`). vLLM's CPU
         worker started its OpenMP threads bound to the cores it was given (OMP_PLACES / OMP_PROC_BIND, set from
         VLLM_CPU_OMP_THREADS_BIND) and disabled `torch.set_num_threads` afterwards; a pool thread that starts now is
         bound the same way. So: set the count, run one parallel region (the pool grows now), then bind every thread
-        of this process. Returns each thread's cores."""
+        of this process."""
         set_threads_below_vllm(threads)
         torch.ones(threads << 16).add_(1)  # one parallel region: OpenMP starts the threads it lacks
         bind_threads(os.getpid(), cores)
-        bound = {}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                bound[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
-            except ProcessLookupError:
-                pass
-        return bound
 
     def tandem_pop_logz(self, keys: list[str]) -> dict[str, list[float]]:
         """The top-p corrections NormalizerProcessor recorded for these requests (and forget them)."""

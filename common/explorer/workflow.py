@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.envs import parse_env_settings
+from common.envs.tool_formats import detect, tool_format
+from common.envs.tools import set_sandbox_slots
+from common.explorer.chat import ChatRenderer
 from rewards import Reward
 
 WORKFLOWS = {
@@ -76,6 +79,37 @@ class Sample(ABC):
     def counts(self) -> dict[str, float]:
         """Rollout metrics of this sample, summed over a round's samples (rollout_metrics)."""
         return {}
+
+
+@dataclass
+class TokenSample(Sample):
+    """A sample built by appending ids, each as the engine fed or sampled it: sampled ids (trained: loss mask 1,
+    their behaviour log-probs) and observations (mask 0, log-prob 0), each with the weights version that made it.
+    A multi-turn episode, an agent's sample."""
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)  # per turn: end of its sampled ids in response_ids
+
+    @property
+    def segments(self) -> int:
+        return self.turns
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the model wrote (what a length penalty counts; observations excluded)."""
+        return sum(self.mask)
+
+    def loss_mask(self, partial_loss: str = "last_segment") -> list[int]:
+        return list(self.mask)
+
+    def _append(self, ids, logprobs, trained: int, version: int, versions: list[int] | None = None) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.mask += [trained] * len(ids)
+        self.versions += versions[:len(ids)] if versions else [version] * len(ids)  # per token, if mid-generation
 
 
 class Workflow(ABC):
@@ -155,23 +189,17 @@ class Context:
     @property
     def renderer(self):
         if self._renderer is None:
-            from common.explorer.chat import ChatRenderer
-
             self._renderer = ChatRenderer(self.tokenizer, keep_tokens=self.tool_format.keep_tokens)
         return self._renderer
 
     @property
     def tool_format_name(self) -> str:
-        from common.envs.tool_formats import detect
-
         if self.tool_call_format != "auto":
             return self.tool_call_format
         return detect(getattr(self.tokenizer, "chat_template", None))
 
     @property
     def tool_format(self):
-        from common.envs.tool_formats import tool_format
-
         return tool_format(self.tool_format_name)
 
     @property
@@ -183,8 +211,6 @@ class Context:
 
     @classmethod
     def from_args(cls, tokenizer, args, processor=None) -> "Context":
-        from common.envs.tools import set_sandbox_slots
-
         set_sandbox_slots(args.sandbox_procs)  # one explorer per process: its tools' sandboxed programs at once
         return cls(tokenizer, args.max_new_tokens, token_budget=args.rollout_token_budget, max_turns=args.max_turns,
                    episode_token_budget=args.episode_token_budget, tool_timeout_s=args.tool_timeout_s,

@@ -22,25 +22,23 @@ import time
 SHM = "/dev/shm"
 
 
-def parent_of(pid: int) -> int | None:
+def stat(pid) -> list[str]:
+    """The fields of /proc/PID/stat after the command (state, ppid, pgrp, ...); [] where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # ended meanwhile
+        return []
+
+
+def parent_of(pid: int) -> int | None:
+    fields = stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def members(group: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) == group:
-                        out.append(int(name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and (fields := stat(name))
+            and int(fields[2]) == group]
 
 
 def shared_files(pid: int) -> set[str]:
@@ -66,10 +64,12 @@ def shared_files(pid: int) -> set[str]:
     return found
 
 
-def signal_group(group: int, sig: int) -> None:
+def kill_group(group: int, sig: int = signal.SIGKILL) -> None:
+    """Signal the whole process group `group` (led by that pid: a session leader started with setsid /
+    start_new_session, or a worker); a group that is already gone is fine."""
     try:
         os.killpg(group, sig)
-    except ProcessLookupError:  # every member has ended already
+    except (ProcessLookupError, PermissionError):  # every member has ended already / not ours
         pass
 
 
@@ -83,14 +83,14 @@ def main(worker: int, agent: int, inherited: set[str]) -> None:
             worker_files, checked = shared_files(worker), time.monotonic()
         time.sleep(0.2)
     if not proc:
-        signal_group(group, signal.SIGKILL)
+        kill_group(group)
         return
     os.setpgid(0, 0)  # out of the group: the kill below must not end this process before it cleans up
-    signal_group(group, signal.SIGSTOP)
+    kill_group(group, signal.SIGSTOP)
     files = worker_files
     for pid in members(group):
         files |= shared_files(pid)
-    signal_group(group, signal.SIGKILL)
+    kill_group(group)
     for path in files - inherited:
         try:
             os.unlink(path)

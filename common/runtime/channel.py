@@ -131,17 +131,20 @@ class Mailbox:
         if self._error is not None:
             raise RuntimeError(f"{self.ctx.name}: receiving from the explorers failed") from self._error
 
-    def get_batch(self, timeout: float):
-        """The next batch (queue.Empty after `timeout`); taking it grants the next ticket."""
+    def _get(self, received: queue.Queue, timeout: float):
+        """The next item of `received` (queue.Empty after `timeout`); the receiving thread's failure is raised."""
         deadline = time.time() + timeout
         while True:
             self._check()
             try:
-                item = self.batches.get(timeout=max(0.0, min(0.5, deadline - time.time())))
-                break
+                return received.get(timeout=max(0.0, min(0.5, deadline - time.time())))
             except queue.Empty:
                 if time.time() >= deadline:
                     raise
+
+    def get_batch(self, timeout: float):
+        """The next batch (queue.Empty after `timeout`); taking it grants the next ticket."""
+        item = self._get(self.batches, timeout)
         self._taken += 1
         self.store.set(f"grant/{self._taken + self.capacity}", "")
         return item
@@ -151,14 +154,7 @@ class Mailbox:
         return self.controls.get_nowait()
 
     def get_control(self, timeout: float):
-        deadline = time.time() + timeout
-        while True:
-            self._check()
-            try:
-                return self.controls.get(timeout=max(0.0, min(0.5, deadline - time.time())))
-            except queue.Empty:
-                if time.time() >= deadline:
-                    raise
+        return self._get(self.controls, timeout)
 
     def close(self, timeout: float) -> None:
         """Explorer: no more messages. Trainer rank 0: wait until every explorer has said so (what they sent

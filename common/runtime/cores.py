@@ -34,6 +34,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
+from common.runtime._group_guard import stat
+
 
 @dataclass(frozen=True)
 class CoreShare:
@@ -63,7 +67,7 @@ def plan_cores(workers: list[tuple[str, str, str]], together: bool, available: l
         else:
             for i, name in enumerate(splitting):
                 shares[name] = CoreShare((available[i % len(available)],), num_threads or 1, True)
-    elif len(splitting) > 1:  # not bound: the cores still split by thread count, as before binding existed
+    elif len(splitting) > 1:  # not bound (--no-bind-cores): the cores still split by thread count
         for name in splitting:
             shares[name] = CoreShare(tuple(available), num_threads or max(1, len(available) // len(splitting)), False)
     for name, _, _ in workers:
@@ -135,8 +139,6 @@ def waiting_key(trainer: str) -> str:
 def apply(share: CoreShare, shares: dict[str, CoreShare] | None = None, name: str = "") -> None:
     """Bind this process (before it starts threads or children) and set its torch thread count. `shares`: the whole
     node's (which trainers lend their cores to its explorers while they wait), `name`: this worker's."""
-    import torch
-
     global _applied, _taken, _name, _lenders
     if share.bound:
         os.sched_setaffinity(0, share.cores)
@@ -202,8 +204,6 @@ def follow(store, engine=None, every_s: float = 0.02) -> None:
 
 
 def _take(share: CoreShare | None, engine) -> bool:
-    import torch
-
     global _taken
     if share is None:
         return False
@@ -250,13 +250,9 @@ def descendants(pid: int) -> list[int]:
     """The processes started by `pid`, their children, and so on (from /proc: ppid in each process's stat)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        fields = stat(entry) if entry.isdigit() else []
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -7,13 +7,18 @@ end) is common/runtime/worker.py.
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import logging
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import sys
 import traceback
 import uuid
+from multiprocessing import connection, forkserver, resource_tracker
 
 import torch
 
@@ -44,9 +49,6 @@ def start_forkserver(devices: list[str]) -> bool:
     importing transformers may call torch.cuda.is_available(), which initialises the driver. Returns whether it
     started (never on a Python whose private state common/compat/python.py was not checked on)."""
     global _forkserver_env
-    import importlib
-    from multiprocessing import connection, forkserver, resource_tracker
-
     if any(d != "cpu" for d in devices) or torch.cuda.is_available() or not python.forking_works():
         return False
     stop_forkserver()  # one an earlier launch in this process left (tests launch in theirs) holds that launch's
@@ -107,10 +109,6 @@ def _forked_rank(command: list[str], env: dict[str, str], unset: list[str]) -> N
     it is now (torch elastic has set the rank's own variables), then `python -u *command` as a fresh interpreter
     would run it (an entry script, or run_function's `-m common.runtime.launcher`), so the worker's code path is the
     same."""
-    import io
-    import multiprocessing
-    import runpy
-
     os.setsid()  # as torch elastic starts binary workers: a session of their own (Ctrl-C reaches the launcher only)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     # Streams over the inherited descriptors, written through as a `python -u` worker's are (the server's may be
@@ -194,8 +192,6 @@ def _root_cause(e, names: list[str]) -> str:
 def run_function(target: str, trainers: int, explorers: int, *args: str, timeout_s: float = 120) -> None:
     """Run `module:function(ctx, *args)` on every rank of a CPU world of `trainers` + `explorers` ranks (tests and
     benchmarks that drive the workers' parts directly)."""
-    import importlib.util
-
     names = [w.name for w in plan_world(["cpu"] * trainers, ["cpu"] * explorers)]
     start_forkserver(["cpu"] * len(names))  # the ranks forked from this process's imports, where it can
     # Ranks that are fresh interpreters import the target as this process does: the folder it is found in (a test's
@@ -217,8 +213,6 @@ def run_function(target: str, trainers: int, explorers: int, *args: str, timeout
 
 
 def _function_rank(target: str, trainers: str, explorers: str, timeout_s: str, *args: str) -> None:
-    import importlib
-
     module, function = target.split(":")
     torch.set_num_threads(1)  # every rank on the same cores, as the tests that use this run them
     ctx = join_world(plan_world(["cpu"] * int(trainers), ["cpu"] * int(explorers)), float(timeout_s), 15.0)

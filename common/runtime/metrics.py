@@ -13,7 +13,7 @@ import os
 import time
 from contextlib import contextmanager
 
-from common.runtime.trace import write_chrome_trace
+from common.runtime.trace import lane_label, lane_order, write_chrome_trace
 
 PHASE_COLORS = {
     "rollout": "#4C72B0", "reward": "#DD8452", "eval": "#8172B3", "train": "#55A868", "sync": "#C44E52",
@@ -109,9 +109,8 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
     if not events:
         return
     t0 = min(e["start"] for e in events)
-    explorers = sorted({e["process"] for e in events if e["process"].startswith("explorer")})
-    trainers = sorted({e["process"] for e in events if e["process"].startswith("trainer")})
-    lanes = explorers + ["buffer"] + trainers
+    lanes = [p for p in lane_order(events) if p == "buffer" or p.startswith(("explorer", "trainer"))]
+    explorers = [p for p in lanes if p.startswith("explorer")]
     y = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
     seen = set()
     for e in events:
@@ -131,7 +130,7 @@ def draw_timeline(ax, events: list[dict], title: str = ""):
         ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (base, height),
                        facecolors=PHASE_COLORS.get(e["phase"], "#999999"), edgecolor="white" if e["phase"] != "group"
                        else "none", linewidth=0.3, label=label, alpha=0.15 if e["phase"] == "group" else 1.0)
-    ax.set_yticks(list(y.values()), [n.replace("explorer", "Explorer ").replace("trainer", "Trainer ").title() for n in y])
+    ax.set_yticks(list(y.values()), [lane_label(n) for n in y])
     ax.set_xlabel("seconds")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, framealpha=0.8)  # outside: lanes stay visible
@@ -154,7 +153,7 @@ class MetricsLogger:
             # Exactly once in W&B too: a resumed run continues the same W&B run; what W&B does not hold yet of the
             # rows kept in metrics.jsonl is sent first, and steps it already holds are not sent again.
             self.wandb_state = os.path.join(out_dir, "wandb_run.json")
-            run_id = _read_json(self.wandb_state, {}).get("id") if resumed else None
+            run_id = read_json(self.wandb_state, {}).get("id") if resumed else None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self.wandb = wandb.init(project=project, config=config, dir=out_dir, mode=mode,
                                     id=run_id, resume="allow" if run_id else None,
@@ -239,7 +238,8 @@ def wandb_offline_steps(folder: str) -> list[int]:
     return steps
 
 
-def _read_json(path: str, default):
+def read_json(path: str, default):
+    """A JSON file's value; `default` where it is missing or unreadable (a run that has not written it)."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -283,14 +283,11 @@ def reward_curve_points(out_dir: str) -> tuple[list[tuple[int, float]], list[tup
     rows = read_metrics(out_dir)
     train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]  # partial rollouts: early may be none
     evals = [(r.get("eval/version", r["step"] - 1), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    summary_path = os.path.join(out_dir, "summary.json")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            summary = json.load(f)
-        # every evaluation, also those that shared a row with a later one
-        evals += [(e["eval/version"], e["eval/accuracy"]) for e in summary.get("evals", []) if "eval/version" in e]
-        if summary.get("eval_after") is not None:
-            evals.append((summary["steps"], summary["eval_after"]))
+    summary = read_json(os.path.join(out_dir, "summary.json"), {})
+    # every evaluation, also those that shared a row with a later one
+    evals += [(e["eval/version"], e["eval/accuracy"]) for e in summary.get("evals", []) if "eval/version" in e]
+    if summary.get("eval_after") is not None:
+        evals.append((summary["steps"], summary["eval_after"]))
     return train, sorted(set(evals))
 
 
@@ -308,8 +305,7 @@ def plot_reward_curve(out_dir: str, path: str | None = None, title: str | None =
     if train:
         ax.plot(*zip(*train), ".-", label="train reward (batch mean)", alpha=0.6)
     if evals:
-        config = os.path.join(out_dir, "config.json")
-        samples = json.load(open(config)).get("eval_samples", 1) if os.path.exists(config) else 1
+        samples = read_json(os.path.join(out_dir, "config.json"), {}).get("eval_samples", 1)
         ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy)" if samples == 1 else f"held-out mean@{samples}")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")

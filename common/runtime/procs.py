@@ -1,9 +1,10 @@
-"""Process-death handling, written once: a child dies with its parent, a process group is killed as a whole, and
-nothing a worker started outlives it (its group's guard: common/runtime/_group_guard.py).
+"""Process-death handling, written once: a child dies with its parent, and nothing a worker started outlives it
+(its group's guard: common/runtime/_group_guard.py, whose `kill_group` kills a process group as a whole for
+everyone: the guard, an episode's --agent-cmd program, the sandbox).
 
-Used by the launcher's workers (common/runtime/worker.py), the reward pool's verifier workers and RM servers (rewards/),
-and the sandbox (rewards/sandbox.py). The one exception is rewards/_sandbox_launch.py, which runs under `python -I`
-with the standard library only and so sets PR_SET_PDEATHSIG itself.
+Used by the launcher's workers (common/runtime/worker.py), the reward pool's verifier workers and RM servers
+(rewards/). The one exception is rewards/_sandbox_launch.py, which runs under `python -I` with the standard library
+only and so sets PR_SET_PDEATHSIG itself.
 """
 
 from __future__ import annotations
@@ -28,15 +29,6 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
-
-
-def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal the whole process group led by `pid` (a session leader started with setsid / start_new_session);
-    a group that is already gone is fine."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def guard_group() -> subprocess.Popen | None:

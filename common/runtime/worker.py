@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from common.runtime.channel import poll_key
 from common.runtime.procs import guard_group
 
 # Set by SIGTERM / SIGINT in a worker. A trainer stops at once when it is between steps (waiting for experiences
@@ -93,10 +94,8 @@ def gather_places(store, rank: int, names: list[str], place: Place, timeout_s: f
     store.set(f"place/{rank}", json.dumps(place))
     deadline, places = time.time() + timeout_s, []
     for r, name in enumerate(names):
-        while not store.check([f"place/{r}"]):
-            if time.time() > deadline:
-                raise TimeoutError(f"{names[rank]}: {name} (rank {r}) never said where it runs ({timeout_s:.0f}s)")
-            time.sleep(0.01)
+        if not poll_key(store, f"place/{r}", deadline - time.time()):
+            raise TimeoutError(f"{names[rank]}: {name} (rank {r}) never said where it runs ({timeout_s:.0f}s)")
         places.append(Place(*json.loads(store.get(f"place/{r}"))))
     return places
 
@@ -151,11 +150,8 @@ class WorkerContext:
 
     def wait_key(self, key: str, timeout_s: float, what: str) -> bytes:
         """A value another rank publishes in the store; TimeoutError naming who waits for what."""
-        deadline = time.time() + timeout_s
-        while not self.store.check([key]):
-            if time.time() > deadline:
-                raise TimeoutError(f"{self.name}: no {what} after {timeout_s:.0f}s")
-            time.sleep(0.05)
+        if not poll_key(self.store, key, timeout_s, every=0.05):
+            raise TimeoutError(f"{self.name}: no {what} after {timeout_s:.0f}s")
         return self.store.get(key)
 
     def close(self, timeout_s: float) -> None:
@@ -322,9 +318,7 @@ DONE = 10**12  # added to a rank's beat counter when it is done: silence is then
 
 def _die(line: str) -> None:
     report_error(line)
-    if not os.environ.get("TANDEM_LOCAL"):  # python train_X.py: the launcher prints it
-        print(line, file=sys.stderr, flush=True)
-    os._exit(1)
+    _exit(1, line)
 
 
 # ----------------------------------------------------------------------------- failures, as the agent reports them

@@ -9,17 +9,23 @@ from common.knobs import read_utf8_lines
 from common.tasks.hub import DatasetOptions, load_dataset_tasks
 
 
+def jsonl_rows(path: str) -> list[tuple[int, object]]:
+    """(line number, value) of every non-empty line of a .jsonl file; one-line errors name file:line (not UTF-8,
+    not JSON)."""
+    rows = []
+    for lineno, line in enumerate(read_utf8_lines(path), 1):
+        try:
+            rows += [(lineno, json.loads(line))] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
+    return rows
+
+
 def load_jsonl(path: str, options=None) -> list[dict]:
     """A tandem .jsonl file, one task per line; `options` (common/tasks/hub.py DatasetOptions) maps other columns."""
     options = options or DatasetOptions()
     tasks = []
-    for lineno, line in enumerate(read_utf8_lines(path), 1):  # `file:line: not UTF-8` on a bad byte
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
+    for lineno, row in jsonl_rows(path):
         task = options.to_task(row, f"{path}:{lineno}")
         task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
         task["id"] = str(task["id"])
@@ -29,13 +35,8 @@ def load_jsonl(path: str, options=None) -> list[dict]:
     return tasks
 
 
-def load_hf_dataset(path: str, split: str = "train", options=None) -> list[dict]:
-    """An HF dataset: a folder (save_to_disk or data files), a data file, or a Hub id (common/tasks/hub.py)."""
-    return load_dataset_tasks(path, split, options)
-
-
 def load_tasks(path: str, options=None, split: str = "train") -> list[dict]:
     """A .jsonl file (errors name file:line) or any HF dataset source, rows mapped by `options`."""
     if path.endswith(".jsonl") and os.path.isfile(path):
         return load_jsonl(path, options)
-    return load_hf_dataset(path, split, options)
+    return load_dataset_tasks(path, split, options)  # a dataset folder, a data file or a Hub id

@@ -15,12 +15,12 @@ trained on.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 
-from common.knobs import read_utf8_lines
+from common.model import cache_dir
+from common.tasks.files import jsonl_rows
 from common.tasks.hub import load_dataset_rows
 from common.tasks.validate import validate_task
 
@@ -70,8 +70,6 @@ def is_preset(taskset: str) -> bool:
 
 def local_copy(name: str) -> str:
     """Where a preset is read from when the Hub cannot give it."""
-    from common.model import cache_dir
-
     return os.path.join(str(cache_dir()), "datasets", f"{name}.jsonl")
 
 
@@ -79,13 +77,7 @@ def file_rows(path: str):
     """The rows of a local file: .jsonl read here (errors name file:line), other formats by `datasets`."""
     if not path.endswith(".jsonl"):
         return load_dataset_rows(path, "train")
-    rows = []
-    for lineno, line in enumerate(read_utf8_lines(path), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: {path}:{lineno}: not valid JSON ({e.msg})") from None
-    return rows
+    return [row for _, row in jsonl_rows(path)]
 
 
 def preset_tasks(taskset: str) -> list[dict]:

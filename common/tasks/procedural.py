@@ -9,25 +9,29 @@ from common.arithmetic import arithmetic_task
 from common.tasks.stream import TaskStream
 
 
-def arithmetic_split(seed: int, difficulty: int, eval_size: int,
-                     curriculum: bool = False) -> tuple[TaskStream, list[dict]]:
-    """(endless training stream, fixed held-out list at `difficulty`); held-out prompts never appear in training.
-    With `curriculum` the stream draws levels 1..difficulty (see TaskStream)."""
-    rng = random.Random(f"arith-eval-{seed}")
-    eval_tasks = []
-    for i in range(eval_size):
-        task = arithmetic_task(rng, difficulty)
-        eval_tasks.append({**task, "id": f"arith-eval-{i}"})
-    held_out = {t["prompt"] for t in eval_tasks}
+def held_out_split(name: str, make, key: str, seed: int, difficulty: int, eval_size: int,
+                   curriculum: bool = False) -> tuple[TaskStream, list[dict]]:
+    """(endless training stream of `make(rng, level)`'s tasks, fixed held-out list at `difficulty`); no training
+    task has a held-out task's `key` (its prompt, its image). With `curriculum` the stream draws levels
+    1..difficulty (see TaskStream)."""
+    rng = random.Random(f"{name}-eval-{seed}")
+    eval_tasks = [{**make(rng, difficulty), "id": f"{name}-eval-{i}"} for i in range(eval_size)]
+    held_out = {t[key] for t in eval_tasks}
 
     def generate(rng: random.Random, index: int, level: int) -> dict:
         while True:
-            task = arithmetic_task(rng, level)
-            if task["prompt"] not in held_out:
-                return {**task, "id": f"arith-{index}"}
+            task = make(rng, level)
+            if task[key] not in held_out:
+                return {**task, "id": f"{name}-{index}"}
 
     levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
     return TaskStream(generator=generate, seed=seed, levels=levels, curriculum=curriculum), eval_tasks
+
+
+def arithmetic_split(seed: int, difficulty: int, eval_size: int,
+                     curriculum: bool = False) -> tuple[TaskStream, list[dict]]:
+    """The arith taskset; held-out prompts never appear in training."""
+    return held_out_split("arith", arithmetic_task, "prompt", seed, difficulty, eval_size, curriculum)
 
 
 def parity_split(seed: int, difficulty: int, eval_size: int,

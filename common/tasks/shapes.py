@@ -20,6 +20,7 @@ import random
 
 from PIL import Image, ImageDraw
 
+from common.tasks.procedural import held_out_split
 from common.tasks.stream import TaskStream
 
 IMAGE_SIZE = 112
@@ -95,18 +96,6 @@ def shapes_task(rng: random.Random, difficulty: int) -> dict:
 
 def shapes_split(seed: int, difficulty: int, eval_size: int,
                  curriculum: bool = False) -> tuple[TaskStream, list[dict]]:
-    """(endless training stream, fixed held-out list at `difficulty`); held-out images never appear in training
-    (each level has one question, so the image is what makes a task). With `curriculum` the stream draws levels
-    1..difficulty (see TaskStream)."""
-    rng = random.Random(f"shapes-eval-{seed}")
-    eval_tasks = [{**shapes_task(rng, difficulty), "id": f"shapes-eval-{i}"} for i in range(eval_size)]
-    held_out = {t["image"] for t in eval_tasks}
-
-    def generate(rng: random.Random, index: int, level: int) -> dict:
-        while True:
-            task = shapes_task(rng, level)
-            if task["image"] not in held_out:
-                return {**task, "id": f"shapes-{index}"}
-
-    levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
-    return TaskStream(generator=generate, seed=seed, levels=levels, curriculum=curriculum), eval_tasks
+    """The shapes taskset; held-out images never appear in training (each level has one question, so the image is
+    what makes a task)."""
+    return held_out_split("shapes", shapes_task, "image", seed, difficulty, eval_size, curriculum)

@@ -60,8 +60,7 @@ def validate_env_task(task: dict, where: str) -> dict:
     for name in env_class(task["env"]).required_fields:
         if name not in task:
             raise SystemExit(f"error: {where}: missing field {name!r} (needed by env {task['env']!r})")
-    if "reward" in task:
-        if task["reward"] not in KINDS:
-            raise SystemExit(f"error: {where}: unknown reward {task['reward']!r} (one of {', '.join(KINDS)})")
+    if "reward" in task and task["reward"] not in KINDS:
+        raise SystemExit(f"error: {where}: unknown reward {task['reward']!r} (one of {', '.join(KINDS)})")
     task[WHERE] = where  # for errors found later (a first prompt longer than --episode-token-budget)
     return task

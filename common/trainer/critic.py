@@ -8,6 +8,7 @@ import os
 from collections import defaultdict
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from common.experience import Batch
 from common.trainer.losses import clipped_value_loss, masked_mean
@@ -99,8 +100,6 @@ class Critic:
         return full_state_dict(self.model), optimizer_state(self.model, self.optimizer)
 
     def save(self, checkpoint_dir: str, state: tuple[dict, dict] | None = None):
-        from safetensors.torch import save_file
-
         weights, optimizer = state or self.state()
         folder = os.path.join(checkpoint_dir, "critic")
         os.makedirs(folder, exist_ok=True)
@@ -108,8 +107,6 @@ class Critic:
         torch.save(optimizer, os.path.join(folder, "optimizer.pt"))
 
     def load(self, checkpoint_dir: str):
-        from safetensors.torch import load_file
-
         folder = os.path.join(checkpoint_dir, "critic")
         if not os.path.exists(os.path.join(folder, "model.safetensors")):
             raise SystemExit(f"error: --resume {checkpoint_dir}: no critic/ in the checkpoint (not an --algo ppo run?)")

@@ -30,12 +30,6 @@ from common.trainer.forward import logprobs_forward, lm_body, use_packed_attenti
 from common.vlm import freeze
 
 
-def enable_gradient_checkpointing(hf_model) -> None:
-    """Recompute every decoder layer in the backward (HF's per-layer torch.utils.checkpoint, non-reentrant: works
-    under FSDP2 and with inputs that need no grad)."""
-    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def decoder_layers(hf_model) -> list[torch.nn.Module]:
     """The transformer blocks of a causal LM (or of the critic's body): one FSDP unit each."""
     body = lm_body(hf_model)
@@ -82,8 +76,8 @@ def prepare_model(model, args, dp=None, trainable: bool = True, shard_it: bool =
     hf_model = model if value_body is None else value_body
     if args.max_tokens_per_micro_batch > 0:
         use_packed_attention(hf_model)
-    if trainable and args.gradient_checkpointing:
-        enable_gradient_checkpointing(hf_model)
+    if trainable and args.gradient_checkpointing:  # non-reentrant: works under FSDP2 and with inputs needing no grad
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainable and args.freeze != "none":
         freeze(model, args.freeze)
     if trainable and args.lora_rank and value_body is None:  # the critic is trained in full

@@ -303,8 +303,7 @@ def group_normalised(batch, rewards: torch.Tensor, normalize_std: bool) -> Advan
 
 def group_centred(batch, rewards: torch.Tensor) -> Advantages:
     """dr_grpo and opmd: reward minus the group mean, never divided by the std."""
-    return Advantages(group_advantages(rewards if rewards.dim() == 1 else rewards.sum(-1), batch.group_ids,
-                                       normalize_std=False))
+    return group_normalised(batch, rewards, normalize_std=False)
 
 
 def gae(batch, rewards: torch.Tensor, critic, gamma: float, lam: float, normalize_std: bool) -> Advantages:

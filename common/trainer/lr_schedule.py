@@ -25,15 +25,3 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup_steps
     from transformers import get_scheduler
 
     return get_scheduler(SCHEDULERS[name], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
-
-
-def lr_at(name: str, base_lr: float, warmup_steps: int, total_steps: int, step: int) -> float:
-    """Learning rate used by trainer step `step + 1` (i.e. after `step` steps), without an optimizer: for plots and
-    tests."""
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=base_lr)
-    scheduler = build_lr_scheduler(optimizer, name, warmup_steps, total_steps)
-    for _ in range(step):
-        optimizer.step()
-        scheduler.step()
-    return optimizer.param_groups[0]["lr"]

@@ -108,9 +108,8 @@ class WeightSync:
     def push(self, named_tensors, version: int, step: int, wait: bool = True) -> None:
         """Send `version`. wait=False: the method may return before explorers hold it (in flight) and explorers
         take it between generation batches; every method returns with the weights safe from later optimizer steps."""
-        if self.ctx.index != 0:  # data-parallel trainers other than rank 0 are not in the sync group
-            if has_dtensors(named_tensors):  # ... but trainer 0 gathers from their shards: hash, then send
-                join_gathers(named_tensors, 1 + bool(self.args.verify_sync))
+        if self.ctx.index != 0:  # data-parallel trainers other than rank 0 are not in the sync group, but trainer 0
+            join_gathers(named_tensors, 1 + bool(self.args.verify_sync))  # gathers from their shards: hash, send
             self.sent = version
             return
         self.wait()  # one send at a time: the previous in-flight one finishes first

@@ -10,7 +10,7 @@ import socket
 import time
 import uuid
 
-import torch
+from safetensors.torch import save_file
 
 from common.weight_sync.base import Folder, WeightSync, full_tensor
 
@@ -20,8 +20,6 @@ def write_sync_checkpoint(sync_dir: str, named_tensors, version: int, keep: int 
 
     A reader that sees LATEST = v finds v complete; a writer killed mid-save leaves only a temp folder behind.
     """
-    from safetensors.torch import save_file
-
     os.makedirs(sync_dir, exist_ok=True)
     final = os.path.join(sync_dir, f"v{version}")
     tmp = os.path.join(sync_dir, f".tmp-v{version}-{os.getpid()}")
@@ -45,15 +43,6 @@ def latest_sync_version(sync_dir: str) -> int:
             return int(f.read().strip())
     except FileNotFoundError:
         return -1
-
-
-@torch.no_grad()
-def load_sync_checkpoint(sync_dir: str, version: int, buffers) -> None:
-    from safetensors.torch import load_file
-
-    weights = load_file(os.path.join(sync_dir, f"v{version}", "model.safetensors"))
-    for name, t in buffers:
-        t.copy_(weights[name])
 
 
 def check_shared_folder(ctx, folder: str, timeout_s: float) -> None:
