@@ -66,6 +66,10 @@ def test_trainer_on_one_node_explorer_on_the_other(tmp_path, script):
     args = [*TINY, "--steps", "3", "--out-dir", str(out), "--verify-sync"]
     rdzv = "static" if script == "train_sync.py" else "c10d"
     errs = finish(node(0, 2, 1, port, script, *args, rdzv=rdzv), node(1, 2, 1, port, script, *args, rdzv=rdzv))
+    # torch elastic's exit barrier races its store's host: node 0's agent leaves as soon as every agent has arrived,
+    # and node 1's agent, held still between its arrival and its wait on a loaded machine, then logs the closed
+    # store (its own lines, after the run ended); the run's processes must print no traceback.
+    errs = ["\n".join(line for line in e.splitlines() if "elastic/agent/server/api.py" not in line) for e in errs]
     assert "Traceback" not in errs[1], errs[1][-3000:]
     assert_trained(out, steps=3)
     _hashes_match(out, 1, 3)

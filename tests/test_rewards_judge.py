@@ -218,6 +218,7 @@ def test_a_served_judge_scores_in_range_and_reads_special_tokens_as_text():
     assert ids.count(special) == 1  # the template's own end of the user turn, none from the content
 
 
+@pytest.mark.timeout(300)  # a vLLM engine start and an HF load: past 120 s on a loaded 2-core machine
 def test_a_vllm_served_judge_scores_as_the_hf_one(monkeypatch, tmp_path):
     """The served judge on vLLM (--judge-engine vllm, on the CPU here: common/explorer/judge_vllm.py, which the
     explorer hands its pool): through the pool's server process, its expected scores equal the HF judge's on the
