@@ -50,10 +50,6 @@ class Node:
     ranks: int = 0
     world_size: int = 0
 
-    @property
-    def world(self) -> int:
-        return self.world_size or (self.ranks or self.gpus) * self.nnodes
-
 
 def this_node(args) -> Node:
     """--plan's --gpus / --gpu-memory-gb / --nnodes when given, else this machine and torchrun's world."""
@@ -86,7 +82,7 @@ def place(args) -> None:
     schedule = getattr(args, "SCHEDULE", "sync")
     torchrun = bool(node.ranks) or node.nnodes > 1
     node, judge = _judge_gpu(args, node, torchrun)  # the node the workers share, without the judge's own GPU
-    world = node.world
+    world = node.world_size or (node.ranks or node.gpus) * node.nnodes
     shape = model_shape(args.model) if node.gpus else None
     if schedule == "sync" and not torchrun and node.gpus > 1:
         colocate, why = _colocation(args, shape, node)
