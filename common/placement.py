@@ -255,17 +255,14 @@ def plan_report(args) -> dict:
     config and the tasks' prompts (no weights load). Raises the run's one-line ConfigError when it does not fit."""
     from common.model import resolve_model
     from common.preflight import rollout_sequence
-    from common.tasks import build_tasksets
-    from common.tasks.hub import DatasetOptions
+    from common.tasks import tasksets_of
 
     node = getattr(args, "node", None) or this_node(args)
     args.engine = _engine(args) if node.gpus else ("hf" if args.engine == "auto" else args.engine)
     if served_judge(args):
         args.judge_engine = _judge_engine(args)
     resolve_model(args.model)
-    train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
-                                     args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
-                                     args.dataset_split, args.eval_dataset_split)
+    train, held_out = tasksets_of(args)
     sequence = rollout_sequence(args, (train.tasks or []) + held_out)
     memory = None  # this machine's, measured
     if args.gpus:  # a node this machine is not: every GPU free, host memory not checked

@@ -22,11 +22,10 @@ from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, Sta
                                     resolve_judge_engine, use_static_cache)
 from common.experience import Experience, RolloutBatch, zero_signal_groups
 from common.lora import LoraSpec, sync_mode
-from common.tasks.hub import DatasetOptions
 from common.runtime import cores
 from common.runtime.metrics import Timeline
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model, save_servable_tiny
-from common.tasks import build_tasksets
+from common.tasks import tasksets_of
 from common.explorer.evaluation import Evaluation, eval_due
 from common.explorer.parts import Parts
 from common.explorer.rollouts import Rollouts
@@ -103,10 +102,7 @@ class Explorer:
             self.timeline.record("warm-up", start, time.time())
             print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
                   flush=True)
-        train_tasks, eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size,
-                                                 args.seed + 1000 * index, args.task_sampling, args.curriculum,
-                                                 DatasetOptions.from_args(args), args.dataset_split,
-                                                 args.eval_dataset_split)
+        train_tasks, eval_tasks = tasksets_of(args, index)
         workflow_ctx = Context.from_args(tokenizer, args, build_processor(args, tokenizer))
         rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                              score_fn=UserReward(args.reward_fn) if args.reward_fn else score,

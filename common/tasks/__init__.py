@@ -16,11 +16,19 @@ from __future__ import annotations
 import random
 
 from common.tasks.files import load_tasks
+from common.tasks.hub import DatasetOptions
 from common.tasks.named import MixedStream, is_named_taskset, named_taskset
 from common.tasks.presets import is_preset, preset_tasks
 from common.tasks.procedural import arithmetic_split, parity_split
 from common.tasks.shapes import shapes_split
 from common.tasks.stream import TaskStream
+
+
+def tasksets_of(args, explorer: int = 0):
+    """build_tasksets with the run's config; each explorer draws its training stream with its own seed."""
+    return build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed + 1000 * explorer,
+                          args.task_sampling, args.curriculum, DatasetOptions.from_args(args), args.dataset_split,
+                          args.eval_dataset_split)
 
 
 def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int,
