@@ -59,13 +59,10 @@ class Batch:
     def __len__(self):
         return self.input_ids.shape[0]
 
-    def row_images(self, idx) -> list | None:
-        """The images of rows `idx` (None when the batch has none)."""
-        return None if self.images is None else [self.images[i] for i in torch.as_tensor(idx).tolist()]
-
     def select(self, idx) -> "Batch":
         tensors = {f: getattr(self, f)[idx] for f in self.__dataclass_fields__ if f != "images"}
-        return Batch(**tensors, images=self.row_images(idx))
+        images = None if self.images is None else [self.images[i] for i in torch.as_tensor(idx).tolist()]
+        return Batch(**tensors, images=images)
 
     def to(self, device) -> "Batch":  # images stay on the CPU until a forward needs them
         tensors = {f: getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "images"}

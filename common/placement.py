@@ -50,10 +50,6 @@ class Node:
     ranks: int = 0
     world_size: int = 0
 
-    @property
-    def world(self) -> int:
-        return self.world_size or (self.ranks or self.gpus) * self.nnodes
-
 
 def this_node(args) -> Node:
     """--plan's --gpus / --gpu-memory-gb / --nnodes when given, else this machine and torchrun's world."""
@@ -86,7 +82,7 @@ def place(args) -> None:
     schedule = getattr(args, "SCHEDULE", "sync")
     torchrun = bool(node.ranks) or node.nnodes > 1
     node, judge = _judge_gpu(args, node, torchrun)  # the node the workers share, without the judge's own GPU
-    world = node.world
+    world = node.world_size or (node.ranks or node.gpus) * node.nnodes
     shape = model_shape(args.model) if node.gpus else None
     if schedule == "sync" and not torchrun and node.gpus > 1:
         colocate, why = _colocation(args, shape, node)
@@ -259,17 +255,14 @@ def plan_report(args) -> dict:
     config and the tasks' prompts (no weights load). Raises the run's one-line ConfigError when it does not fit."""
     from common.model import resolve_model
     from common.preflight import rollout_sequence
-    from common.tasks import build_tasksets
-    from common.tasks.hub import DatasetOptions
+    from common.tasks import tasksets_of
 
     node = getattr(args, "node", None) or this_node(args)
     args.engine = _engine(args) if node.gpus else ("hf" if args.engine == "auto" else args.engine)
     if served_judge(args):
         args.judge_engine = _judge_engine(args)
     resolve_model(args.model)
-    train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
-                                     args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
-                                     args.dataset_split, args.eval_dataset_split)
+    train, held_out = tasksets_of(args)
     sequence = rollout_sequence(args, (train.tasks or []) + held_out)
     memory = None  # this machine's, measured
     if args.gpus:  # a node this machine is not: every GPU free, host memory not checked

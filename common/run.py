@@ -21,7 +21,6 @@ from common.knobs import ConfigError
 from common.lora import describe as describe_lora, resolve_sync as resolve_lora_sync
 from common.memory import served_judge
 from common.preflight import check_machine, check_tasks
-from common.tasks.hub import DatasetOptions
 from common.runtime.cores import apply as apply_cores, describe as describe_cores, plan_cores
 from common.runtime import cpu_tuning
 from common.runtime.launcher import launch_local, start_forkserver, stop_forkserver
@@ -31,7 +30,7 @@ from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_
                                        remove_partial)
 from common.runtime.metrics import plot_reward_curve, read_json, read_metrics, rewind_metrics, write_timeline
 from common.model import resolve_model
-from common.tasks import build_tasksets
+from common.tasks import tasksets_of
 from common.weight_sync import check_weight_sync
 
 
@@ -67,9 +66,7 @@ def prepare_run(args, schedule: str) -> None:
         print(f"[tandem] {describe_lora(args, args.lora_sync, why)}", flush=True)
     if getattr(args, "critic_model", None):
         resolve_model(args.critic_model, "--critic-model")
-    train, held_out = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed,
-                                     args.task_sampling, args.curriculum, DatasetOptions.from_args(args),
-                                     args.dataset_split, args.eval_dataset_split)  # bad rows fail here
+    train, held_out = tasksets_of(args)  # bad rows fail here
     check_tasks(args, model_path, (train.tasks or []) + held_out)  # common/preflight.py
     if args.resume:
         rewind_to_checkpoint(args)

@@ -250,6 +250,12 @@ class MaxTensor(TorchDispatchMode):
         return out
 
 
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution at every position: [..., V] -> [...] (the oracle for the chunked pass)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                           enable_gqa=False):
     """`torch.nn.attention.varlen.varlen_attn`'s contract (causal: window_size (-1, 0)), computed by sdpa per

@@ -8,8 +8,9 @@ import torch
 from types import SimpleNamespace
 
 from common.trainer.losses import (ALGOS, MicroBatch, behaviour_weights, cispo_loss, config_kwargs, dr_grpo_loss,
-                                   entropy_from_logits, group_advantages, gspo_loss, kl_estimate, masked_mean,
+                                   group_advantages, gspo_loss, kl_estimate, masked_mean,
                                    opmd_loss, ppo_clip_loss, reverse_kl_advantages)
+from tests.conftest import entropy_from_logits
 
 
 def _loss(fn, logp, old, adv, mask, token_weights=None, clip_eps=0.2, max_tokens=4, tau=0.1, clip_eps_high=None):

@@ -6,10 +6,9 @@ import functools
 import pytest
 import torch
 
-from common.trainer.losses import entropy_from_logits
 from common.model import load_model
 from common.trainer.forward import hidden_states, sequence_logprobs, token_logprobs_chunked, use_packed_attention
-from tests.conftest import MaxTensor, reference_varlen_attn
+from tests.conftest import MaxTensor, entropy_from_logits, reference_varlen_attn
 
 pytestmark = pytest.mark.timeout(120)
 

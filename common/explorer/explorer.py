@@ -22,11 +22,10 @@ from common.explorer.engine import (HFEngine, RolloutEngine, SamplingConfig, Sta
                                     resolve_judge_engine, use_static_cache)
 from common.experience import Experience, RolloutBatch, zero_signal_groups
 from common.lora import LoraSpec, sync_mode
-from common.tasks.hub import DatasetOptions
 from common.runtime import cores
 from common.runtime.metrics import Timeline
 from common.model import DTYPES, chat_prompt_ids, load_model, load_tokenizer, resolve_model, save_servable_tiny
-from common.tasks import build_tasksets
+from common.tasks import tasksets_of
 from common.explorer.evaluation import Evaluation, eval_due
 from common.explorer.parts import Parts
 from common.explorer.rollouts import Rollouts
@@ -51,36 +50,32 @@ def judge_loader(args):
 
 
 def build_engine(args, device) -> tuple[RolloutEngine, object]:
-    """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its tokenizer."""
+    """The rollout engine for `--engine` (hf: transformers generate, vllm: common/explorer/engine_vllm.py) and its
+    tokenizer. vLLM loads folders: `--model tiny` is saved to a temporary folder in out_dir first (the initial
+    weight sync replaces whatever it holds)."""
     tokenizer = load_tokenizer(args.model, args.chat_template)
     if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
         args.engine = resolve_engine(args.engine, resolve_model(args.model), [str(device)])[0]
+    # LoRA adapters (vLLM: one per weights version, those within --max-staleness of the newest kept loaded), or
+    # merged weights come
+    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None
     if args.engine == "vllm":
-        return build_vllm_engine(args, device, tokenizer), tokenizer
+        from common.explorer.engine_vllm import VLLMEngine
+
+        tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
+        path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
+        engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                            kv_cache_gb=args.vllm_kv_cache_gb, lora=adapters, lora_versions=args.max_staleness + 1,
+                            max_model_len=args.vllm_max_model_len or None, enforce_eager=args.vllm_enforce_eager)
+        engine.model_dir = tiny_dir  # removed when the engine goes
+        return engine, tokenizer
     model = load_model(args.model, device, DTYPES[args.dtype], seed=args.seed)
     static = None
     if use_static_cache(args.hf_cache, torch.device(device).type, is_vlm(args.model, resolve_model(args.model))):
         # positions: planned by common/memory.py before the run; explorers built directly (tests) guess
         static = StaticCacheSize.plan(args.rollout_batch_size, args.hf_cache_tokens or args.max_new_tokens + 512)
-    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None  # else merged weights come
     return HFEngine(model, tokenizer, freeze=args.freeze, static_cache=static, lora=adapters), tokenizer
-
-
-def build_vllm_engine(args, device, tokenizer):
-    """VLLMEngine on this explorer's device; `--model tiny` is saved to a temporary folder in out_dir first (vLLM
-    loads folders). The initial weight sync replaces whatever the folder holds."""
-    from common.explorer.engine_vllm import VLLMEngine
-
-    tiny_dir = tempfile.TemporaryDirectory(prefix=".tiny-vllm-", dir=args.out_dir) if args.model == "tiny" else None
-    path = save_servable_tiny(tiny_dir.name, seed=args.seed) if tiny_dir else resolve_model(args.model)
-    # LoRA: one adapter per weights version, those within --max-staleness of the newest kept loaded
-    adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None
-    engine = VLLMEngine(path, tokenizer=tokenizer, dtype=args.dtype, device=str(device), seed=args.seed,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, kv_cache_gb=args.vllm_kv_cache_gb,
-                        lora=adapters, lora_versions=args.max_staleness + 1,
-                        max_model_len=args.vllm_max_model_len or None, enforce_eager=args.vllm_enforce_eager)
-    engine.model_dir = tiny_dir  # removed when the engine goes
-    return engine
 
 
 def build_processor(args, tokenizer):
@@ -103,10 +98,7 @@ class Explorer:
             self.timeline.record("warm-up", start, time.time())
             print(f"[tandem] explorer{index}: decode step compiled and captured in {time.time() - start:.0f} s",
                   flush=True)
-        train_tasks, eval_tasks = build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size,
-                                                 args.seed + 1000 * index, args.task_sampling, args.curriculum,
-                                                 DatasetOptions.from_args(args), args.dataset_split,
-                                                 args.eval_dataset_split)
+        train_tasks, eval_tasks = tasksets_of(args, index)
         workflow_ctx = Context.from_args(tokenizer, args, build_processor(args, tokenizer))
         rewards = RewardPool(num_workers=args.reward_workers, timeout_s=args.reward_timeout_s,
                              score_fn=UserReward(args.reward_fn) if args.reward_fn else score,

@@ -220,15 +220,14 @@ class Rollouts:
         return [w.group for w in done]
 
 
-def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConfig, version: int = 0,
-                 first_group: int = 0) -> list:
+def run_episodes(engine, ctx: Context, tasks: list[dict], sampling: SamplingConfig) -> list:
     """Convenience for evaluation, tests and benchmarks: run every task's workflow to the end; the groups."""
     rollouts = Rollouts(dataclasses.replace(ctx, token_budget=0))
     for i, task in enumerate(tasks):
-        rollouts.start(task, first_group + i, sampling.n)
+        rollouts.start(task, i, sampling.n)
     t0 = time.time()
     try:
-        counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), version)
+        counts = rollouts.generate(engine, dataclasses.replace(sampling, n=1), 0)
     finally:
         rollouts.close()
     counts["seconds"] = time.time() - t0

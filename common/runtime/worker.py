@@ -143,11 +143,6 @@ class WorkerContext:
         """Where weight-sync buffers live: the worker's GPU when every rank has its own (NCCL), else the CPU (gloo)."""
         return self.device if own_gpus(self.places) else torch.device("cpu")
 
-    @property
-    def trainer_comm_device(self) -> torch.device:
-        """Where the data-parallel trainers' collectives run: their GPUs (always distinct) or the CPU."""
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
     def wait_key(self, key: str, timeout_s: float, what: str) -> bytes:
         """A value another rank publishes in the store; TimeoutError naming who waits for what."""
         if not poll_key(self.store, key, timeout_s, every=0.05):

@@ -16,11 +16,19 @@ from __future__ import annotations
 import random
 
 from common.tasks.files import load_tasks
+from common.tasks.hub import DatasetOptions
 from common.tasks.named import MixedStream, is_named_taskset, named_taskset
 from common.tasks.presets import is_preset, preset_tasks
 from common.tasks.procedural import arithmetic_split, parity_split
 from common.tasks.shapes import shapes_split
 from common.tasks.stream import TaskStream
+
+
+def tasksets_of(args, explorer: int = 0):
+    """build_tasksets with the run's config; each explorer draws its training stream with its own seed."""
+    return build_tasksets(args.taskset, args.eval_taskset, args.difficulty, args.eval_size, args.seed + 1000 * explorer,
+                          args.task_sampling, args.curriculum, DatasetOptions.from_args(args), args.dataset_split,
+                          args.eval_dataset_split)
 
 
 def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval_size: int, seed: int,
@@ -69,8 +77,7 @@ def build_tasksets(taskset: str, eval_taskset: str | None, difficulty: int, eval
 PROCEDURAL_EVAL_SIZE = 48  # a procedural taskset's held-out split when no size is given: a run's --eval-size default
 
 
-def evaluation_tasks(taskset: str, size: int, seed: int, difficulty: int = 1, options=None,
-                     split: str = "test") -> list[dict]:
+def evaluation_tasks(taskset: str, size: int, seed: int, difficulty: int = 1) -> list[dict]:
     """The tasks an evaluation of `taskset` runs (eval.py): a preset's or a dataset's first `size` (0: all of them),
     or a procedural taskset's held-out split of `size` tasks (0: 48), the very tasks a run with that --seed,
     --difficulty and --eval-size holds out."""
@@ -79,5 +86,5 @@ def evaluation_tasks(taskset: str, size: int, seed: int, difficulty: int = 1, op
     elif taskset in ("arith", "parity", "shapes") or is_named_taskset(taskset) or "+" in taskset:
         return build_tasksets(taskset, None, difficulty, size or PROCEDURAL_EVAL_SIZE, seed)[1]
     else:
-        tasks = load_tasks(taskset, options, split)
+        tasks = load_tasks(taskset, split="test")
     return tasks[:size] if size else tasks

@@ -99,5 +99,4 @@ def named_taskset(taskset: str, eval_taskset, difficulty: int, eval_size: int, s
     fn(random.Random(seed), 0, difficulty)  # a bad ARG is a one-line error now, before any compute
     eval_rng = random.Random(f"{taskset}-eval-{seed}")
     held_out = [{**fn(eval_rng, i, difficulty), "id": f"{taskset}-eval-{i}"} for i in range(eval_size)]
-    levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
-    return TaskStream(generator=fn, seed=seed, levels=levels, curriculum=curriculum), held_out
+    return TaskStream(generator=fn, seed=seed, difficulty=difficulty, curriculum=curriculum), held_out

@@ -24,8 +24,7 @@ def held_out_split(name: str, make, key: str, seed: int, difficulty: int, eval_s
             if task[key] not in held_out:
                 return {**task, "id": f"{name}-{index}"}
 
-    levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
-    return TaskStream(generator=generate, seed=seed, levels=levels, curriculum=curriculum), eval_tasks
+    return TaskStream(generator=generate, seed=seed, difficulty=difficulty, curriculum=curriculum), eval_tasks
 
 
 def arithmetic_split(seed: int, difficulty: int, eval_size: int,
@@ -47,6 +46,5 @@ def parity_split(seed: int, difficulty: int, eval_size: int,
                           f"{'b, d, f' if parity == 'even' else 'a, c, e'})."}
 
     rng = random.Random(f"parity-eval-{seed}")
-    levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
     held_out = [task(rng, i, difficulty, prefix="parity-eval") for i in range(eval_size)]
-    return TaskStream(generator=task, seed=seed, levels=levels, curriculum=curriculum), held_out
+    return TaskStream(generator=task, seed=seed, difficulty=difficulty, curriculum=curriculum), held_out

@@ -23,13 +23,14 @@ class TaskStream:
       (the easier ones stay in the mix); a procedural stream draws its level uniformly among the open ones.
     """
 
-    def __init__(self, tasks: list[dict] | None = None, generator=None, seed: int = 0, levels: list | None = None,
+    def __init__(self, tasks: list[dict] | None = None, generator=None, seed: int = 0, difficulty: int = 1,
                  sampling: str = "uniform", curriculum: bool = False):
         self.tasks, self.generator, self.seed = tasks, generator, seed
         self.sampling, self.curriculum = sampling, curriculum
-        if levels is None:  # a list's levels matter only to the curriculum (which checked that every task has one)
-            levels = sorted({t["difficulty"] for t in tasks}) if curriculum else []
-        self.levels = levels
+        if generator is not None:  # a procedural stream: levels 1..difficulty under the curriculum
+            self.levels = list(range(1, difficulty + 1)) if curriculum else [difficulty]
+        else:  # a list's levels matter only to the curriculum (which checked that every task has one)
+            self.levels = sorted({t["difficulty"] for t in tasks}) if curriculum else []
         self.attempts: dict[str, list[int]] = {}  # task id -> [successes, attempts] (prioritized sampling)
         self.position = 0
 

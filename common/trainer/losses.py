@@ -20,12 +20,6 @@ from typing import Callable
 import torch
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution at every position: [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over positions where mask is 1 (0 where nothing is masked in)."""
     mask = mask.to(x.dtype)

@@ -32,7 +32,8 @@ class DataParallel:
 
     @classmethod
     def from_context(cls, ctx) -> "DataParallel":
-        return cls(ctx.index, len(ctx.trainer_ranks), ctx.trainer_group, ctx.trainer_comm_device, ctx.trainer_ranks[0])
+        device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")  # the trainers' GPUs are distinct
+        return cls(ctx.index, len(ctx.trainer_ranks), ctx.trainer_group, device, ctx.trainer_ranks[0])
 
     @property
     def enabled(self) -> bool:
