@@ -264,6 +264,9 @@ def finish_run(args, title: str) -> None:
         held_out = (f"held-out {'accuracy' if args.eval_samples == 1 else f'mean@{args.eval_samples}'} "
                     f"{with_interval(summary, 'eval_before')} -> {with_interval(summary, 'eval_after')}"
                     if args.eval_every else "no evaluation (--eval-every 0)")
+        means = [e["eval/reward_mean"] for e in rows + summary.get("evals", []) if "eval/reward_mean" in e]
+        if len(means) > 1:  # what a judged or otherwise graded taskset's accuracy (reward 1) does not show
+            held_out += f", reward {means[0]:.3f} -> {means[-1]:.3f}"
         print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; {held_out}; "
               f"outputs in {args.out_dir}")
 

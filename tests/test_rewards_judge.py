@@ -297,13 +297,16 @@ def test_a_tiny_run_trains_through_the_judges_scores(tmp_path):
     with ScriptedJudge(grade=distinct_letters) as judge:
         proc = run_in_process("train_sync.py", *TINY, "--config", "configs/judge.yaml", "--taskset",
                               "examples/open_ended.jsonl", "--judge-url", judge.url, "--judge-model", "scripted",
-                              "--steps", "2", "--out-dir", str(out))
+                              "--steps", "2", "--eval-every", "2", "--eval-size", "4", "--out-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = assert_trained(out, steps=2)
     assert all(r["reward/judge_calls"] > 0 and r["reward/judge_failed"] == 0 for r in rows)
     assert all(0 <= r["reward/judge_cache_hit_rate"] <= 1 and r["reward/judge_calls_per_s"] > 0 for r in rows)
     assert len(judge.requests) == sum(r["reward/judge_calls"] for r in rows)
     assert json.load(open(out / "config.json"))["judge_url"] == judge.url
+    evals = [e for e in rows + json.load(open(out / "summary.json"))["evals"] if "eval/reward_mean" in e]
+    assert evals[0]["eval/version"] == 0 and len(evals) > 1  # the last line says the held-out judged reward
+    assert f"reward {evals[0]['eval/reward_mean']:.3f} -> {evals[-1]['eval/reward_mean']:.3f}; outputs" in proc.stdout
 
 
 def test_a_served_judge_is_counted_on_its_own_device(tmp_path):
