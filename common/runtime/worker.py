@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from common.runtime.channel import poll_key
+from common.runtime._group_guard import stat
 from common.runtime.procs import guard_group
 
 # Set by SIGTERM / SIGINT in a worker. A trainer stops at once when it is between steps (waiting for experiences
@@ -300,11 +301,7 @@ class Watchdog:
         ctx = self.ctx
         if ctx.places[r].node != ctx.places[ctx.rank].node or not ctx.store.check([f"pid/{r}"]):
             return False
-        try:
-            with open(f"/proc/{int(ctx.store.get(f'pid/{r}'))}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
+        return stat(int(ctx.store.get(f"pid/{r}")))[:1] not in ([], ["Z"], ["X"])
 
 
 ENGINE_READY = "engine_ready"  # an explorer's key in the run's store once its engine is up (common/run.py engines_first)
