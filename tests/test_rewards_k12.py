@@ -7,7 +7,7 @@ import io
 import pytest
 
 from rewards import score
-from rewards.testing import build_tiny_judge
+from tests.reward_helpers import build_tiny_judge
 
 # (a, b): a response answering `a` to a task whose reference is `b` must score 1, and the other way round.
 EQUIVALENT = [("12 cm", "0.12 m"), ("1.2 km", "1,200 meters"), ("three", "3"), ("50%", "50 %"),

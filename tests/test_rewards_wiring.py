@@ -11,7 +11,7 @@ from common.cli import parse_args
 from common.config import CommonArgs
 from rewards import Reward
 from rewards.shaping import shape_batch
-from rewards.testing import build_tiny_rm
+from tests.reward_helpers import build_tiny_rm
 from tests.conftest import TINY, assert_trained, run_in_process
 
 

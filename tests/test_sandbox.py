@@ -16,7 +16,7 @@ import pytest
 
 from rewards import RewardPool
 from rewards.sandbox import WORKDIR_PREFIX, Limits, run, sweep_stale_workdirs
-from rewards.testing import sandbox_leftovers
+from tests.reward_helpers import sandbox_leftovers
 
 MODE = run("pass").mode
 ISOLATED = "pivot-root" in MODE
