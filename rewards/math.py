@@ -60,11 +60,6 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
-def format_score(response: str) -> float:
-    """1 when the response ends in a parseable final answer in the expected format."""
-    return 1.0 if extract_answer(response) is not None else 0.0
-
-
 def _is_percent(expr) -> bool:
     """latex2sympy's form of "X%": Mul(X, UnevaluatedExpr(1/100))."""
     from sympy import Mul, Rational, UnevaluatedExpr

@@ -7,11 +7,10 @@
 - DAPO's soft overlong punishment (arXiv:2503.14476 eq. 13): 0 up to max_len - buffer tokens, then falling linearly
   to -1 at max_len (per response, not per group).
 
-`shape_group` combines them with config weights (0 switches a term off):
+`shape_batch` combines them with config weights (0 switches a term off), group by group over a rollout batch:
     shaped_i = reward_i + length_penalty_weight * λ'_i + format_weight * format_i + overlong_i
-`shape_batch` does it for a whole rollout batch (consecutive groups) and keeps each term (`--length-penalty`,
-`--format-reward`, `--overlong-buffer` in common/config.py); a failed sample (info["failed"]) is capped at its
-group's lowest legitimate shaped reward.
+and keeps each term (`--length-penalty`, `--format-reward`, `--overlong-buffer` in common/config.py); a failed sample
+(info["failed"]) is capped at its group's lowest legitimate shaped reward.
 """
 
 from __future__ import annotations
@@ -47,20 +46,19 @@ def format_reward(format_ok: bool) -> float:
 
 
 # ALGO LOGIC: the shaping terms and how they add up
-def shaping_terms(rewards: list[float], lengths: list[int], correct: list[bool] | None = None,
-                  length_penalty_weight: float = 0.0, format_weight: float = 0.0,
-                  format_ok: list[bool] | None = None, overlong_buffer: int = 0,
+def shaping_terms(rewards: list[float], lengths: list[int], length_penalty_weight: float = 0.0,
+                  format_weight: float = 0.0, format_ok: list[bool] | None = None, overlong_buffer: int = 0,
                   max_len: int = 0) -> dict[str, list[float]]:
     """The weighted terms of one group that are switched on, by name ("length_penalty", "format", "overlong").
-    `correct` defaults to reward >= 1; `format_ok` is needed when format_weight is set (e.g.
+    A correct response is one of reward >= 1; `format_ok` is needed when format_weight is set (e.g.
     Reward.info["format_ok"]); `max_len` (the generation limit) when overlong_buffer is set."""
     n = len(rewards)
     if len(lengths) != n:
         raise ValueError(f"{n} rewards for {len(lengths)} lengths")
     terms = {}
     if length_penalty_weight:
-        flags = correct if correct is not None else [r >= 1.0 for r in rewards]
-        terms["length_penalty"] = [length_penalty_weight * lam for lam in length_penalty(lengths, flags)]
+        correct = [r >= 1.0 for r in rewards]
+        terms["length_penalty"] = [length_penalty_weight * lam for lam in length_penalty(lengths, correct)]
     if format_weight:
         if format_ok is None or len(format_ok) != n:
             raise ValueError("format_weight is set but format_ok does not have one flag per response")
@@ -68,14 +66,6 @@ def shaping_terms(rewards: list[float], lengths: list[int], correct: list[bool] 
     if overlong_buffer:
         terms["overlong"] = [overlong_penalty(n, max_len, overlong_buffer) for n in lengths]
     return terms
-
-
-def shape_group(rewards: list[float], lengths: list[int], correct: list[bool] | None = None,
-                length_penalty_weight: float = 0.0, format_weight: float = 0.0,
-                format_ok: list[bool] | None = None) -> list[float]:
-    """Shaped rewards of one group: reward + every switched-on term. Weights of 0 leave the rewards untouched."""
-    terms = shaping_terms(rewards, lengths, correct, length_penalty_weight, format_weight, format_ok)
-    return [float(r) + sum(t[i] for t in terms.values()) for i, r in enumerate(rewards)]
 
 
 def shape_batch(rewards, lengths: list[int], group_size: int | list[int], length_penalty_weight: float = 0.0,

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from rewards import Reward, RewardPool, score
-from rewards.shaping import format_reward, length_penalty, overlong_penalty, shape_group, shaping_terms
+from rewards.shaping import format_reward, length_penalty, overlong_penalty, shaping_terms
 
 TASK = {"id": "arith-1", "answer": "4", "reward": "math"}
 
@@ -132,6 +132,12 @@ def test_length_penalty_matches_kimi_formula():
     assert length_penalty([], []) == []
     with pytest.raises(ValueError):
         length_penalty([1, 2], [True])
+
+
+def shape_group(rewards, lengths, **weights):
+    """Shaped rewards of one group: reward + every switched-on term (what shape_batch adds up per group)."""
+    terms = shaping_terms(rewards, lengths, **weights)
+    return [float(r) + sum(t[i] for t in terms.values()) for i, r in enumerate(rewards)]
 
 
 def test_shape_group_weights_switch_terms():
