@@ -30,6 +30,7 @@ once the call is sampled: the engine answers whole calls, so nothing arrives tok
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -472,9 +473,10 @@ class Endpoint:
         self.loop = asyncio.new_event_loop()
         self.sampling = RunSampling()  # the run's; set by whoever serves the engine
         app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/responses", self._responses)
+        for route, parse, reply in (("chat/completions", parse_chat, self._chat),
+                                    ("completions", parse_completion, self._completions),
+                                    ("responses", parse_responses, self._responses)):
+            app.router.add_post(f"/v1/{route}", functools.partial(self._answer, parse=parse, reply=reply))
         app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{path:.*}", self._not_found)
         self.runner = web.AppRunner(app, access_log=None)
@@ -539,10 +541,10 @@ class Endpoint:
             raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels", None, "invalid_value")
         return body
 
-    async def _answer(self, request: web.Request, parse) -> tuple | web.Response:
-        """Check the call, hand it to its episode's handler and wait for its choices: (body, key, call, choices, body
-        fields, headers), the last two telling the client which of its sampling fields were served the run's way;
-        or the error reply."""
+    async def _answer(self, request: web.Request, parse, reply) -> web.Response:
+        """Check the call, hand it to its episode's handler, wait for its choices and `reply` with them (request,
+        body, key, call, choices, body fields, headers: the last two tell the client which of its sampling fields
+        were served the run's way); or the error reply."""
         key, refused = None, None
         try:
             key = self._key(request)
@@ -560,18 +562,14 @@ class Endpoint:
                                                 "type": "server_error", "param": None, "code": None}}, status=500)
         told = ({"sampling_overrides": call.overrides}, {"X-Sampling-Overrides": ",".join(call.overrides)}) \
             if call.overrides else ({}, {})
-        return body, key, call, done, *told
+        return await reply(request, body, key, call, done, *told)
 
     @staticmethod
     def _usage(done: list[Completion]) -> dict:
         prompt, completion = done[0].prompt_tokens, sum(d.completion_tokens for d in done)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _chat(self, request: web.Request) -> web.Response:
-        answered = await self._answer(request, parse_chat)
-        if isinstance(answered, web.Response):
-            return answered
-        body, _, chat, done, told, headers = answered
+    async def _chat(self, request: web.Request, body: dict, _, chat: ChatRequest, done: list, told, headers):
         head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": body["model"], **told}
         choices = []
         for i, d in enumerate(done):
@@ -596,11 +594,7 @@ class Endpoint:
         return web.json_response({**head, "object": "chat.completion", "usage": self._usage(done),
                                   "choices": choices}, headers=headers)
 
-    async def _completions(self, request: web.Request) -> web.Response:
-        answered = await self._answer(request, parse_completion)
-        if isinstance(answered, web.Response):
-            return answered
-        body, _, call, done, told, headers = answered
+    async def _completions(self, request: web.Request, body: dict, _, call: ChatRequest, done: list, told, headers):
         head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
                 "model": body["model"], **told}
         choices = [{"index": i, "text": d.content or "", "finish_reason": d.finish_reason,
@@ -616,11 +610,9 @@ class Endpoint:
                                       else None)
         return web.json_response({**head, "usage": self._usage(done), "choices": choices}, headers=headers)
 
-    async def _responses(self, request: web.Request) -> web.Response:
-        answered = await self._answer(request, parse_responses)
-        if isinstance(answered, web.Response):
-            return answered
-        body, key, call, (done,), told, headers = answered
+    async def _responses(self, request: web.Request, body: dict, key: str, call: ChatRequest, choices: list, told,
+                         headers):
+        (done,) = choices
         rid = "resp_" + secrets.token_hex(16)
         system = 1 if body.get("instructions") else 0  # instructions do not carry over to the next response
         if key in self.history:
