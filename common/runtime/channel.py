@@ -149,10 +149,6 @@ class Mailbox:
         self.store.set(f"grant/{self._taken + self.capacity}", "")
         return item
 
-    def control_nowait(self):
-        self._check()
-        return self.controls.get_nowait()
-
     def get_control(self, timeout: float):
         return self._get(self.controls, timeout)
 

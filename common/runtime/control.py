@@ -33,7 +33,7 @@ class ControlChannel:
         out = []
         while True:
             try:
-                msg = self.mailbox.control_nowait()
+                msg = self.mailbox.get_control(timeout=0)
             except queue.Empty:
                 return out
             if msg.kind == "final":
@@ -41,7 +41,7 @@ class ControlChannel:
             else:
                 out.append(msg)
 
-    def wait_final(self, timeout: float, who: str = "trainer") -> tuple[dict, list[Control]]:
+    def wait_final(self, timeout: float) -> tuple[dict, list[Control]]:
         """Block until the final evaluation arrives: (its metrics, the other messages that came meanwhile)."""
         deadline, others = time.time() + timeout, []
         if self._final is not None:  # it came while the trainer was polling for evaluations
@@ -50,7 +50,7 @@ class ControlChannel:
             try:
                 msg = self.mailbox.get_control(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
-                raise TimeoutError(f"{who}: no final evaluation from explorer0 for {timeout:.0f}s "
+                raise TimeoutError(f"trainer: no final evaluation from explorer0 for {timeout:.0f}s "
                                    "(explorer stalled?)") from None
             if msg.kind == "final":
                 return msg.metrics, others
