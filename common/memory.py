@@ -526,18 +526,14 @@ def plan_memory(args, sequence: int, given: frozenset = frozenset(), memory: dic
     return notes
 
 
-def shared_memory_need(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> float:
-    """Bytes the run lays out in shared memory (common/buckets.py `shared_memory_dir`): trainer0's colocated slot
-    when it trains on the CPU (common/weight_sync/colocated.py), the whole model in --dtype. (A vLLM explorer takes
-    the slot, a broadcast or a checkpoint in its worker: nothing in /dev/shm; a GPU slot is GPU memory.)"""
-    cpu_slot = trainers[0] == "cpu" and args.sync_method in ("auto", "colocated") and set(explorers) == {"cpu"}
-    return shape.params * dtype_bytes(args.dtype) if cpu_slot else 0.0
-
-
 def check_shared_memory(args, shape: ModelShape, trainers: list[str], explorers: list[str]) -> None:
     """The shared memory the weight hand-off needs is free, or one line naming --shm-size (a container's /dev/shm
-    is 64 MB unless it is given more)."""
-    need = shared_memory_need(args, shape, trainers, explorers)
+    is 64 MB unless it is given more). What the run lays out there (common/buckets.py `shared_memory_dir`):
+    trainer0's colocated slot when it trains on the CPU (common/weight_sync/colocated.py), the whole model in
+    --dtype. (A vLLM explorer takes the slot, a broadcast or a checkpoint in its worker: nothing in /dev/shm; a GPU
+    slot is GPU memory.)"""
+    cpu_slot = trainers[0] == "cpu" and args.sync_method in ("auto", "colocated") and set(explorers) == {"cpu"}
+    need = shape.params * dtype_bytes(args.dtype) if cpu_slot else 0.0
     where = shared_memory_dir()
     free = shutil.disk_usage(where).free
     if need > free:

@@ -464,13 +464,8 @@ def say_once(kind: str, line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-_LONGEST: dict[int, tuple[object, int]] = {}  # id(tokenizer) -> (tokenizer, its longest token's characters)
-
-
+@functools.cache  # one tokenizer per run: computed once
 def longest_token(tokenizer) -> int:
     """Characters of the vocabulary's longest token string: no token covers more characters of text (byte-level
     BPE: a token's string has one character per byte; SentencePiece: one per character)."""
-    hit = _LONGEST.get(id(tokenizer))
-    if hit is None or hit[0] is not tokenizer:
-        hit = _LONGEST[id(tokenizer)] = (tokenizer, max(len(t) for t in tokenizer.get_vocab()))
-    return hit[1]
+    return max(len(t) for t in tokenizer.get_vocab())

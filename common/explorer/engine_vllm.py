@@ -246,7 +246,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"vLLM: a request of {len(prompt)} prompt + {max_new_tokens} new tokens is longer "
                              f"than its max_model_len {self.max_model_len} (--vllm-max-model-len)")
         request_id = f"tandem-{uuid.uuid4().hex}"  # outputs carry it; also the top-p correction's key
-        truncated = self._truncated(sampling)
+        truncated = sampling.temperature != 0 and sampling.top_p < 1.0  # top-p: its log-probs need the correction
         adapter = {}
         if self.lora is not None:  # sampled by the newest adapter, which stays loaded while this request runs
             if self.lora_version is None:
@@ -312,11 +312,6 @@ class VLLMEngine(RolloutEngine):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         return [[out.outputs[0].logprobs[0][t].logprob for t in c] for out, c in zip(outputs, candidates)]
-
-    @staticmethod
-    def _truncated(sampling: SamplingConfig) -> bool:
-        """Top-p sampling: the behaviour log-probs need the NormalizerProcessor's correction."""
-        return sampling.temperature != 0 and sampling.top_p < 1.0
 
     def _params(self, sampling: SamplingConfig, max_new_tokens: int, correction_key: str | None):
         from vllm import SamplingParams
