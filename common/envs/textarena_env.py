@@ -17,10 +17,6 @@ from __future__ import annotations
 from common.envs import Env, StepResult
 
 
-def textarena_task(game: str, seed: int, index: int) -> dict:
-    return {"id": f"textarena-{game}-{index}", "env": "textarena", "game": game, "seed": seed}
-
-
 def games_of(arg: str | None) -> list[str]:
     """The games of `textarena:GAME[,GAME]`, each checked: known to TextArena, and its NLTK data present if its
     code needs some (a one-line SystemExit otherwise)."""
@@ -57,7 +53,8 @@ def nltk_words_installed() -> bool:
 
 def make_textarena_task(rng, index: int, difficulty: int, arg: str | None = None) -> dict:
     games = games_of(arg)
-    return textarena_task(games[index % len(games)], rng.randint(0, 2**31 - 1), index)
+    game = games[index % len(games)]
+    return {"id": f"textarena-{game}-{index}", "env": "textarena", "game": game, "seed": rng.randint(0, 2**31 - 1)}
 
 
 def end_reward(library_reward: float, invalid_move: bool, partial_credit: bool) -> tuple[float, dict]:

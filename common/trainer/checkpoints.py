@@ -128,12 +128,10 @@ def newest_valid(out_dir: str, warn: bool = True) -> str | None:
     return None
 
 
-def remove_newer(out_dir: str, step: int) -> list[str]:
-    """Checkpoints after `step` (a resumed run abandons them: they are redone, once); returns what went."""
-    gone = [path for s, path in step_checkpoints(out_dir) if s > step]
-    for path in gone:
+def remove_newer(out_dir: str, step: int) -> None:
+    """Checkpoints after `step` (a resumed run abandons them: they are redone, once)."""
+    for path in [path for s, path in step_checkpoints(out_dir) if s > step]:
         shutil.rmtree(path)
-    return gone
 
 
 def prune(out_dir: str, keep: int) -> None:
