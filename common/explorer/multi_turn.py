@@ -127,8 +127,8 @@ class Episode(TokenSample):
     def _note(self, failure: EnvFailure):
         self.error, self.failure = self.error or str(failure), self.failure or failure.metric  # the first one counts
 
-    def _end(self, reason: str):
-        self.end_reason = reason
+    def _end(self, reason: str, error: str = ""):
+        self.end_reason, self.error = reason, error or self.error
         if self.env is not None:
             env, self.env = self.env, None
             try:
@@ -203,13 +203,12 @@ class MultiTurn(Workflow):
             messages, tools = renderer.with_tools(first, schemas)
             prompt = renderer.prompt_ids(messages, tools)
         except TemplateMismatch as exc:
-            e.error = str(exc)
-            e._end("template")
+            e._end("template", str(exc))
             return
         e.prompt_ids, e.messages, e.tools = prompt, list(messages), tools
         if len(prompt) >= self.ctx.episode_token_budget:  # files are checked at load (common/run.py); not built-ins
-            e.error = f"first prompt has {len(prompt)} tokens, --episode-token-budget {self.ctx.episode_token_budget}"
-            e._end("budget")
+            e._end("budget", f"first prompt has {len(prompt)} tokens, --episode-token-budget "
+                   f"{self.ctx.episode_token_budget}")
 
     def _visible(self, text: str) -> str:
         """What the environment and the tool parser see of a turn: its text without the reasoning."""
@@ -284,8 +283,7 @@ class MultiTurn(Workflow):
         try:
             obs = self.ctx.renderer.observation_ids(observation, sampled_stop)
         except TemplateMismatch as exc:
-            e.error = str(exc)
-            e._end("template")
+            e._end("template", str(exc))
             return
         if len(e.prompt_ids) + len(e.response_ids) + len(obs) >= self.ctx.episode_token_budget:
             e._end("budget")
