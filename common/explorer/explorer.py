@@ -56,8 +56,7 @@ def build_engine(args, device) -> tuple[RolloutEngine, object]:
     tokenizer = load_tokenizer(args.model, args.chat_template)
     if args.engine == "auto":  # entry scripts resolve it in prepare_run; this is for explorers built directly
         args.engine = resolve_engine(args.engine, resolve_model(args.model), [str(device)])[0]
-    # LoRA adapters (vLLM: one per weights version, those within --max-staleness of the newest kept loaded), or
-    # merged weights come
+    # the explorer gets LoRA adapters (vLLM keeps those within --max-staleness of the newest loaded), or merged weights
     adapters = LoraSpec.from_args(args) if sync_mode(args) == "adapters" else None
     if args.engine == "vllm":
         from common.explorer.engine_vllm import VLLMEngine
