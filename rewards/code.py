@@ -83,15 +83,11 @@ def same_output(got: str, expected: str) -> bool:
     return norm(got) == norm(expected)
 
 
-def _limits(task: dict) -> Limits:
-    return Limits(timeout_s=float(task.get("timeout_s", 4.0)), memory_mb=int(task.get("memory_mb", 1024)))
-
-
 def score(response: str, task: dict):
     code = extract_code(response)
     if not code.strip():
         return Reward(0.0, {"reason": "no code", "format_ok": False, "pass_frac": 0.0})
-    limits = _limits(task)
+    limits = Limits(timeout_s=float(task.get("timeout_s", 4.0)), memory_mb=int(task.get("memory_mb", 1024)))
     if "entry_point" in task:
         result = run(humaneval_program(code, task), limits=limits, harness=task)
         ok = result.passed

@@ -32,6 +32,7 @@ def rm_text(tokenizer, task: dict, response: str) -> str:
     return f"{prompt}\n{response}" if prompt else response
 
 
+@functools.lru_cache(maxsize=2)  # `score` in a reward worker: loaded once per model and device
 def load(model_path: str, device: str = "cpu"):
     """(tokenizer, model) in eval mode on `device`; the pad token is set so batches can be padded."""
     import torch
@@ -64,16 +65,11 @@ def score_texts(tokenizer, model, texts: list[str], batch_size: int = 16, max_le
     return scores
 
 
-@functools.lru_cache(maxsize=2)
-def _cached(model_path: str, device: str):
-    return load(model_path, device)
-
-
 def score(response: str, task: dict):
     model_path = task.get("rm_model")
     if not model_path:
         raise ValueError(f"task {task.get('id')}: reward 'rm' needs task['rm_model'] (or a RewardPool rm_model)")
-    tokenizer, model = _cached(model_path, task.get("rm_device", "cpu"))
+    tokenizer, model = load(model_path, task.get("rm_device", "cpu"))
     value = score_texts(tokenizer, model, [rm_text(tokenizer, task, response)])[0]
     return Reward(value, {"reason": "reward model", "rm": value})
 
