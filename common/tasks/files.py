@@ -27,8 +27,7 @@ def load_jsonl(path: str, options=None) -> list[dict]:
     tasks = []
     for lineno, row in jsonl_rows(path):
         task = options.to_task(row, f"{path}:{lineno}")
-        task.setdefault("id", f"{os.path.basename(path)}:{lineno}")
-        task["id"] = str(task["id"])
+        task["id"] = str(task.get("id", f"{os.path.basename(path)}:{lineno}"))
         tasks.append(task)
     if not tasks:
         raise SystemExit(f"error: {path}: no tasks in file")
