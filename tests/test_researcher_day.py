@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common.runtime.metrics import read_metrics, read_timeline, reward_curve_points
+from common.runtime.metrics import plot_reward_curve, read_metrics, read_timeline, reward_curve_points
 from common.runtime.trace import chrome_trace
 from tests.conftest import TINY, assert_trained, run_in_process, run_script
 from tests.test_train_sync import _one_line_error
@@ -147,6 +147,17 @@ def test_samples_wandb_table_plot_trace_and_no_eval(tmp_path):
     assert [x for x, _ in train] == [1, 2, 3] and evals == []
     complete, _ = _assert_valid_trace(json.loads((out / "timeline.trace.json").read_text()))
     assert {"rollout", "train", "sync", "buffer"} <= {e["name"] for e in complete}
+
+
+def test_reward_curve_plots_a_judged_tasksets_held_out_reward(tmp_path):
+    """A judged taskset's accuracy (reward 1) stays 0; its held-out reward mean is what moves, and reward.png has it."""
+    rows = [{"step": 1, "reward/mean": 0.3, "eval/version": 0, "eval/accuracy": 0.0, "eval/reward_mean": 0.23},
+            {"step": 2, "reward/mean": 0.4, "eval/version": 2, "eval/accuracy": 0.0, "eval/reward_mean": 0.29}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert reward_curve_points(str(tmp_path))[1] == [(0, 0.0), (2, 0.0)]
+    assert reward_curve_points(str(tmp_path), "eval/reward_mean")[1] == [(0, 0.23), (2, 0.29)]
+    plot_reward_curve(str(tmp_path))
+    assert (tmp_path / "reward.png").stat().st_size > 10_000
 
 
 def test_reward_curve_puts_evaluations_at_their_step(tmp_path):

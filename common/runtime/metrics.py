@@ -276,29 +276,33 @@ def read_metrics(out_dir: str) -> list[dict]:
     return read_jsonl(path) if os.path.exists(path) else []
 
 
-def reward_curve_points(out_dir: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(train reward per trainer step, held-out accuracy per evaluation) with x = trainer steps done. An evaluation
+def reward_curve_points(out_dir: str, key: str = "eval/accuracy"
+                        ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(train reward per trainer step, held-out `key` per evaluation) with x = trainer steps done. An evaluation
     sits at the step count of the weights it measured (eval/version): the one before training at 0, the final one
     at the last step."""
     rows = read_metrics(out_dir)
     train = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]  # partial rollouts: early may be none
-    evals = [(r.get("eval/version", r["step"] - 1), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    evals = [(r.get("eval/version", r["step"] - 1), r[key]) for r in rows if key in r]
     summary = read_json(os.path.join(out_dir, "summary.json"), {})
     # every evaluation, also those that shared a row with a later one
-    evals += [(e["eval/version"], e["eval/accuracy"]) for e in summary.get("evals", []) if "eval/version" in e]
-    if summary.get("eval_after") is not None:
+    evals += [(e["eval/version"], e[key]) for e in summary.get("evals", []) if "eval/version" in e and key in e]
+    if key == "eval/accuracy" and summary.get("eval_after") is not None:
         evals.append((summary["steps"], summary["eval_after"]))
     return train, sorted(set(evals))
 
 
 def plot_reward_curve(out_dir: str, path: str | None = None, title: str | None = None):
-    """reward.png: training reward per trainer step and held-out accuracy at the step it was measured."""
+    """reward.png: training reward per trainer step, held-out accuracy at the step it was measured, and the held-out
+    reward mean where it says more (a judged taskset's accuracy, reward 1, stays 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train, evals = reward_curve_points(out_dir)
+    means = reward_curve_points(out_dir, "eval/reward_mean")[1]
+    means = means if dict(means) != dict(evals) else []
     if not train and not evals:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -307,11 +311,13 @@ def plot_reward_curve(out_dir: str, path: str | None = None, title: str | None =
     if evals:
         samples = read_json(os.path.join(out_dir, "config.json"), {}).get("eval_samples", 1)
         ax.plot(*zip(*evals), "o-", label="held-out accuracy (greedy)" if samples == 1 else f"held-out mean@{samples}")
+    if means:
+        ax.plot(*zip(*means), "s--", label="held-out reward mean")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title(title or f"{os.path.basename(os.path.normpath(out_dir))}: reward and held-out accuracy")
     ax.xaxis.get_major_locator().set_params(integer=True)
-    values = [v for _, v in train + evals]
+    values = [v for _, v in train + evals + means]
     ax.set_ylim(min(0.0, *values) - 0.02, max(1.0, *values) + 0.02)  # shaped rewards may leave [0, 1]
     ax.legend()
     ax.grid(alpha=0.3)
