@@ -71,7 +71,7 @@ class StoreValue:
 
 class Mailbox:
     """One per rank. Explorers: `put_batch`, `send_control`, `close`. Trainer rank 0: `get_batch`,
-    `control_nowait`, `get_control`, `close`. Other trainers hold one and never use it."""
+    `get_control` (timeout 0: without waiting), `close`. Other trainers hold one and never use it."""
 
     def __init__(self, ctx, capacity: int, name: str = "buffer"):
         self.ctx, self.capacity = ctx, capacity
