@@ -2,8 +2,8 @@
 bf16, on `make demo`'s budget (default model, arith, seed 0, 40 steps x 32 trained samples, greedy held-out accuracy
 every 10 steps), one after another through bench/curves.py (its JSON table and PNG go to bench/results/, named
 lora_learning). LoRA runs take the recipe `--lora-rank R` alone gives (common/lora.py: every linear layer, alpha 32,
-10x the learning rate); one more bf16 rank-8 run sends merged weights (`--lora-sync merged`), the failure mode the
-adapter sync removes. Does bf16 LoRA learn as fp32 LoRA does?
+10x the learning rate), the adapters sent in fp32 too (where `auto` merges on a CPU); one more bf16 rank-8 run sends
+merged weights (`--lora-sync merged`), the failure mode the adapter sync removes. Does bf16 LoRA learn as fp32 LoRA does?
 About 15-30 minutes a run on a 2-core CPU (9 runs); flags after `--` go to every run.
 
     python bench/lora_learning.py
@@ -19,8 +19,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {f"{name}, {dtype}": f"{flags} --dtype {dtype}".strip()
-        for name, flags in (("full", ""), ("lora-r8", "--lora-rank 8"), ("lora-r1", "--lora-rank 1"),
-                            ("lora-r32", "--lora-rank 32"))
+        for name, flags in (("full", ""), ("lora-r8", "--lora-rank 8 --lora-sync adapters"),
+                            ("lora-r1", "--lora-rank 1 --lora-sync adapters"),
+                            ("lora-r32", "--lora-rank 32 --lora-sync adapters"))
         for dtype in ("float32", "bfloat16")}
 RUNS["lora-r8 merged sync, bfloat16"] = "--lora-rank 8 --dtype bfloat16 --lora-sync merged"
 

@@ -200,11 +200,16 @@ def vllm_serves_adapters(model_path: str, spec: LoraSpec) -> tuple[bool, str]:
 
 
 def resolve_sync(args, model_path: str) -> tuple[str, str]:
-    """(adapters | merged, why) for --lora-sync: auto is adapters wherever the engine serves them. The launcher
-    resolves it once (common/run.py), so every worker gets adapters or merged."""
+    """(adapters | merged, why) for --lora-sync: auto is adapters wherever the engine serves them, except vLLM on
+    CPUs in fp32. The launcher resolves it once (common/run.py), so every worker gets adapters or merged."""
     spec = LoraSpec.from_args(args)
     if args.lora_sync == "merged":
         return "merged", "--lora-sync merged"
+    if (args.lora_sync == "auto" and args.engine == "vllm" and args.dtype == "float32" and args.trainer_shard != "fsdp"
+            and set(args.explorer_device_list) == {"cpu"}):
+        # vLLM's CPU LoRA path copies each token's adapter (vllm/lora/ops/torch_ops): the default model's rollout
+        # tokens/s 0.74x at rank 1, 0.15x at rank 32 (docs/BENCHMARKS.md); an fp32 merge loses nothing
+        return "merged", "--lora-sync auto: vLLM on the CPU in fp32, where the merge is exact and faster to sample"
     if args.lora_sync == "adapters" and args.engine != "vllm":
         return "adapters", "--lora-sync adapters"
     # an engine not resolved yet (a trainer built directly, in tests) is taken for the HF engine

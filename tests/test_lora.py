@@ -67,8 +67,21 @@ def test_merged_sync_says_what_it_loses():
     assert trainer.sync_metrics()["lora/merge_lost"] > 0.5  # bf16: most of a +-1e-4 update
     fp32 = make_trainer(*LORA, "--lora-sync", "merged")
     _move_b(fp32.model, 1e-4, seed=0)
-    assert fp32.sync_metrics()["lora/merge_lost"] < 1e-3
+    assert lora.merge_lost_share(fp32.model) < 1e-3 and "lora/merge_lost" not in fp32.sync_metrics()
+    assert "loses nothing (fp32)" in lora.describe(fp32.args, "merged", "--lora-sync merged")
     assert "adapters" == lora.resolve_sync(make_trainer(*BF16).args, "tiny")[0]  # auto, with the HF engine
+
+
+def test_auto_sync_merges_for_vllm_on_cpus_in_fp32_only():
+    """vLLM's CPU LoRA path samples slower the higher the rank, and an fp32 merge is exact: merged there; bf16 (the
+    merge would lose the update) and GPUs (vLLM's LoRA kernels) keep the adapters."""
+    args = make_trainer(*LORA).args
+    args.engine = "vllm"
+    assert lora.resolve_sync(args, "tiny")[0] == "merged"
+    args.dtype = "bfloat16"
+    assert lora.resolve_sync(args, "tiny")[0] == "adapters"
+    args.dtype, args.explorer_devices = "float32", "cuda:0"
+    assert lora.resolve_sync(args, "tiny")[0] == "adapters"
 
 
 def test_lora_rank_alone_scales_the_learning_rate():

@@ -226,7 +226,7 @@ class Trainer:
         if self._sync_bytes is None:
             self._sync_bytes = sum(t.numel() * t.element_size() for _, t in self.named_weights())
         out = {"sync/bytes": float(self._sync_bytes)}
-        if sync_mode(self.args) == "merged":
+        if sync_mode(self.args) == "merged" and self.args.dtype != "float32":  # fp32: nothing, said at the start
             out["lora/merge_lost"] = merge_lost_share(self.model)
         return out
 
