@@ -28,7 +28,8 @@ from common.placement import print_plan
 from common.runtime.worker import ENGINE_READY, WorkerContext, join_world, plan_world, run_worker, under_elastic
 from common.trainer.checkpoints import (MARGIN_BYTES, ensure_free_space, folder_bytes, newest_valid, remove_newer,
                                        remove_partial)
-from common.runtime.metrics import plot_reward_curve, read_json, read_metrics, rewind_metrics, write_timeline
+from common.runtime.metrics import (plot_reward_curve, read_json, read_metrics, reward_curve_points, rewind_metrics,
+                                    write_timeline)
 from common.model import resolve_model
 from common.tasks import tasksets_of
 from common.weight_sync import check_weight_sync
@@ -264,7 +265,7 @@ def finish_run(args, title: str) -> None:
         held_out = (f"held-out {'accuracy' if args.eval_samples == 1 else f'mean@{args.eval_samples}'} "
                     f"{with_interval(summary, 'eval_before')} -> {with_interval(summary, 'eval_after')}"
                     if args.eval_every else "no evaluation (--eval-every 0)")
-        means = [e["eval/reward_mean"] for e in rows + summary.get("evals", []) if "eval/reward_mean" in e]
+        means = [mean for _, mean in reward_curve_points(args.out_dir, "eval/reward_mean")[1]]
         if len(means) > 1:  # what a judged or otherwise graded taskset's accuracy (reward 1) does not show
             held_out += f", reward {means[0]:.3f} -> {means[-1]:.3f}"
         print(f"[tandem] {len(rows)} steps in {rows[-1]['time/elapsed']:.0f}s; reward {reward}; {held_out}; "
